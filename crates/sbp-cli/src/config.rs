@@ -1,0 +1,421 @@
+//! `sbp serve` options: command-line flags, `SBP_*` environment variables and an optional TOML file
+//! (`--config`), in that order of precedence, resolved into one typed `Settings`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde::Deserialize;
+
+#[derive(Debug, Args, Default)]
+pub struct ServeArgs {
+    /// TOML file with any of these options (keys as the long flag names with `_` for `-`).
+    #[arg(long, env = "SBP_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on. [default: 127.0.0.1:8080]
+    #[arg(long, env = "SBP_LISTEN")]
+    pub listen: Option<String>,
+    /// Directory for the database file and the generated signing secret. [default: ./sbp-data]
+    #[arg(long, env = "SBP_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Storage: `sqlite://PATH`. [default: sqlite://<data-dir>/sbp.db]
+    #[arg(long, env = "SBP_DATABASE")]
+    pub database: Option<String>,
+    /// SQLite durability: `full` (fsync every commit batch) or `normal` (survives a crash of the
+    /// process, not of the machine). [default: full]
+    #[arg(long, env = "SBP_SQLITE_SYNCHRONOUS")]
+    pub sqlite_synchronous: Option<String>,
+    /// Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:11434/v1 (Ollama),
+    /// http://127.0.0.1:8000/v1 (vLLM), http://127.0.0.1:8081/v1 (llama.cpp), https://api.openai.com/v1.
+    /// Without it turns are answered by the built-in offline model `sbp/echo`.
+    #[arg(long, env = "SBP_LLM_BASE_URL")]
+    pub llm_base_url: Option<String>,
+    /// API key sent upstream as `Authorization: Bearer`.
+    #[arg(long, env = "SBP_LLM_API_KEY", hide_env_values = true)]
+    pub llm_api_key: Option<String>,
+    /// Model used when a request names none. [default: sbp/echo]
+    #[arg(long, env = "SBP_DEFAULT_MODEL")]
+    pub default_model: Option<String>,
+    /// Signing secret (>= 32 bytes). [default: generated at first start and kept in <data-dir>/secret]
+    #[arg(long, env = "SBP_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+    /// Seconds between PING frames to attached surfaces. [default: 25]
+    #[arg(long, env = "SBP_PING_INTERVAL")]
+    pub ping_interval: Option<f64>,
+    /// Seconds a surface has to answer a PING. [default: 10]
+    #[arg(long, env = "SBP_PONG_TIMEOUT")]
+    pub pong_timeout: Option<f64>,
+    /// Seconds a new WebSocket has to send ATTACH_SESSION. [default: 10]
+    #[arg(long, env = "SBP_ATTACH_TIMEOUT")]
+    pub attach_timeout: Option<f64>,
+    /// Milliseconds a surface has to answer a TOOL_CALL. [default: 30000]
+    #[arg(long, env = "SBP_TOOL_TIMEOUT_MS")]
+    pub tool_timeout_ms: Option<u64>,
+    /// Protocol version advertised in SESSION_ATTACHED. [default: 1.2]
+    #[arg(long, env = "SBP_SBP_VERSION")]
+    pub sbp_version: Option<String>,
+    /// Seconds to connect to the upstream. [default: 5]
+    #[arg(long, env = "SBP_UPSTREAM_CONNECT_TIMEOUT")]
+    pub upstream_connect_timeout: Option<f64>,
+    /// Seconds for a whole upstream reply (or its first byte when streaming). [default: 120]
+    #[arg(long, env = "SBP_UPSTREAM_TIMEOUT")]
+    pub upstream_timeout: Option<f64>,
+    /// Longest silence in seconds between two streamed upstream chunks. [default: 60]
+    #[arg(long, env = "SBP_UPSTREAM_IDLE_TIMEOUT")]
+    pub upstream_idle_timeout: Option<f64>,
+    /// Largest WebSocket frame in bytes. [default: 1048576]
+    #[arg(long, env = "SBP_MAX_FRAME_BYTES")]
+    pub max_frame_bytes: Option<usize>,
+    /// Largest HTTP request body in bytes. [default: 8388608]
+    #[arg(long, env = "SBP_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Operator API key (repeatable; env: comma-separated). When set, every HTTP endpoint but
+    /// /healthz needs `Authorization: Bearer <key>`.
+    #[arg(
+        long = "api-key",
+        env = "SBP_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// SPEC 6.1 strict mode: requests with neither `sbp` nor a session token are proxied untracked.
+    #[arg(long, env = "SBP_STRICT_SBP")]
+    pub strict_sbp: bool,
+    /// Serve the public conformance suite's test-only endpoints (`/_test/tether`).
+    #[arg(long, env = "SBP_ENABLE_TEST_HOOKS")]
+    pub enable_test_hooks: bool,
+    /// INSECURE: session-scoped endpoints stop requiring the session token (for conformance runs).
+    #[arg(long, env = "SBP_INSECURE_NO_SESSION_AUTH")]
+    pub insecure_no_session_auth: bool,
+    /// Log format: `text` or `json` (level via SBP_LOG, e.g. SBP_LOG=debug). [default: text]
+    #[arg(long, env = "SBP_LOG_FORMAT")]
+    pub log_format: Option<String>,
+}
+
+/// The TOML file: the same options, all optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    data_dir: Option<PathBuf>,
+    database: Option<String>,
+    sqlite_synchronous: Option<String>,
+    llm_base_url: Option<String>,
+    llm_api_key: Option<String>,
+    default_model: Option<String>,
+    jwt_secret: Option<String>,
+    ping_interval: Option<f64>,
+    pong_timeout: Option<f64>,
+    attach_timeout: Option<f64>,
+    tool_timeout_ms: Option<u64>,
+    sbp_version: Option<String>,
+    upstream_connect_timeout: Option<f64>,
+    upstream_timeout: Option<f64>,
+    upstream_idle_timeout: Option<f64>,
+    max_frame_bytes: Option<usize>,
+    max_body_bytes: Option<usize>,
+    api_keys: Option<Vec<String>>,
+    strict_sbp: Option<bool>,
+    enable_test_hooks: Option<bool>,
+    insecure_no_session_auth: Option<bool>,
+    log_format: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Database {
+    Sqlite(PathBuf),
+}
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub database: Database,
+    pub sqlite_full_sync: bool,
+    pub llm_base_url: Option<String>,
+    pub llm_api_key: Option<String>,
+    pub default_model: Option<String>,
+    pub jwt_secret: Option<String>,
+    pub ping_interval: Duration,
+    pub pong_timeout: Duration,
+    pub attach_timeout: Duration,
+    pub tool_timeout: Duration,
+    pub sbp_version: Option<String>,
+    pub upstream_connect_timeout: Duration,
+    pub upstream_timeout: Duration,
+    pub upstream_idle_timeout: Duration,
+    pub max_frame_bytes: usize,
+    pub max_body_bytes: usize,
+    pub api_keys: Vec<String>,
+    pub strict_sbp: bool,
+    pub enable_test_hooks: bool,
+    pub insecure_no_session_auth: bool,
+    pub log_format: String,
+}
+
+fn seconds(name: &str, v: Option<f64>, default: f64) -> anyhow::Result<Duration> {
+    let s = v.unwrap_or(default);
+    if !(s.is_finite() && s > 0.0 && s < 1e7) {
+        bail!("--{name} must be a positive number of seconds, got {s}");
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl Settings {
+    pub fn resolve(args: ServeArgs) -> anyhow::Result<Self> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str::<FileConfig>(&text)
+                    .with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let listen_raw = args
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| "127.0.0.1:8080".into());
+        let listen = listen_raw.parse().with_context(|| {
+            format!("--listen: '{listen_raw}' is not an address like 127.0.0.1:8080")
+        })?;
+        let data_dir = args
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(|| PathBuf::from("sbp-data"));
+        let database = match args.database.or(file.database) {
+            None => Database::Sqlite(data_dir.join("sbp.db")),
+            Some(url) => parse_database(&url)?,
+        };
+        let sync = args
+            .sqlite_synchronous
+            .or(file.sqlite_synchronous)
+            .unwrap_or_else(|| "full".into());
+        let sqlite_full_sync = match sync.to_ascii_lowercase().as_str() {
+            "full" => true,
+            "normal" => false,
+            other => bail!("--sqlite-synchronous must be full or normal, got '{other}'"),
+        };
+        let mut api_keys: Vec<String> = args
+            .api_keys
+            .into_iter()
+            .chain(file.api_keys.unwrap_or_default())
+            .collect();
+        api_keys.retain(|k| !k.trim().is_empty());
+        let log_format = args
+            .log_format
+            .or(file.log_format)
+            .unwrap_or_else(|| "text".into());
+        if log_format != "text" && log_format != "json" {
+            bail!("--log-format must be text or json");
+        }
+        let max_frame_bytes = args
+            .max_frame_bytes
+            .or(file.max_frame_bytes)
+            .unwrap_or(1 << 20);
+        let max_body_bytes = args
+            .max_body_bytes
+            .or(file.max_body_bytes)
+            .unwrap_or(8 << 20);
+        if max_frame_bytes < 1024 || max_body_bytes < 1024 {
+            bail!("--max-frame-bytes and --max-body-bytes must be at least 1024");
+        }
+        Ok(Self {
+            listen,
+            data_dir,
+            database,
+            sqlite_full_sync,
+            llm_base_url: args
+                .llm_base_url
+                .or(file.llm_base_url)
+                .filter(|s| !s.is_empty()),
+            llm_api_key: args
+                .llm_api_key
+                .or(file.llm_api_key)
+                .filter(|s| !s.is_empty()),
+            default_model: args.default_model.or(file.default_model),
+            jwt_secret: args.jwt_secret.or(file.jwt_secret),
+            ping_interval: seconds(
+                "ping-interval",
+                args.ping_interval.or(file.ping_interval),
+                25.0,
+            )?,
+            pong_timeout: seconds(
+                "pong-timeout",
+                args.pong_timeout.or(file.pong_timeout),
+                10.0,
+            )?,
+            attach_timeout: seconds(
+                "attach-timeout",
+                args.attach_timeout.or(file.attach_timeout),
+                10.0,
+            )?,
+            tool_timeout: Duration::from_millis(
+                args.tool_timeout_ms
+                    .or(file.tool_timeout_ms)
+                    .unwrap_or(30_000)
+                    .max(1),
+            ),
+            sbp_version: args.sbp_version.or(file.sbp_version),
+            upstream_connect_timeout: seconds(
+                "upstream-connect-timeout",
+                args.upstream_connect_timeout
+                    .or(file.upstream_connect_timeout),
+                5.0,
+            )?,
+            upstream_timeout: seconds(
+                "upstream-timeout",
+                args.upstream_timeout.or(file.upstream_timeout),
+                120.0,
+            )?,
+            upstream_idle_timeout: seconds(
+                "upstream-idle-timeout",
+                args.upstream_idle_timeout.or(file.upstream_idle_timeout),
+                60.0,
+            )?,
+            max_frame_bytes,
+            max_body_bytes,
+            api_keys,
+            strict_sbp: args.strict_sbp || file.strict_sbp.unwrap_or(false),
+            enable_test_hooks: args.enable_test_hooks || file.enable_test_hooks.unwrap_or(false),
+            insecure_no_session_auth: args.insecure_no_session_auth
+                || file.insecure_no_session_auth.unwrap_or(false),
+            log_format,
+        })
+    }
+}
+
+fn parse_database(url: &str) -> anyhow::Result<Database> {
+    if let Some(rest) = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+    {
+        if rest.is_empty() {
+            bail!("--database sqlite:// needs a file path, e.g. sqlite://./sbp-data/sbp.db");
+        }
+        return Ok(Database::Sqlite(PathBuf::from(rest)));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        bail!("PostgreSQL storage is not available in this build yet; use sqlite://PATH");
+    }
+    bail!("--database must look like sqlite://PATH, got '{url}'")
+}
+
+/// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,
+/// created with 48 random bytes on first start (owner-only permissions). Never logged.
+pub fn load_secret(configured: Option<&str>, data_dir: &Path) -> anyhow::Result<Vec<u8>> {
+    use base64::Engine as _;
+    if let Some(s) = configured {
+        if s.len() < 32 {
+            bail!("--jwt-secret must be at least 32 bytes");
+        }
+        return Ok(s.as_bytes().to_vec());
+    }
+    let path = data_dir.join("secret");
+    if path.exists() {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(text.trim())
+            .with_context(|| format!("{} is not a secret written by sbp", path.display()))?;
+        if bytes.len() < 32 {
+            bail!("{} holds fewer than 32 bytes", path.display());
+        }
+        return Ok(bytes);
+    }
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating {}", data_dir.display()))?;
+    let mut bytes = vec![0u8; 48];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut bytes);
+    let text = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&bytes);
+    write_private(&path, text.as_bytes()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(bytes)
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_file_and_flag_precedence() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "listen = \"127.0.0.1:9999\"\nping_interval = 3\napi_keys = [\"k1\"]\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file.clone()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.listen.to_string(), "127.0.0.1:9999");
+        assert_eq!(s.ping_interval, Duration::from_secs(3));
+        assert_eq!(s.api_keys, vec!["k1"]);
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            listen: Some("127.0.0.1:7000".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.listen.to_string(), "127.0.0.1:7000");
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert_eq!(d.listen.to_string(), "127.0.0.1:8080");
+        assert!(matches!(d.database, Database::Sqlite(ref p) if p == Path::new("sbp-data/sbp.db")));
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for args in [
+            ServeArgs {
+                database: Some("mysql://x".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                listen: Some("nowhere".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                ping_interval: Some(-1.0),
+                ..Default::default()
+            },
+            ServeArgs {
+                sqlite_synchronous: Some("sometimes".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(Settings::resolve(args).is_err());
+        }
+    }
+
+    #[test]
+    fn secret_is_generated_once_and_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = load_secret(None, dir.path()).expect("created");
+        let b = load_secret(None, dir.path()).expect("read back");
+        assert_eq!(a, b);
+        assert!(a.len() >= 32);
+        assert!(load_secret(Some("short"), dir.path()).is_err());
+        assert_eq!(
+            load_secret(Some(&"x".repeat(32)), dir.path()).expect("ok"),
+            vec![b'x'; 32]
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! `sbp serve`: opens storage, builds the upstream provider and runs the gateway until SIGINT/SIGTERM.
+
+use std::io::Write as _;
+use std::sync::Arc;
+
+use anyhow::Context;
+use sbp_gateway::{Gateway, GatewayConfig};
+use sbp_llm::{EchoProvider, OpenAiOptions, OpenAiProvider, Provider};
+use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+
+use crate::config::{Database, Settings, load_secret};
+
+pub async fn run(s: Settings) -> anyhow::Result<()> {
+    let secret = load_secret(s.jwt_secret.as_deref(), &s.data_dir)?;
+    let (store, storage_label) = match &s.database {
+        Database::Sqlite(path) => {
+            let opts = SqliteOptions {
+                synchronous: if s.sqlite_full_sync {
+                    Synchronous::Full
+                } else {
+                    Synchronous::Normal
+                },
+                ..SqliteOptions::new(path)
+            };
+            let store = SqliteStore::open(opts)
+                .await
+                .with_context(|| format!("opening {}", path.display()))?;
+            (
+                Arc::new(store) as Arc<dyn sbp_store::Store>,
+                format!("sqlite://{}", path.display()),
+            )
+        }
+    };
+    let (provider, upstream_label): (Arc<dyn Provider>, String) = match &s.llm_base_url {
+        Some(url) => {
+            let p = OpenAiProvider::new(OpenAiOptions {
+                base_url: url.clone(),
+                api_key: s.llm_api_key.clone(),
+                connect_timeout: s.upstream_connect_timeout,
+                request_timeout: s.upstream_timeout,
+                stream_idle_timeout: s.upstream_idle_timeout,
+            })
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            (Arc::new(p), format!("upstream {url}"))
+        }
+        None => (
+            Arc::new(EchoProvider),
+            format!("built-in offline model {}", sbp_llm::ECHO_MODEL),
+        ),
+    };
+    let defaults = GatewayConfig::default();
+    let config = GatewayConfig {
+        sbp_version: s.sbp_version.clone().unwrap_or(defaults.sbp_version),
+        default_model: s.default_model.clone().unwrap_or(defaults.default_model),
+        ping_interval: s.ping_interval,
+        pong_timeout: s.pong_timeout,
+        attach_timeout: s.attach_timeout,
+        tool_timeout: s.tool_timeout,
+        max_frame_bytes: s.max_frame_bytes,
+        max_body_bytes: s.max_body_bytes,
+        api_keys: s.api_keys.clone(),
+        strict_sbp: s.strict_sbp,
+        enable_test_hooks: s.enable_test_hooks,
+        insecure_no_session_auth: s.insecure_no_session_auth,
+        secret,
+        ..defaults
+    };
+    if config.insecure_no_session_auth {
+        tracing::warn!(
+            "--insecure-no-session-auth: session endpoints accept calls without the session token"
+        );
+    }
+    let gateway = Gateway::start(config, store, provider)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    let listener = tokio::net::TcpListener::bind(s.listen)
+        .await
+        .with_context(|| format!("binding {}", s.listen))?;
+    let addr = listener.local_addr()?;
+    let hint = if s.llm_base_url.is_none() {
+        "; for a real LLM add --llm-base-url http://127.0.0.1:11434/v1 (Ollama; vLLM :8000/v1, llama.cpp :8080/v1) or https://api.openai.com/v1 with --llm-api-key"
+    } else {
+        ""
+    };
+    println!(
+        "sbp gateway listening on http://{addr} (storage {storage_label}; {upstream_label}{hint})"
+    );
+    std::io::stdout().flush()?;
+    sbp_gateway::serve(listener, gateway, shutdown_signal()).await?;
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

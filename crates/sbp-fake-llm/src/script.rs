@@ -1,0 +1,434 @@
+//! Turns one chat-completions request body into what the fake will do and the exact bytes it
+//! will send: the non-streaming `chat.completion` object or the list of SSE events.
+//!
+//! Pure apart from ids and the `created` clock, so the HTTP layer only has to wait and write.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+use crate::directives::{self, ToolDirective};
+
+/// What to do for one request, decided before any waiting starts.
+#[derive(Clone, Debug)]
+pub struct Script {
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub slow: Duration,
+    pub chunk_delay: Duration,
+    pub hang: bool,
+    pub drop: bool,
+    pub chunks: Option<usize>,
+    pub outcome: Outcome,
+    pub prompt_tokens: usize,
+}
+
+/// The answer itself.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// An HTTP error status with an OpenAI error body.
+    Error(u16),
+    /// An assistant text reply.
+    Text(String),
+    /// An assistant message made only of tool calls.
+    ToolCalls(Vec<ToolCall>),
+}
+
+#[derive(Clone, Debug)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// Reads the request. `Err` is a message for a 400 answer.
+pub fn plan(body: &Value) -> Result<Script, String> {
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or("`model` must be a string")?;
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("`messages` must be an array")?;
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+
+    let mut slow = Duration::ZERO;
+    let mut forced_error = None;
+    if let Some(code) = model.strip_prefix("fake-error-") {
+        forced_error = Some(directives::status(code).map_err(|e| e.0)?);
+    } else if let Some(ms) = model.strip_prefix("fake-slow-") {
+        let ms: u64 = ms
+            .parse()
+            .map_err(|_| format!("model `{model}`: `fake-slow-` wants milliseconds"))?;
+        slow = Duration::from_millis(ms);
+    }
+
+    let last_user = messages
+        .iter()
+        .rev()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        .map(|m| content_text(m.get("content")))
+        .unwrap_or_default();
+    let parsed = directives::parse(&last_user).map_err(|e| e.0)?;
+    let d = parsed.directives;
+
+    let last_tool = messages
+        .last()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
+        .map(|m| content_text(m.get("content")));
+
+    let outcome = if let Some(code) = d.error.or(forced_error) {
+        Outcome::Error(code)
+    } else if last_tool.is_none() && !d.tools.is_empty() {
+        Outcome::ToolCalls(d.tools.into_iter().map(tool_call).collect())
+    } else if let Some(reply) = d.reply {
+        Outcome::Text(reply)
+    } else if let Some(result) = last_tool {
+        Outcome::Text(format!("tool result: {result}"))
+    } else {
+        Outcome::Text(format!("echo: {}", parsed.text))
+    };
+
+    Ok(Script {
+        model: model.to_owned(),
+        stream,
+        include_usage,
+        slow: d.slow.unwrap_or(slow),
+        chunk_delay: d.chunk_delay.unwrap_or_default(),
+        hang: d.hang,
+        drop: d.drop,
+        chunks: d.chunks,
+        outcome,
+        prompt_tokens: messages
+            .iter()
+            .map(|m| words(&content_text(m.get("content"))))
+            .sum(),
+    })
+}
+
+fn tool_call(t: ToolDirective) -> ToolCall {
+    ToolCall {
+        id: format!("call_{}", uuid::Uuid::new_v4().simple()),
+        name: t.name,
+        arguments: t.arguments,
+    }
+}
+
+/// The text of an OpenAI `content`: a string, or the `text` parts of an array joined by `\n`.
+fn content_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            texts.join("\n")
+        }
+        Some(Value::Null) | None => String::new(),
+        Some(other) => other.to_string(),
+    }
+}
+
+fn words(text: &str) -> usize {
+    text.split_whitespace().count()
+}
+
+/// The OpenAI error body the fake sends with an error status.
+pub fn error_body(code: u16) -> Value {
+    json!({"error": {"message": "fake error", "type": "fake", "code": code}})
+}
+
+/// The OpenAI error body for a request the fake cannot read.
+pub fn invalid_request_body(message: &str) -> Value {
+    json!({"error": {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": null,
+        "code": null,
+    }})
+}
+
+impl Script {
+    fn completion_tokens(&self) -> usize {
+        match &self.outcome {
+            Outcome::Error(_) => 0,
+            Outcome::Text(text) => words(text),
+            Outcome::ToolCalls(calls) => calls.iter().map(|c| 1 + words(&c.arguments)).sum(),
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let completion = self.completion_tokens();
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        })
+    }
+
+    /// The `chat.completion` object for a non-streaming success.
+    pub fn completion(&self) -> Value {
+        let (message, finish_reason) = match &self.outcome {
+            Outcome::ToolCalls(calls) => {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        })
+                    })
+                    .collect();
+                (
+                    json!({"role": "assistant", "content": null, "tool_calls": calls}),
+                    "tool_calls",
+                )
+            }
+            Outcome::Text(text) => (json!({"role": "assistant", "content": text}), "stop"),
+            Outcome::Error(_) => (json!({"role": "assistant", "content": null}), "stop"),
+        };
+        json!({
+            "id": completion_id(),
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }],
+            "usage": self.usage(),
+        })
+    }
+
+    /// Every SSE event of a streaming success, `data: [DONE]` included, each already framed
+    /// as `data: ...\n\n`.
+    pub fn events(&self) -> Vec<String> {
+        let id = completion_id();
+        let created = now();
+        let chunk = |delta: Value, finish_reason: Option<&str>| {
+            let mut c = json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                }],
+            });
+            if self.include_usage {
+                c["usage"] = Value::Null;
+            }
+            sse(&c)
+        };
+
+        let mut events = Vec::new();
+        let finish_reason = match &self.outcome {
+            Outcome::Text(text) => {
+                let pieces = match self.chunks {
+                    Some(n) => split_even(text, n),
+                    None => split_words(text),
+                };
+                if pieces.is_empty() {
+                    events.push(chunk(json!({"role": "assistant", "content": ""}), None));
+                }
+                for (i, piece) in pieces.iter().enumerate() {
+                    let delta = if i == 0 {
+                        json!({"role": "assistant", "content": piece})
+                    } else {
+                        json!({"content": piece})
+                    };
+                    events.push(chunk(delta, None));
+                }
+                "stop"
+            }
+            Outcome::ToolCalls(calls) => {
+                for (index, call) in calls.iter().enumerate() {
+                    let head = json!([{
+                        "index": index,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }]);
+                    let delta = if index == 0 {
+                        json!({"role": "assistant", "content": null, "tool_calls": head})
+                    } else {
+                        json!({"tool_calls": head})
+                    };
+                    events.push(chunk(delta, None));
+                    let pieces = match self.chunks {
+                        Some(n) => split_even(&call.arguments, n),
+                        None => split_even(&call.arguments, call.arguments.chars().take(2).count()),
+                    };
+                    for piece in pieces {
+                        let delta = json!({"tool_calls": [{
+                            "index": index,
+                            "function": {"arguments": piece},
+                        }]});
+                        events.push(chunk(delta, None));
+                    }
+                }
+                "tool_calls"
+            }
+            Outcome::Error(_) => "stop",
+        };
+        events.push(chunk(json!({}), Some(finish_reason)));
+        if self.include_usage {
+            events.push(sse(&json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage(),
+            })));
+        }
+        events.push("data: [DONE]\n\n".to_owned());
+        events
+    }
+}
+
+fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+fn completion_id() -> String {
+    format!("chatcmpl-{}", uuid::Uuid::new_v4().simple())
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One piece per word, each keeping the whitespace after it (and the first also any before
+/// it), so the pieces concatenate back to `text` exactly.
+fn split_words(text: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    let mut prev_space = false;
+    let mut in_piece_word = false;
+    for (i, c) in text.char_indices() {
+        let space = c.is_whitespace();
+        if prev_space && !space && in_piece_word {
+            pieces.push(&text[start..i]);
+            start = i;
+        }
+        in_piece_word |= !space;
+        prev_space = space;
+    }
+    if start < text.len() {
+        pieces.push(&text[start..]);
+    }
+    pieces
+}
+
+/// Exactly `n` pieces of as equal a number of characters as possible (some are empty when
+/// `text` has fewer than `n` characters).
+fn split_even(text: &str, n: usize) -> Vec<&str> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let bounds: Vec<usize> = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .chain(std::iter::once(text.len()))
+        .collect();
+    let chars = bounds.len() - 1;
+    (0..n)
+        .map(|k| &text[bounds[k * chars / n]..bounds[(k + 1) * chars / n]])
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_keep_their_spaces() {
+        assert_eq!(
+            split_words(" echo:  héllo\tworld "),
+            [" echo:  ", "héllo\t", "world "]
+        );
+        assert!(split_words("").is_empty());
+    }
+
+    #[test]
+    fn even_split_has_exactly_n_pieces() {
+        for (text, n) in [("abcdefg", 3), ("héllo", 5), ("ab", 4), ("", 2), ("x", 1)] {
+            let pieces = split_even(text, n);
+            assert_eq!(pieces.len(), n, "{text:?} / {n}");
+            assert_eq!(pieces.concat(), text);
+        }
+        assert_eq!(split_even("abcdefg", 3), ["ab", "cd", "efg"]);
+    }
+
+    fn body(model: &str, messages: Value) -> Value {
+        json!({"model": model, "messages": messages})
+    }
+
+    fn text_of(script: &Script) -> &str {
+        match &script.outcome {
+            Outcome::Text(t) => t,
+            other => panic!("expected text, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn echo_uses_the_last_user_message_without_directives() {
+        let b = body(
+            "m",
+            json!([
+                {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "hello"},
+                    {"type": "image_url", "image_url": {"url": "u"}},
+                    {"type": "text", "text": "there [[fake:slow=5]]"}
+                ]},
+            ]),
+        );
+        let s = plan(&b).expect("plan");
+        assert_eq!(text_of(&s), "echo: hello\nthere");
+        assert_eq!(s.slow, Duration::from_millis(5));
+        assert_eq!(s.prompt_tokens, 1 + 1 + 3);
+    }
+
+    #[test]
+    fn tool_message_ends_the_tool_loop() {
+        let b = body(
+            "m",
+            json!([
+                {"role": "user", "content": "go [[fake:tool=f]]"},
+                {"role": "assistant", "content": null, "tool_calls": []},
+                {"role": "tool", "tool_call_id": "c", "content": "42"},
+            ]),
+        );
+        assert_eq!(text_of(&plan(&b).expect("plan")), "tool result: 42");
+    }
+
+    #[test]
+    fn model_names_script_errors_and_delays() {
+        let user = json!([{"role": "user", "content": "x"}]);
+        let s = plan(&body("fake-error-503", user.clone())).expect("plan");
+        assert!(matches!(s.outcome, Outcome::Error(503)));
+        let s = plan(&body("fake-slow-250", user.clone())).expect("plan");
+        assert_eq!(s.slow, Duration::from_millis(250));
+        assert!(plan(&body("fake-slow-soon", user)).is_err());
+        assert!(plan(&json!({"messages": []})).is_err());
+        assert!(plan(&json!({"model": "m"})).is_err());
+    }
+}

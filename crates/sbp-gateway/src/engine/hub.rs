@@ -1,0 +1,187 @@
+//! Which surface is attached to which session, in this process, and the channel that reaches it.
+//! One surface per session: registering a new one displaces the old. Attach/detach status changes of
+//! one session are serialised by a striped async lock so a displaced socket's close cannot suspend a
+//! session a new surface has just attached to.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sbp_protocol::SurfaceContext;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+/// Capacity of a connection's inbox. A producer that finds it full stops streaming live to that
+/// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
+pub const CONN_INBOX: usize = 1024;
+const LOCK_STRIPES: usize = 64;
+
+/// A message from the engine to one attached connection.
+#[derive(Debug, Clone)]
+pub enum ConnMsg {
+    /// A live streaming delta of the turn `chunk_id`.
+    Chunk { chunk_id: Uuid, delta: String },
+    /// A turn was completed and persisted.
+    TurnDone(TurnDone),
+    /// Another surface attached to the session; this connection must close.
+    Displaced,
+}
+
+#[derive(Debug, Clone)]
+pub struct TurnDone {
+    pub chunk_id: Uuid,
+    /// Its tether seq, when it was tethered.
+    pub seq: Option<u64>,
+    /// The connection that received every chunk of it live, if any.
+    pub streamed_to: Option<u64>,
+    pub role: String,
+    pub content: Option<String>,
+    pub model_used: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Attachment {
+    pub conn_id: u64,
+    pub tx: mpsc::Sender<ConnMsg>,
+    pub surface: Arc<SurfaceContext>,
+}
+
+#[derive(Debug)]
+pub struct Hub {
+    conns: Mutex<HashMap<Uuid, Attachment>>,
+    next_conn: AtomicU64,
+    stripes: Vec<tokio::sync::Mutex<()>>,
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Self {
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            stripes: (0..LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+        }
+    }
+}
+
+impl Hub {
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Attachment>> {
+        // A panic while holding this lock cannot leave the map half-updated (single insert/remove
+        // calls), so a poisoned lock is still safe to use.
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lock serialising attach/detach state changes of `session`.
+    pub fn session_lock(&self, session: Uuid) -> &tokio::sync::Mutex<()> {
+        let idx = (session.as_u128() % LOCK_STRIPES as u128) as usize;
+        &self.stripes[idx]
+    }
+
+    /// Registers a connection for `session`, displacing (and notifying) the previous one.
+    pub fn register(
+        &self,
+        session: Uuid,
+        surface: SurfaceContext,
+    ) -> (u64, mpsc::Receiver<ConnMsg>) {
+        let conn_id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(CONN_INBOX);
+        let att = Attachment {
+            conn_id,
+            tx,
+            surface: Arc::new(surface),
+        };
+        let old = self.conns().insert(session, att);
+        if let Some(old) = old {
+            // If its inbox is full the old connection still notices: its sender is gone from the
+            // map, and it checks `is_current` when it drains.
+            let _ = old.tx.try_send(ConnMsg::Displaced);
+        }
+        (conn_id, rx)
+    }
+
+    /// Removes the connection if it is still the session's current one.
+    pub fn remove_if_current(&self, session: Uuid, conn_id: u64) -> bool {
+        let mut conns = self.conns();
+        if conns.get(&session).is_some_and(|a| a.conn_id == conn_id) {
+            conns.remove(&session);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn is_current(&self, session: Uuid, conn_id: u64) -> bool {
+        self.conns()
+            .get(&session)
+            .is_some_and(|a| a.conn_id == conn_id)
+    }
+
+    pub fn get(&self, session: Uuid) -> Option<Attachment> {
+        self.conns().get(&session).cloned()
+    }
+
+    pub fn attached_count(&self) -> usize {
+        self.conns().len()
+    }
+
+    /// Best-effort notification of the session's current connection.
+    pub fn notify(&self, session: Uuid, msg: ConnMsg) {
+        if let Some(att) = self.get(session) {
+            let _ = att.tx.try_send(msg);
+        }
+    }
+}
+
+/// Streams one turn's deltas live to the connection attached when the turn started. If that
+/// connection goes away, is displaced or falls behind, live streaming of this turn stops for good
+/// (the turn is then delivered whole, from storage).
+pub struct LiveSink<'a> {
+    hub: &'a Hub,
+    session: Uuid,
+    pub chunk_id: Uuid,
+    target: Option<Attachment>,
+    sent_any: bool,
+}
+
+impl<'a> LiveSink<'a> {
+    pub fn new(hub: &'a Hub, session: Uuid) -> Self {
+        Self {
+            hub,
+            session,
+            chunk_id: Uuid::new_v4(),
+            target: hub.get(session),
+            sent_any: false,
+        }
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.target.is_some()
+    }
+
+    pub fn chunk(&mut self, delta: &str) {
+        let Some(target) = &self.target else { return };
+        if !self.hub.is_current(self.session, target.conn_id) {
+            self.target = None;
+            return;
+        }
+        let msg = ConnMsg::Chunk {
+            chunk_id: self.chunk_id,
+            delta: delta.to_owned(),
+        };
+        if target.tx.try_send(msg).is_err() {
+            self.target = None;
+            return;
+        }
+        self.sent_any = true;
+    }
+
+    /// The connection that got every chunk, if streaming stayed intact.
+    pub fn streamed_to(&self) -> Option<u64> {
+        self.target
+            .as_ref()
+            .filter(|_| self.sent_any)
+            .map(|t| t.conn_id)
+    }
+}

@@ -1,0 +1,308 @@
+//! Session operations: create, inspect, list messages, change status, push a backend turn, snapshots.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use chrono::Utc;
+use sbp_protocol::{ErrorCode, SessionStatus, SurfaceContext};
+use sbp_store::{
+    FinishTurn, MessageRecord, NewMessage, NewSession, NewTetherEntry, SessionRecord,
+    SnapshotRecord,
+};
+use serde::Serialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::hub::{ConnMsg, TurnDone};
+use super::{Gateway, iso, parse_uuid};
+use crate::auth;
+use crate::error::ApiError;
+
+/// Who is calling a session-scoped endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct Caller {
+    /// From `X-Session-Token`.
+    pub session_token: Option<String>,
+    /// Authenticated with an operator API key.
+    pub operator: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionView {
+    pub session_id: Uuid,
+    pub agent_id: String,
+    pub status: SessionStatus,
+    pub step_count: u64,
+    pub message_count: u64,
+    pub created_at: String,
+    pub updated_at: String,
+    pub last_task: Option<String>,
+    pub model: Option<String>,
+    pub surface_attached: bool,
+    pub surface: Option<SurfaceContext>,
+    pub tether_enabled: bool,
+    pub tether_turns_pending: u64,
+    pub queued_turns: u64,
+    pub latest_snapshot_id: Option<Uuid>,
+    pub last_checkpoint: Option<String>,
+}
+
+/// A turn pushed into a session by a backend (`POST /v1/sbp/sessions/{id}/turns`).
+#[derive(Debug, Clone)]
+pub struct PushTurn {
+    pub role: String,
+    pub content: String,
+    pub model_used: Option<String>,
+}
+
+impl Gateway {
+    /// Loads a session by path id and checks the caller may act on it.
+    pub async fn authorized_session(
+        &self,
+        raw_id: &str,
+        caller: &Caller,
+    ) -> Result<SessionRecord, ApiError> {
+        let id = parse_uuid(raw_id)?;
+        let session = self
+            .store()
+            .get_session(id)
+            .await?
+            .ok_or_else(|| ApiError::session_not_found(id))?;
+        self.authorize(&session, caller)?;
+        Ok(session)
+    }
+
+    pub(crate) fn authorize(
+        &self,
+        session: &SessionRecord,
+        caller: &Caller,
+    ) -> Result<(), ApiError> {
+        if self.config().insecure_no_session_auth || caller.operator {
+            return Ok(());
+        }
+        match &caller.session_token {
+            Some(t) if auth::token_matches(t, &session.token_hash) => Ok(()),
+            Some(_) => Err(ApiError::forbidden(
+                "session token does not match this session",
+            )),
+            None => Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "this endpoint needs the session's token in the X-Session-Token header",
+            )),
+        }
+    }
+
+    /// `POST /v1/sessions`: a new idle session and its token (returned once, stored as a hash).
+    pub async fn create_session(
+        &self,
+        agent_id: Option<String>,
+        metadata: Value,
+    ) -> Result<(SessionRecord, String), ApiError> {
+        let token = auth::new_session_token();
+        let now = Utc::now();
+        let new = NewSession {
+            id: Uuid::new_v4(),
+            agent_id: agent_id.unwrap_or_else(new_agent_id),
+            token_hash: auth::hash_token(&token),
+            created_at: now,
+            metadata,
+        };
+        let id = new.id;
+        self.store().create_session(new).await?;
+        self.metrics().sessions_created.fetch_add(1, Relaxed);
+        let session = self
+            .store()
+            .get_session(id)
+            .await?
+            .ok_or_else(|| ApiError::internal("creating a session", "session vanished"))?;
+        Ok((session, token))
+    }
+
+    pub async fn session_view(&self, session: &SessionRecord) -> Result<SessionView, ApiError> {
+        let pending = self.store().tether_count(session.id).await?;
+        let latest = self.recovery_snapshot(session.id).await?;
+        let attachment = self.hub().get(session.id);
+        Ok(SessionView {
+            session_id: session.id,
+            agent_id: session.agent_id.clone(),
+            status: session.status,
+            step_count: session.step_count,
+            message_count: session.message_count,
+            created_at: iso(&session.created_at),
+            updated_at: iso(&session.updated_at),
+            last_task: session.last_task.clone(),
+            model: session.model.clone(),
+            surface_attached: attachment.is_some(),
+            surface: attachment.map(|a| (*a.surface).clone()),
+            tether_enabled: session.tether_enabled,
+            tether_turns_pending: pending,
+            queued_turns: pending,
+            latest_snapshot_id: latest.as_ref().map(|s| s.id),
+            last_checkpoint: latest.as_ref().map(|s| iso(&s.created_at)),
+        })
+    }
+
+    /// The snapshot a crash recovery resumes from: the latest post_action, else the latest checkpoint.
+    pub async fn recovery_snapshot(
+        &self,
+        session_id: Uuid,
+    ) -> Result<Option<SnapshotRecord>, ApiError> {
+        use sbp_protocol::SnapshotKind::*;
+        if let Some(s) = self
+            .store()
+            .latest_snapshot(session_id, Some(PostAction))
+            .await?
+        {
+            return Ok(Some(s));
+        }
+        Ok(self
+            .store()
+            .latest_snapshot(session_id, Some(Checkpoint))
+            .await?)
+    }
+
+    /// A snapshot with its messages materialised (they are the transcript's first `message_count`).
+    pub async fn snapshot_json(&self, snap: &SnapshotRecord) -> Result<Value, ApiError> {
+        let messages = self
+            .store()
+            .list_messages(
+                snap.session_id,
+                None,
+                snap.message_count.min(u32::MAX as u64) as u32,
+            )
+            .await?;
+        Ok(json!({
+            "snapshot_id": snap.id,
+            "session_id": snap.session_id,
+            "kind": snap.kind.as_str(),
+            "step_count": snap.step_count,
+            "message_count": snap.message_count,
+            "model": snap.model,
+            "current_task": snap.current_task,
+            "created_at": iso(&snap.created_at),
+            "state": snap.state,
+            "messages": messages.iter().map(|m| m.body.clone()).collect::<Vec<_>>(),
+        }))
+    }
+
+    pub async fn list_messages(
+        &self,
+        session: &SessionRecord,
+        after: Option<u64>,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, ApiError> {
+        Ok(self
+            .store()
+            .list_messages(session.id, after, limit.clamp(1, 1000))
+            .await?)
+    }
+
+    /// `PATCH /v1/sbp/sessions/{id}/status`: suspend, complete, fail (or resume) a session.
+    pub async fn set_status(
+        &self,
+        session: &SessionRecord,
+        status: &str,
+    ) -> Result<SessionRecord, ApiError> {
+        let to = SessionStatus::parse(status).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "unknown status '{status}': expected one of running, suspended, completed, failed"
+            ))
+        })?;
+        if to == SessionStatus::Idle && session.status != SessionStatus::Idle {
+            return Err(ApiError::conflict("a session cannot return to idle"));
+        }
+        self.store()
+            .update_status(session.id, to, Utc::now())
+            .await
+            .map_err(|e| match e {
+                sbp_store::StoreError::Conflict(_) => ApiError::conflict(format!(
+                    "cannot change status from {} to {to}",
+                    session.status
+                )),
+                other => other.into(),
+            })?;
+        Ok(self
+            .store()
+            .get_session(session.id)
+            .await?
+            .ok_or_else(|| ApiError::session_not_found(session.id))?)
+    }
+
+    /// Persists a backend-pushed turn and delivers it live, or tethers it for the next attach.
+    pub async fn push_turn(
+        &self,
+        session: &SessionRecord,
+        push: PushTurn,
+    ) -> Result<(u64, bool), ApiError> {
+        if session.status.is_terminal() {
+            return Err(ApiError::conflict(format!("session is {}", session.status)));
+        }
+        let now = Utc::now();
+        let chunk_id = Uuid::new_v4();
+        let body = json!({"role": push.role, "content": push.content});
+        let outcome = self
+            .store()
+            .finish_turn(FinishTurn {
+                session_id: session.id,
+                turn_id: None,
+                messages: vec![NewMessage {
+                    role: push.role.clone(),
+                    body,
+                    model_used: push.model_used.clone(),
+                    cost_usd: None,
+                    created_at: now,
+                }],
+                count_step: false,
+                post_action: None,
+                checkpoint: None,
+                tether: Some(NewTetherEntry {
+                    role: push.role.clone(),
+                    content: Some(push.content.clone()),
+                    model_used: push.model_used.clone(),
+                    created_at: now,
+                    chunk_id,
+                }),
+                idempotency_done: None,
+                now,
+            })
+            .await?;
+        self.metrics().turns_pushed.fetch_add(1, Relaxed);
+        self.metrics().tether_enqueued.fetch_add(1, Relaxed);
+        let seq = outcome.tether_seq.unwrap_or_default();
+        let attached = self.hub().get(session.id).is_some();
+        self.hub().notify(
+            session.id,
+            ConnMsg::TurnDone(TurnDone {
+                chunk_id,
+                seq: outcome.tether_seq,
+                streamed_to: None,
+                role: push.role,
+                content: Some(push.content),
+                model_used: push.model_used,
+            }),
+        );
+        Ok((seq, attached))
+    }
+}
+
+/// An agent id for a session whose caller named none.
+pub fn new_agent_id() -> String {
+    format!("agent-{}", Uuid::new_v4())
+}
+
+impl Gateway {
+    /// The latest snapshot of any kind.
+    pub async fn store_latest_snapshot(
+        &self,
+        session_id: Uuid,
+    ) -> Result<Option<SnapshotRecord>, ApiError> {
+        Ok(self.store().latest_snapshot(session_id, None).await?)
+    }
+
+    pub async fn snapshots(
+        &self,
+        session_id: Uuid,
+        limit: u32,
+    ) -> Result<Vec<SnapshotRecord>, ApiError> {
+        Ok(self.store().list_snapshots(session_id, limit).await?)
+    }
+}

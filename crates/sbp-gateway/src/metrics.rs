@@ -1,0 +1,171 @@
+//! Prometheus metrics kept in atomics owned by one gateway (no process-global recorder, so several
+//! gateways in one test process keep separate figures). Gauges that live in storage (sessions by
+//! status, tether depth) are read when `/metrics` is scraped.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
+
+#[derive(Debug, Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            if secs <= *bound {
+                self.counts[i].fetch_add(1, Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{bound}\"}} {}",
+                self.counts[i].load(Relaxed)
+            );
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_micros.load(Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub sessions_created: AtomicU64,
+    pub turns_completed: AtomicU64,
+    pub turns_failed: AtomicU64,
+    pub turns_pushed: AtomicU64,
+    pub tether_enqueued: AtomicU64,
+    pub tether_delivered: AtomicU64,
+    pub ws_connections: AtomicU64,
+    pub upstream_latency: Histogram,
+}
+
+/// Figures read from storage and the hub at scrape time.
+pub struct LiveGauges {
+    pub sessions_by_status: Vec<(&'static str, u64)>,
+    pub tether_depth: u64,
+    pub attached_surfaces: u64,
+}
+
+fn counter(out: &mut String, name: &str, help: &str, v: &AtomicU64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+        v.load(Relaxed)
+    );
+}
+
+impl Metrics {
+    pub fn render(&self, live: &LiveGauges) -> String {
+        let mut out = String::with_capacity(4096);
+        let _ = writeln!(
+            out,
+            "# HELP sbp_sessions Sessions by status.\n# TYPE sbp_sessions gauge"
+        );
+        for (status, n) in &live.sessions_by_status {
+            let _ = writeln!(out, "sbp_sessions{{status=\"{status}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP sbp_attached_surfaces Surfaces attached over WebSocket.\n# TYPE sbp_attached_surfaces gauge\nsbp_attached_surfaces {}",
+            live.attached_surfaces
+        );
+        let _ = writeln!(
+            out,
+            "# HELP sbp_tether_depth Turns waiting in the Tether.\n# TYPE sbp_tether_depth gauge\nsbp_tether_depth {}",
+            live.tether_depth
+        );
+        counter(
+            &mut out,
+            "sbp_sessions_created_total",
+            "Sessions created.",
+            &self.sessions_created,
+        );
+        counter(
+            &mut out,
+            "sbp_turns_total",
+            "LLM turns completed and persisted.",
+            &self.turns_completed,
+        );
+        counter(
+            &mut out,
+            "sbp_turns_failed_total",
+            "LLM turns that failed upstream.",
+            &self.turns_failed,
+        );
+        counter(
+            &mut out,
+            "sbp_turns_pushed_total",
+            "Turns pushed by a backend.",
+            &self.turns_pushed,
+        );
+        counter(
+            &mut out,
+            "sbp_tether_enqueued_total",
+            "Turns written to the Tether.",
+            &self.tether_enqueued,
+        );
+        counter(
+            &mut out,
+            "sbp_tether_delivered_total",
+            "Tethered turns delivered to a surface.",
+            &self.tether_delivered,
+        );
+        counter(
+            &mut out,
+            "sbp_ws_connections_total",
+            "WebSocket connections accepted.",
+            &self.ws_connections,
+        );
+        self.upstream_latency.render(
+            &mut out,
+            "sbp_upstream_latency_seconds",
+            "Time from sending a request upstream to its complete reply.",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let m = Metrics::default();
+        m.upstream_latency.observe(Duration::from_micros(700));
+        m.upstream_latency.observe(Duration::from_millis(30));
+        let text = m.render(&LiveGauges {
+            sessions_by_status: vec![("idle", 2)],
+            tether_depth: 5,
+            attached_surfaces: 1,
+        });
+        assert!(text.contains("sbp_upstream_latency_seconds_bucket{le=\"0.0005\"} 0"));
+        assert!(text.contains("sbp_upstream_latency_seconds_bucket{le=\"0.001\"} 1"));
+        assert!(text.contains("sbp_upstream_latency_seconds_bucket{le=\"0.05\"} 2"));
+        assert!(text.contains("sbp_upstream_latency_seconds_count 2"));
+        assert!(text.contains("sbp_sessions{status=\"idle\"} 2"));
+        assert!(text.contains("sbp_tether_depth 5"));
+    }
+}

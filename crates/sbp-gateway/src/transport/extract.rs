@@ -1,0 +1,115 @@
+//! Extractors and response mapping: JSON bodies parsed into objects with errors in the SBP envelope,
+//! the caller's credentials, operator API-key authentication, and `ApiError` -> HTTP response.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sbp_protocol::ErrorCode;
+use serde_json::{Map, Value};
+
+use crate::engine::Caller;
+use crate::{ApiError, Gateway};
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error_response(&self)
+    }
+}
+
+pub fn error_response(err: &ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, axum::Json(err.body())).into_response();
+    add_headers(resp.headers_mut(), &err.headers);
+    resp
+}
+
+pub fn add_headers(map: &mut HeaderMap, headers: &[(&'static str, String)]) {
+    for (name, value) in headers {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            map.insert(HeaderName::from_static(name), v);
+        }
+    }
+}
+
+/// A request body that must be a JSON object (an empty body is `{}`).
+pub struct JsonObject(pub Map<String, Value>);
+
+impl<S: Send + Sync> FromRequest<S> for JsonObject {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(ErrorCode::PayloadTooLarge, "request body is too large")
+            } else {
+                ApiError::bad_request(format!("cannot read request body: {e}"))
+            }
+        })?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self(Map::new()));
+        }
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(map)) => Ok(Self(map)),
+            Ok(_) => Err(ApiError::bad_request("request body must be a JSON object")),
+            Err(e) => Err(ApiError::bad_request(format!(
+                "request body is not valid JSON: {e}"
+            ))),
+        }
+    }
+}
+
+/// Set by `operator_auth` when the request carried a valid operator API key.
+#[derive(Clone, Copy)]
+pub struct Operator(pub bool);
+
+impl<S: Send + Sync> FromRequestParts<S> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Caller {
+            session_token: header(&parts.headers, "x-session-token"),
+            operator: parts.extensions.get::<Operator>().is_some_and(|o| o.0),
+        })
+    }
+}
+
+pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+fn bearer(headers: &HeaderMap) -> Option<String> {
+    let value = header(headers, "authorization")?;
+    let (scheme, key) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| key.trim().to_owned())
+}
+
+/// With operator API keys configured, every endpoint but `/healthz` and the WebSocket (which
+/// authenticates with the session token in ATTACH_SESSION) needs `Authorization: Bearer <key>`.
+pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
+    let keys = &gw.config().api_keys;
+    if keys.is_empty() {
+        req.extensions_mut().insert(Operator(false));
+        return next.run(req).await;
+    }
+    let path = req.uri().path();
+    let open = path == "/healthz" || path.starts_with("/v1/sbp/ws/");
+    let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
+    if !valid && !open {
+        return ApiError::new(
+            ErrorCode::Unauthorized,
+            "a valid operator API key is required (Authorization: Bearer <key>)",
+        )
+        .into_response();
+    }
+    req.extensions_mut().insert(Operator(valid));
+    next.run(req).await
+}

@@ -1,0 +1,53 @@
+//! HTTP and WebSocket transport: routes, extractors and the mapping of engine results to responses.
+//! Handlers stay thin: extract, call one engine function, map the result.
+
+mod extract;
+mod http;
+mod ws;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, patch, post};
+
+use crate::Gateway;
+
+pub use extract::error_response;
+
+pub fn router(gateway: Gateway) -> Router {
+    let max_body = gateway.config().max_body_bytes;
+    let mut app = Router::new()
+        .route("/healthz", get(http::healthz))
+        .route("/metrics", get(http::metrics))
+        .route("/v1/chat/completions", post(http::chat_completions))
+        .route("/v1/sessions", post(http::create_session))
+        .route("/v1/sbp/sessions", post(http::create_session))
+        .route("/v1/sessions/{id}", get(http::get_session))
+        .route("/v1/sbp/sessions/{id}", get(http::get_session))
+        .route("/v1/sessions/{id}/messages", get(http::list_messages))
+        .route("/v1/sbp/sessions/{id}/messages", get(http::list_messages))
+        .route(
+            "/v1/sbp/sessions/{id}/status",
+            patch(http::set_status).post(http::set_status),
+        )
+        .route("/v1/sbp/sessions/{id}/snapshots", get(http::list_snapshots))
+        .route(
+            "/v1/sbp/sessions/{id}/snapshots/latest",
+            get(http::latest_snapshot),
+        )
+        .route("/v1/sbp/sessions/{id}/turns", post(http::push_turn))
+        .route("/v1/sbp/ws/{id}", get(ws::upgrade));
+    if gateway.config().enable_test_hooks {
+        app = app.route(
+            "/v1/sbp/sessions/{id}/_test/tether",
+            post(http::test_tether),
+        );
+    }
+    app.fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            gateway.clone(),
+            extract::operator_auth,
+        ))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(gateway)
+}

@@ -1,0 +1,311 @@
+//! The WebSocket endpoint `/v1/sbp/ws/{session_id}`: the ATTACH_SESSION handshake with the close
+//! codes of the frame reference, then one loop per connection that forwards engine messages (live
+//! chunks, completed turns, displacement) to the socket, answers client frames, pings, and detaches.
+
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::response::Response;
+use sbp_protocol::frames::{
+    CLOSE_FORBIDDEN, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_PROTOCOL_ERROR,
+    CLOSE_TOO_BIG,
+};
+use sbp_protocol::{ClientFrame, ServerFrame};
+use tokio::time::Instant;
+
+use crate::Gateway;
+use crate::engine::hub::ConnMsg;
+use crate::engine::{AttachError, Delivery};
+
+/// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
+pub const CLOSE_DISPLACED: u16 = 4409;
+/// Close code for an internal failure during attach.
+const CLOSE_INTERNAL: u16 = 1011;
+
+pub async fn upgrade(
+    State(gw): State<Gateway>,
+    Path(id): Path<String>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    let max = gw.config().max_frame_bytes;
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| {
+            let tracked = gw.clone();
+            tracked.track(run(gw, id, socket))
+        })
+}
+
+enum Incoming {
+    Text(String),
+    /// Binary frames are not part of the protocol.
+    Binary,
+    /// The client closed or the connection dropped.
+    Closed,
+    /// The frame exceeded the size limit.
+    TooBig,
+}
+
+async fn next_frame(socket: &mut WebSocket) -> Incoming {
+    loop {
+        match socket.recv().await {
+            None => return Incoming::Closed,
+            Some(Err(e)) => {
+                let text = e.to_string();
+                return if text.contains("too long")
+                    || text.contains("too big")
+                    || text.contains("Space limit")
+                {
+                    Incoming::TooBig
+                } else {
+                    Incoming::Closed
+                };
+            }
+            Some(Ok(Message::Text(t))) => return Incoming::Text(t.as_str().to_owned()),
+            Some(Ok(Message::Binary(_))) => return Incoming::Binary,
+            Some(Ok(Message::Close(_))) => return Incoming::Closed,
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+        }
+    }
+}
+
+async fn send(socket: &mut WebSocket, frame: &ServerFrame) -> bool {
+    socket
+        .send(Message::Text(frame.to_json().into()))
+        .await
+        .is_ok()
+}
+
+async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
+    let _ = socket
+        .send(Message::Close(Some(CloseFrame {
+            code,
+            reason: reason.to_owned().into(),
+        })))
+        .await;
+}
+
+/// Sends an error frame, then closes with `code`.
+async fn refuse(socket: &mut WebSocket, frame: ServerFrame, code: u16, reason: &str) {
+    send(socket, &frame).await;
+    close(socket, code, reason).await;
+}
+
+fn protocol_error(detail: String) -> ServerFrame {
+    ServerFrame::ProtocolError { detail }
+}
+
+async fn run(gw: Gateway, path_id: String, mut socket: WebSocket) {
+    gw.metrics()
+        .ws_connections
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let timeout = gw.config().attach_timeout;
+    let first = match tokio::time::timeout(timeout, next_frame(&mut socket)).await {
+        Err(_) => {
+            let detail = format!("Expected ATTACH_SESSION within {} s", timeout.as_secs_f64());
+            return refuse(
+                &mut socket,
+                protocol_error(detail),
+                CLOSE_PROTOCOL_ERROR,
+                "attach timeout",
+            )
+            .await;
+        }
+        Ok(Incoming::Closed) => return,
+        Ok(Incoming::TooBig) => return close(&mut socket, CLOSE_TOO_BIG, "frame too large").await,
+        Ok(Incoming::Binary) => {
+            let detail = "Expected ATTACH_SESSION as first frame, got a binary frame".to_owned();
+            return refuse(
+                &mut socket,
+                protocol_error(detail),
+                CLOSE_PROTOCOL_ERROR,
+                "protocol error",
+            )
+            .await;
+        }
+        Ok(Incoming::Text(t)) => t,
+    };
+    let attach = match ClientFrame::parse(&first) {
+        Ok(ClientFrame::Attach(a)) => a,
+        Ok(other) => {
+            let detail = format!(
+                "Expected ATTACH_SESSION as first frame, got '{}'",
+                other.type_name()
+            );
+            return refuse(
+                &mut socket,
+                protocol_error(detail),
+                CLOSE_PROTOCOL_ERROR,
+                "protocol error",
+            )
+            .await;
+        }
+        Err(e) => {
+            return refuse(
+                &mut socket,
+                protocol_error(e.to_string()),
+                CLOSE_PROTOCOL_ERROR,
+                "protocol error",
+            )
+            .await;
+        }
+    };
+    let attached = match gw.attach(&path_id, attach).await {
+        Ok(a) => a,
+        Err(e) => {
+            let (frame, code, reason) = match e {
+                AttachError::NotFound(d) => (
+                    ServerFrame::SessionNotFound { detail: d },
+                    CLOSE_NOT_FOUND,
+                    "session not found",
+                ),
+                AttachError::Forbidden(d) => (
+                    ServerFrame::Forbidden { detail: d },
+                    CLOSE_FORBIDDEN,
+                    "forbidden",
+                ),
+                AttachError::Protocol(d) => {
+                    (protocol_error(d), CLOSE_PROTOCOL_ERROR, "protocol error")
+                }
+                AttachError::Internal(d) => {
+                    tracing::error!(error = %d, "attach failed");
+                    (
+                        protocol_error("internal error during attach".into()),
+                        CLOSE_INTERNAL,
+                        "internal error",
+                    )
+                }
+            };
+            return refuse(&mut socket, frame, code, reason).await;
+        }
+    };
+    let mut delivery = attached.delivery;
+    let mut inbox = attached.inbox;
+    let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
+        connection_loop(&gw, &mut socket, &mut delivery, &mut inbox).await
+    } else {
+        "socket write failed"
+    };
+    gw.detach(&delivery, reason).await;
+}
+
+/// Writes frames in order; after each frame that carries a tether seq, reports it sent.
+async fn send_all(
+    gw: &Gateway,
+    socket: &mut WebSocket,
+    d: &Delivery,
+    frames: Vec<(ServerFrame, Option<u64>)>,
+) -> bool {
+    let mut sent = Vec::new();
+    let mut ok = true;
+    for (frame, seq) in frames {
+        if !send(socket, &frame).await {
+            ok = false;
+            break;
+        }
+        sent.extend(seq);
+    }
+    gw.sent(d, &sent).await;
+    ok
+}
+
+/// Runs until the connection ends; returns why.
+async fn connection_loop(
+    gw: &Gateway,
+    socket: &mut WebSocket,
+    d: &mut Delivery,
+    inbox: &mut tokio::sync::mpsc::Receiver<ConnMsg>,
+) -> &'static str {
+    let cfg = gw.config();
+    let shutdown = gw.shutdown_token();
+    let mut ping = tokio::time::interval_at(Instant::now() + cfg.ping_interval, cfg.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pong_deadline: Option<Instant> = None;
+    let far = Duration::from_secs(86_400 * 365);
+    loop {
+        let deadline = pong_deadline.unwrap_or_else(|| Instant::now() + far);
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                close(socket, CLOSE_GOING_AWAY, "gateway shutting down").await;
+                return "gateway shutdown";
+            }
+            incoming = next_frame(socket) => match incoming {
+                Incoming::Closed => return "disconnected",
+                Incoming::TooBig => {
+                    close(socket, CLOSE_TOO_BIG, "frame too large").await;
+                    return "frame too large";
+                }
+                Incoming::Binary => {
+                    refuse(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error").await;
+                    return "protocol error";
+                }
+                Incoming::Text(text) => match ClientFrame::parse(&text) {
+                    Err(e) => {
+                        refuse(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error").await;
+                        return "protocol error";
+                    }
+                    Ok(ClientFrame::Detach) => {
+                        close(socket, CLOSE_NORMAL, "detached").await;
+                        return "DETACH";
+                    }
+                    Ok(ClientFrame::Pong) => pong_deadline = None,
+                    Ok(ClientFrame::Ack { seq }) => gw.ack(d, seq).await,
+                    Ok(ClientFrame::ToolResult(r)) => {
+                        tracing::debug!(session_id = %d.session_id, call_id = %r.call_id, "TOOL_RESULT for no pending call ignored");
+                    }
+                    Ok(ClientFrame::Attach(a)) => match gw.reattach(d, a).await {
+                        Ok(frames) => {
+                            if !send_all(gw, socket, d, frames).await {
+                                return "socket write failed";
+                            }
+                        }
+                        Err(AttachError::Forbidden(detail)) => {
+                            refuse(socket, ServerFrame::Forbidden { detail }, CLOSE_FORBIDDEN, "forbidden").await;
+                            return "forbidden re-attach";
+                        }
+                        Err(AttachError::NotFound(detail) | AttachError::Protocol(detail) | AttachError::Internal(detail)) => {
+                            refuse(socket, protocol_error(detail), CLOSE_PROTOCOL_ERROR, "protocol error").await;
+                            return "bad re-attach";
+                        }
+                    },
+                    Ok(ClientFrame::Unknown { frame_type }) => {
+                        tracing::debug!(session_id = %d.session_id, frame_type, "unknown frame type ignored");
+                    }
+                },
+            },
+            msg = inbox.recv() => {
+                let frames = match msg {
+                    None | Some(ConnMsg::Displaced) => {
+                        close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
+                        return "displaced";
+                    }
+                    Some(ConnMsg::Chunk { chunk_id, delta }) => vec![(
+                        ServerFrame::TurnChunk(sbp_protocol::frames::TurnChunk { chunk_id: chunk_id.to_string(), delta }),
+                        None,
+                    )],
+                    Some(ConnMsg::TurnDone(done)) => gw.on_turn_done(d, done).await,
+                };
+                if !send_all(gw, socket, d, frames).await {
+                    return "socket write failed";
+                }
+            }
+            _ = ping.tick() => {
+                if pong_deadline.is_none() {
+                    if !send(socket, &ServerFrame::Ping).await {
+                        return "socket write failed";
+                    }
+                    pong_deadline = Some(Instant::now() + cfg.pong_timeout);
+                }
+                let missed = gw.catch_up(d).await;
+                if !send_all(gw, socket, d, missed).await {
+                    return "socket write failed";
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                close(socket, CLOSE_GOING_AWAY, "no PONG received in time").await;
+                return "pong timeout";
+            }
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Upstream LLM providers. A provider takes an OpenAI-format request body and returns either a whole
+//! completion or a stream of OpenAI-format chunks; `Assembler` folds chunks into the final message.
+//! Two providers today: any OpenAI-compatible HTTP endpoint, and the built-in offline `sbp/echo`.
+
+mod assemble;
+mod echo;
+mod openai;
+
+pub use assemble::Assembler;
+pub use echo::{ECHO_MODEL, EchoProvider};
+pub use openai::{OpenAiOptions, OpenAiProvider};
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use serde_json::{Map, Value};
+
+/// An upstream failure, classified the way the gateway reports it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LlmError {
+    #[error("upstream unreachable: {0}")]
+    Unreachable(String),
+    #[error("upstream timed out")]
+    Timeout,
+    /// The upstream answered with an error status; `body` is its error body (JSON, or text as a string).
+    #[error("upstream returned HTTP {status}")]
+    Status { status: u16, body: Value },
+    #[error("upstream protocol error: {0}")]
+    Protocol(String),
+}
+
+/// A whole (non-streamed) completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The upstream's response body, untouched.
+    pub body: Value,
+    /// The assistant message (`role`, `content`, `tool_calls`, ...).
+    pub message: Value,
+    pub model: String,
+    pub finish_reason: Option<String>,
+}
+
+impl Completion {
+    /// Builds the completion from an OpenAI `chat.completion` body.
+    pub fn from_body(body: Value, requested_model: &str) -> Result<Self, LlmError> {
+        let choice = body
+            .get("choices")
+            .and_then(|c| c.get(0))
+            .ok_or_else(|| LlmError::Protocol("response has no choices".into()))?;
+        let message = choice
+            .get("message")
+            .filter(|m| m.is_object())
+            .cloned()
+            .ok_or_else(|| LlmError::Protocol("choice has no message".into()))?;
+        let finish_reason = choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let model = body
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or(requested_model)
+            .to_owned();
+        Ok(Self {
+            body,
+            message,
+            model,
+            finish_reason,
+        })
+    }
+
+    /// The message text, when the content is a string.
+    pub fn text(&self) -> Option<&str> {
+        self.message.get("content").and_then(Value::as_str)
+    }
+}
+
+/// One streamed chunk: the raw OpenAI `chat.completion.chunk` object.
+pub type ChunkStream = BoxStream<'static, Result<Value, LlmError>>;
+
+#[async_trait]
+pub trait Provider: Send + Sync {
+    /// The model name reported as `model_routed_to` when the provider does not say otherwise.
+    fn route_name(&self, requested: &str) -> String;
+    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError>;
+    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError>;
+}
+
+/// The text of a chat message's `content`: a string, or the text parts of an array of parts.
+pub fn content_text(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.join(""))
+        }
+        _ => None,
+    }
+}

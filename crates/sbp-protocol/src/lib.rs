@@ -1,0 +1,19 @@
+//! SBP wire types shared by the gateway and its clients: WebSocket frames, the SurfaceContext,
+//! the `sbp` completion namespace, the error envelope and the session lifecycle. Pure: no IO.
+
+pub mod completions;
+pub mod error;
+pub mod frames;
+pub mod lifecycle;
+pub mod surface;
+
+pub use completions::{SbpRequestOptions, SbpResponseMeta};
+pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use frames::{ClientFrame, FrameError, ServerFrame};
+pub use lifecycle::{SessionStatus, SnapshotKind};
+pub use surface::SurfaceContext;
+
+/// The wire protocol version advertised in SESSION_ATTACHED unless configured otherwise (the seeds' v1.2).
+pub const DEFAULT_SBP_VERSION: &str = "1.2";
+/// The conformance level this implementation advertises.
+pub const SBP_LEVEL: &str = "L2";

@@ -1,0 +1,127 @@
+//! Storage for the SBP gateway: a set of traits (sessions, messages, snapshots, tether, turns,
+//! idempotency) and one implementation per backend. The engine makes every id and timestamp; a store
+//! saves what it is given and performs each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
+
+pub mod records;
+pub mod sqlite;
+
+pub use records::*;
+
+use async_trait::async_trait;
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use uuid::Uuid;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    /// The operation conflicts with stored state (a duplicate key, a forbidden status change).
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("storage backend error: {0}")]
+    Backend(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+#[async_trait]
+pub trait SessionStore: Send + Sync {
+    async fn create_session(&self, session: NewSession) -> StoreResult<()>;
+    async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>>;
+    async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>>;
+    /// The most recently updated `suspended` session of an agent.
+    async fn latest_suspended_for_agent(
+        &self,
+        agent_id: &str,
+    ) -> StoreResult<Option<SessionRecord>>;
+    /// Changes the status when `SessionStatus::can_transition` allows it; returns the previous status.
+    /// A forbidden change is `Conflict` and changes nothing.
+    async fn update_status(
+        &self,
+        id: Uuid,
+        to: SessionStatus,
+        now: Timestamp,
+    ) -> StoreResult<SessionStatus>;
+    /// Marks the session as having had a surface: from now on undelivered turns are tethered.
+    /// Optionally moves `suspended` -> `running` in the same write (a surface attached).
+    async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord>;
+    async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>>;
+}
+
+#[async_trait]
+pub trait MessageStore: Send + Sync {
+    /// Messages with `seq > after` (all when `after` is None), oldest first, at most `limit`.
+    async fn list_messages(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<MessageRecord>>;
+    /// The whole transcript, oldest first.
+    async fn history(&self, session_id: Uuid) -> StoreResult<Vec<MessageRecord>>;
+}
+
+#[async_trait]
+pub trait SnapshotStore: Send + Sync {
+    /// The latest snapshot, of one kind or of any kind.
+    async fn latest_snapshot(
+        &self,
+        session_id: Uuid,
+        kind: Option<SnapshotKind>,
+    ) -> StoreResult<Option<SnapshotRecord>>;
+    async fn get_snapshot(&self, id: Uuid) -> StoreResult<Option<SnapshotRecord>>;
+    async fn list_snapshots(
+        &self,
+        session_id: Uuid,
+        limit: u32,
+    ) -> StoreResult<Vec<SnapshotRecord>>;
+}
+
+#[async_trait]
+pub trait TetherStore: Send + Sync {
+    /// Undelivered turns with `seq > after`, oldest first, at most `limit`.
+    async fn tether_pending(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<TetherEntry>>;
+    async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64>;
+    /// Removes every entry with `seq <= up_to`; returns how many were removed.
+    async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64>;
+    /// Removes the listed entries (delivered to a surface that does not ACK).
+    async fn tether_remove(&self, session_id: Uuid, seqs: &[u64]) -> StoreResult<u64>;
+    async fn tether_depth_total(&self) -> StoreResult<u64>;
+}
+
+/// The atomic units of work of a turn.
+#[async_trait]
+pub trait TurnStore: Send + Sync {
+    /// Creates the session when `create` is set, records the turn as running, appends the new messages,
+    /// applies the status/last_task changes, writes the pre_action snapshot and claims the idempotency
+    /// key: all or nothing. A claimed key is `Conflict`.
+    async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome>;
+    /// Appends the reply (or a pushed turn), counts the step, writes snapshots, enqueues the tether
+    /// entry and completes the turn and its idempotency record: all or nothing.
+    async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome>;
+    /// Marks the turn failed (the messages of `begin_turn` stay) and the idempotency record retryable.
+    async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()>;
+    /// After a restart: every turn still `running` is marked failed. Returns the affected turns.
+    async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>>;
+    async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>>;
+}
+
+#[async_trait]
+pub trait IdempotencyStore: Send + Sync {
+    async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>>;
+}
+
+/// Everything the engine needs from a backend.
+pub trait Store:
+    SessionStore + MessageStore + SnapshotStore + TetherStore + TurnStore + IdempotencyStore
+{
+}
+impl<T> Store for T where
+    T: SessionStore + MessageStore + SnapshotStore + TetherStore + TurnStore + IdempotencyStore
+{
+}

@@ -1,0 +1,216 @@
+//! The records a store saves and returns. Timestamps are UTC; ids are UUIDs made by the engine.
+
+use chrono::{DateTime, Utc};
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+pub type Timestamp = DateTime<Utc>;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewSession {
+    pub id: Uuid,
+    pub agent_id: String,
+    /// Hex SHA-256 of the session token; the token itself is never stored.
+    pub token_hash: String,
+    pub created_at: Timestamp,
+    pub metadata: Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SessionRecord {
+    pub id: Uuid,
+    pub agent_id: String,
+    #[serde(skip)]
+    pub token_hash: String,
+    pub status: SessionStatus,
+    /// Completed LLM turns.
+    pub step_count: u64,
+    pub message_count: u64,
+    pub last_task: Option<String>,
+    pub model: Option<String>,
+    /// True once a surface has attached: undelivered turns go to the tether from then on.
+    pub tether_enabled: bool,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+    pub metadata: Value,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewMessage {
+    pub role: String,
+    /// The whole chat message object as the client or upstream gave it (role, content, tool_calls, ...).
+    pub body: Value,
+    pub model_used: Option<String>,
+    pub cost_usd: Option<f64>,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MessageRecord {
+    /// Zero-based position in the transcript.
+    pub seq: u64,
+    pub role: String,
+    pub body: Value,
+    pub model_used: Option<String>,
+    pub cost_usd: Option<f64>,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewSnapshot {
+    pub id: Uuid,
+    pub kind: SnapshotKind,
+    pub model: Option<String>,
+    pub current_task: Option<String>,
+    pub created_at: Timestamp,
+    /// Extra state (e.g. the pending tool call of a pre_action snapshot).
+    pub state: Value,
+}
+
+/// A snapshot. Its messages are the first `message_count` messages of the transcript, which is
+/// append-only, so the store keeps the count rather than a copy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SnapshotRecord {
+    pub id: Uuid,
+    pub session_id: Uuid,
+    pub kind: SnapshotKind,
+    pub step_count: u64,
+    pub message_count: u64,
+    pub model: Option<String>,
+    pub current_task: Option<String>,
+    pub created_at: Timestamp,
+    pub state: Value,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewTetherEntry {
+    pub role: String,
+    pub content: Option<String>,
+    pub model_used: Option<String>,
+    pub created_at: Timestamp,
+    /// The chunk id the turn was (or would have been) streamed under.
+    pub chunk_id: Uuid,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TetherEntry {
+    pub session_id: Uuid,
+    /// Per-session, strictly increasing, never reused.
+    pub seq: u64,
+    pub role: String,
+    pub content: Option<String>,
+    pub model_used: Option<String>,
+    pub created_at: Timestamp,
+    pub chunk_id: Uuid,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TurnState {
+    Running,
+    Done,
+    Failed,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TurnRecord {
+    pub id: Uuid,
+    pub session_id: Uuid,
+    pub state: TurnState,
+    pub started_at: Timestamp,
+    pub finished_at: Option<Timestamp>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewIdempotency {
+    pub key: String,
+    /// Hex SHA-256 of the request, to refuse a key reused for another request.
+    pub fingerprint: String,
+    /// Whether this request created its session.
+    pub created_session: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IdempotencyState {
+    InProgress,
+    /// The turn failed; a retry runs it again without storing its messages twice.
+    Failed,
+    Done,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdempotencyRecord {
+    pub key: String,
+    pub session_id: Uuid,
+    pub fingerprint: String,
+    pub state: IdempotencyState,
+    pub created_session: bool,
+    pub response_status: Option<u16>,
+    pub response_body: Option<Value>,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeginTurn {
+    pub session_id: Uuid,
+    pub turn_id: Uuid,
+    /// Create this session in the same write.
+    pub create: Option<NewSession>,
+    pub new_messages: Vec<NewMessage>,
+    /// Status to move to (checked with `can_transition`; a forbidden change is `Conflict`).
+    pub status: Option<SessionStatus>,
+    pub last_task: Option<String>,
+    pub model: Option<String>,
+    pub pre_action: Option<NewSnapshot>,
+    /// Claim this key (fails with `Conflict` when it exists), or, with `retry_key`, move an existing
+    /// failed record of this session back to in progress.
+    pub idempotency: Option<NewIdempotency>,
+    pub retry_key: Option<String>,
+    pub now: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeginTurnOutcome {
+    pub session: SessionRecord,
+    pub pre_action_snapshot: Option<SnapshotRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishTurn {
+    pub session_id: Uuid,
+    /// The turn to complete; `None` for a turn pushed by a backend.
+    pub turn_id: Option<Uuid>,
+    pub messages: Vec<NewMessage>,
+    pub count_step: bool,
+    pub post_action: Option<NewSnapshot>,
+    /// Written when the step count after this turn is a multiple of `checkpoint_every`.
+    pub checkpoint: Option<(NewSnapshot, u32)>,
+    pub tether: Option<NewTetherEntry>,
+    /// Completes the idempotency record with the response to replay.
+    pub idempotency_done: Option<(String, u16, Value)>,
+    pub now: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishTurnOutcome {
+    pub session: SessionRecord,
+    pub tether_seq: Option<u64>,
+    pub post_action_snapshot: Option<SnapshotRecord>,
+    pub checkpoint_snapshot: Option<SnapshotRecord>,
+    /// Seq of the first message appended.
+    pub first_message_seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailTurn {
+    pub session_id: Uuid,
+    pub turn_id: Uuid,
+    pub error: String,
+    pub idempotency_key: Option<String>,
+    pub now: Timestamp,
+}

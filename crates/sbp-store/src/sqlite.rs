@@ -1,0 +1,377 @@
+//! The SQLite backend: one writer thread that group-commits every queued write in one transaction,
+//! and a small pool of read-only connections that WAL lets run alongside it.
+
+mod codec;
+mod ops;
+mod schema;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rusqlite::{Connection, OpenFlags};
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+use self::codec::db_err;
+use self::writer::JobSender;
+use crate::{
+    BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
+    IdempotencyStore, MessageRecord, MessageStore, NewSession, SessionRecord, SessionStore,
+    SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
+    TurnRecord, TurnStore,
+};
+
+/// How long a connection waits for a lock held by another process before giving up with `Backend`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Enough for every distinct statement the store prepares, so none is ever re-parsed.
+const STATEMENT_CACHE: usize = 64;
+
+/// `PRAGMA synchronous` for the writer connection.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Synchronous {
+    /// fsync the WAL on every commit: an acknowledged write survives a power loss.
+    #[default]
+    Full,
+    /// fsync only at checkpoints: survives a process crash, may lose the last commits on power loss.
+    Normal,
+}
+
+impl Synchronous {
+    fn pragma(self) -> &'static str {
+        match self {
+            Self::Full => "FULL",
+            Self::Normal => "NORMAL",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqliteOptions {
+    /// The database file; missing parent directories are created.
+    pub path: PathBuf,
+    pub synchronous: Synchronous,
+    /// Read-only connections, i.e. how many reads run at once (0 is taken as 1).
+    pub readers: usize,
+}
+
+impl SqliteOptions {
+    /// Options with the defaults: `Synchronous::Full`, 4 readers.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            synchronous: Synchronous::Full,
+            readers: 4,
+        }
+    }
+}
+
+/// A SQLite-backed [`crate::Store`]. Cheap to clone; the writer thread stops and the connections close
+/// when the last clone is dropped.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `Option` only so `Drop` can close the channel before joining the writer.
+    jobs: Option<JobSender>,
+    writer: Option<JoinHandle<()>>,
+    readers: Arc<ReadPool>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        // No job can be queued any more (submitting needs `Inner`), so the writer finishes the batch
+        // in hand and exits; joining makes "dropped" mean "closed" for a reopen of the same file.
+        if let Some(handle) = self.writer.take()
+            && handle.join().is_err()
+        {
+            tracing::error!("sqlite writer thread panicked");
+        }
+    }
+}
+
+struct ReadPool {
+    path: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+    permits: Arc<Semaphore>,
+}
+
+impl ReadPool {
+    fn take(&self) -> StoreResult<Connection> {
+        let idle = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        match idle {
+            Some(conn) => Ok(conn),
+            // A permit guarantees a pooled connection unless a read panicked and lost its one;
+            // open a replacement instead of failing.
+            None => open_reader(&self.path),
+        }
+    }
+
+    fn give_back(&self, conn: Connection) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(conn);
+        }
+    }
+}
+
+fn configure(conn: &Connection) -> StoreResult<()> {
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(db_err)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    conn.pragma_update(None, "foreign_keys", "ON")
+        .map_err(db_err)
+}
+
+fn open_reader(path: &Path) -> StoreResult<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags).map_err(db_err)?;
+    configure(&conn)?;
+    Ok(conn)
+}
+
+fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
+    if let Some(dir) = opts.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
+    }
+    let mut conn = Connection::open(&opts.path).map_err(db_err)?;
+    configure(&conn)?;
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .map_err(db_err)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Backend(format!(
+            "journal_mode is {mode}, WAL required"
+        )));
+    }
+    conn.pragma_update(None, "synchronous", opts.synchronous.pragma())
+        .map_err(db_err)?;
+    schema::migrate(&mut conn)?;
+    Ok(conn)
+}
+
+impl SqliteStore {
+    /// Opens (creating when missing) and migrates the database, then starts the writer thread.
+    pub async fn open(opts: SqliteOptions) -> StoreResult<SqliteStore> {
+        tokio::task::spawn_blocking(move || Self::open_blocking(opts))
+            .await
+            .map_err(|e| StoreError::Backend(format!("open task failed: {e}")))?
+    }
+
+    fn open_blocking(opts: SqliteOptions) -> StoreResult<SqliteStore> {
+        let conn = open_writer(&opts)?;
+        // Readers open after the writer so the WAL and shared-memory files exist for them.
+        let count = opts.readers.max(1);
+        let idle = (0..count)
+            .map(|_| open_reader(&opts.path))
+            .collect::<StoreResult<Vec<_>>>()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = writer::spawn(conn, rx)?;
+        tracing::info!(path = %opts.path.display(), readers = count, "sqlite store open");
+        Ok(SqliteStore {
+            inner: Arc::new(Inner {
+                jobs: Some(tx),
+                writer: Some(writer),
+                readers: Arc::new(ReadPool {
+                    path: opts.path,
+                    idle: Mutex::new(idle),
+                    permits: Arc::new(Semaphore::new(count)),
+                }),
+            }),
+        })
+    }
+
+    /// Queues `work` for the writer; resolves once the transaction holding it has committed.
+    async fn write<T, F>(&self, work: F) -> StoreResult<T>
+    where
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let closed = || StoreError::Backend("sqlite writer stopped".to_owned());
+        let (job, reply) = writer::job(work);
+        let jobs = self.inner.jobs.as_ref().ok_or_else(closed)?;
+        jobs.send(job).map_err(|_| closed())?;
+        reply.await.map_err(|_| closed())?
+    }
+
+    /// Runs `work` on a pooled read-only connection in the blocking pool.
+    async fn read<T, F>(&self, work: F) -> StoreResult<T>
+    where
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let pool = Arc::clone(&self.inner.readers);
+        let permit = Arc::clone(&pool.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| StoreError::Backend("sqlite read pool closed".to_owned()))?;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let conn = pool.take()?;
+            let result = work(&conn);
+            pool.give_back(conn);
+            result
+        })
+        .await
+        .map_err(|e| StoreError::Backend(format!("sqlite read task failed: {e}")))?
+    }
+}
+
+#[async_trait]
+impl SessionStore for SqliteStore {
+    async fn create_session(&self, session: NewSession) -> StoreResult<()> {
+        self.write(move |c| ops::insert_session(c, &session)).await
+    }
+
+    async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>> {
+        self.read(move |c| ops::get_session(c, id)).await
+    }
+
+    async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>> {
+        let token_hash = token_hash.to_owned();
+        self.read(move |c| ops::find_session_by_token(c, &token_hash))
+            .await
+    }
+
+    async fn latest_suspended_for_agent(
+        &self,
+        agent_id: &str,
+    ) -> StoreResult<Option<SessionRecord>> {
+        let agent_id = agent_id.to_owned();
+        self.read(move |c| ops::latest_suspended_for_agent(c, &agent_id))
+            .await
+    }
+
+    async fn update_status(
+        &self,
+        id: Uuid,
+        to: SessionStatus,
+        now: Timestamp,
+    ) -> StoreResult<SessionStatus> {
+        self.write(move |c| ops::update_status(c, id, to, now))
+            .await
+    }
+
+    async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord> {
+        self.write(move |c| ops::mark_attached(c, id, now)).await
+    }
+
+    /// One row per status in `SessionStatus::ALL` order, zero counts included.
+    async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
+        self.read(ops::count_sessions_by_status).await
+    }
+}
+
+#[async_trait]
+impl MessageStore for SqliteStore {
+    async fn list_messages(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<MessageRecord>> {
+        self.read(move |c| ops::list_messages(c, session_id, after, Some(limit)))
+            .await
+    }
+
+    async fn history(&self, session_id: Uuid) -> StoreResult<Vec<MessageRecord>> {
+        self.read(move |c| ops::list_messages(c, session_id, None, None))
+            .await
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for SqliteStore {
+    async fn latest_snapshot(
+        &self,
+        session_id: Uuid,
+        kind: Option<SnapshotKind>,
+    ) -> StoreResult<Option<SnapshotRecord>> {
+        self.read(move |c| ops::latest_snapshot(c, session_id, kind))
+            .await
+    }
+
+    async fn get_snapshot(&self, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
+        self.read(move |c| ops::get_snapshot(c, id)).await
+    }
+
+    /// Newest first.
+    async fn list_snapshots(
+        &self,
+        session_id: Uuid,
+        limit: u32,
+    ) -> StoreResult<Vec<SnapshotRecord>> {
+        self.read(move |c| ops::list_snapshots(c, session_id, limit))
+            .await
+    }
+}
+
+#[async_trait]
+impl TetherStore for SqliteStore {
+    async fn tether_pending(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<TetherEntry>> {
+        self.read(move |c| ops::tether_pending(c, session_id, after, limit))
+            .await
+    }
+
+    async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64> {
+        self.read(move |c| ops::tether_count(c, session_id)).await
+    }
+
+    async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
+        self.write(move |c| ops::tether_ack(c, session_id, up_to))
+            .await
+    }
+
+    async fn tether_remove(&self, session_id: Uuid, seqs: &[u64]) -> StoreResult<u64> {
+        let seqs = seqs.to_vec();
+        self.write(move |c| ops::tether_remove(c, session_id, &seqs))
+            .await
+    }
+
+    async fn tether_depth_total(&self) -> StoreResult<u64> {
+        self.read(ops::tether_depth_total).await
+    }
+}
+
+#[async_trait]
+impl TurnStore for SqliteStore {
+    async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
+        self.write(move |c| ops::begin_turn(c, &begin)).await
+    }
+
+    async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
+        self.write(move |c| ops::finish_turn(c, &finish)).await
+    }
+
+    async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()> {
+        self.write(move |c| ops::fail_turn(c, &fail)).await
+    }
+
+    async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>> {
+        self.write(move |c| ops::recover_interrupted_turns(c, now))
+            .await
+    }
+
+    async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
+        self.read(move |c| ops::get_turn(c, turn_id)).await
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for SqliteStore {
+    async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        let key = key.to_owned();
+        self.read(move |c| ops::get_idempotency(c, &key)).await
+    }
+}

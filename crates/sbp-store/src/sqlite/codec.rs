@@ -1,0 +1,228 @@
+//! Conversions between the store's records and SQLite columns: RFC 3339 text timestamps, hyphenated
+//! UUID text, JSON text, and u64 counters kept as i64.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use rusqlite::types::Type;
+use rusqlite::{ErrorCode, Row};
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::{
+    IdempotencyRecord, IdempotencyState, MessageRecord, SessionRecord, SnapshotRecord, StoreError,
+    TetherEntry, Timestamp, TurnRecord, TurnState,
+};
+
+/// Maps a SQLite error to the store's error: unique and primary-key violations are the caller's
+/// `Conflict`; everything else is a backend failure.
+pub(crate) fn db_err(err: rusqlite::Error) -> StoreError {
+    if let rusqlite::Error::SqliteFailure(code, msg) = &err
+        && code.code == ErrorCode::ConstraintViolation
+        && matches!(
+            code.extended_code,
+            rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE | rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY
+        )
+    {
+        return StoreError::Conflict(msg.clone().unwrap_or_else(|| "duplicate key".to_owned()));
+    }
+    StoreError::Backend(err.to_string())
+}
+
+/// Fixed-width UTC text (`2024-01-02T03:04:05.123456Z`), so text order is time order and indexes on
+/// timestamp columns sort correctly. Precision below a microsecond is dropped.
+pub(crate) fn ts(t: &Timestamp) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+pub(crate) fn uuid(id: &Uuid) -> String {
+    id.hyphenated().to_string()
+}
+
+pub(crate) fn json(v: &Value) -> Result<String, StoreError> {
+    serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("encode json: {e}")))
+}
+
+pub(crate) fn int(v: u64) -> Result<i64, StoreError> {
+    i64::try_from(v).map_err(|_| StoreError::Backend(format!("counter {v} exceeds the i64 range")))
+}
+
+pub(crate) fn turn_state(s: TurnState) -> &'static str {
+    match s {
+        TurnState::Running => "running",
+        TurnState::Done => "done",
+        TurnState::Failed => "failed",
+    }
+}
+
+pub(crate) fn idem_state(s: IdempotencyState) -> &'static str {
+    match s {
+        IdempotencyState::InProgress => "in_progress",
+        IdempotencyState::Failed => "failed",
+        IdempotencyState::Done => "done",
+    }
+}
+
+fn bad(idx: usize, what: String) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(idx, Type::Text, what.into())
+}
+
+fn col_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Timestamp> {
+    let s: String = row.get(idx)?;
+    DateTime::parse_from_rfc3339(&s)
+        .map(|d| d.with_timezone(&Utc))
+        .map_err(|e| bad(idx, format!("timestamp {s:?}: {e}")))
+}
+
+fn col_opt_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Timestamp>> {
+    match row.get::<_, Option<String>>(idx)? {
+        None => Ok(None),
+        Some(_) => col_ts(row, idx).map(Some),
+    }
+}
+
+fn col_uuid(row: &Row<'_>, idx: usize) -> rusqlite::Result<Uuid> {
+    let s: String = row.get(idx)?;
+    Uuid::parse_str(&s).map_err(|e| bad(idx, format!("uuid {s:?}: {e}")))
+}
+
+fn col_json(row: &Row<'_>, idx: usize) -> rusqlite::Result<Value> {
+    let s: String = row.get(idx)?;
+    serde_json::from_str(&s).map_err(|e| bad(idx, format!("json: {e}")))
+}
+
+fn col_opt_json(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Value>> {
+    match row.get::<_, Option<String>>(idx)? {
+        None => Ok(None),
+        Some(_) => col_json(row, idx).map(Some),
+    }
+}
+
+fn col_u64(row: &Row<'_>, idx: usize) -> rusqlite::Result<u64> {
+    let v: i64 = row.get(idx)?;
+    u64::try_from(v).map_err(|_| rusqlite::Error::IntegralValueOutOfRange(idx, v))
+}
+
+pub(crate) fn col_status(row: &Row<'_>, idx: usize) -> rusqlite::Result<SessionStatus> {
+    let s: String = row.get(idx)?;
+    SessionStatus::parse(&s).ok_or_else(|| bad(idx, format!("session status {s:?}")))
+}
+
+fn col_kind(row: &Row<'_>, idx: usize) -> rusqlite::Result<SnapshotKind> {
+    let s: String = row.get(idx)?;
+    SnapshotKind::parse(&s).ok_or_else(|| bad(idx, format!("snapshot kind {s:?}")))
+}
+
+fn col_turn_state(row: &Row<'_>, idx: usize) -> rusqlite::Result<TurnState> {
+    let s: String = row.get(idx)?;
+    [TurnState::Running, TurnState::Done, TurnState::Failed]
+        .into_iter()
+        .find(|st| turn_state(*st) == s)
+        .ok_or_else(|| bad(idx, format!("turn state {s:?}")))
+}
+
+fn col_idem_state(row: &Row<'_>, idx: usize) -> rusqlite::Result<IdempotencyState> {
+    let s: String = row.get(idx)?;
+    [
+        IdempotencyState::InProgress,
+        IdempotencyState::Failed,
+        IdempotencyState::Done,
+    ]
+    .into_iter()
+    .find(|st| idem_state(*st) == s)
+    .ok_or_else(|| bad(idx, format!("idempotency state {s:?}")))
+}
+
+pub(crate) const SESSION_COLS: &str = "id, agent_id, token_hash, status, step_count, message_count, \
+     last_task, model, tether_enabled, created_at, updated_at, metadata";
+
+pub(crate) fn session_row(row: &Row<'_>) -> rusqlite::Result<SessionRecord> {
+    Ok(SessionRecord {
+        id: col_uuid(row, 0)?,
+        agent_id: row.get(1)?,
+        token_hash: row.get(2)?,
+        status: col_status(row, 3)?,
+        step_count: col_u64(row, 4)?,
+        message_count: col_u64(row, 5)?,
+        last_task: row.get(6)?,
+        model: row.get(7)?,
+        tether_enabled: row.get(8)?,
+        created_at: col_ts(row, 9)?,
+        updated_at: col_ts(row, 10)?,
+        metadata: col_json(row, 11)?,
+    })
+}
+
+pub(crate) const MESSAGE_COLS: &str = "seq, role, body, model_used, cost_usd, created_at";
+
+pub(crate) fn message_row(row: &Row<'_>) -> rusqlite::Result<MessageRecord> {
+    Ok(MessageRecord {
+        seq: col_u64(row, 0)?,
+        role: row.get(1)?,
+        body: col_json(row, 2)?,
+        model_used: row.get(3)?,
+        cost_usd: row.get(4)?,
+        created_at: col_ts(row, 5)?,
+    })
+}
+
+pub(crate) const SNAPSHOT_COLS: &str =
+    "id, session_id, kind, step_count, message_count, model, current_task, created_at, state";
+
+pub(crate) fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
+    Ok(SnapshotRecord {
+        id: col_uuid(row, 0)?,
+        session_id: col_uuid(row, 1)?,
+        kind: col_kind(row, 2)?,
+        step_count: col_u64(row, 3)?,
+        message_count: col_u64(row, 4)?,
+        model: row.get(5)?,
+        current_task: row.get(6)?,
+        created_at: col_ts(row, 7)?,
+        state: col_json(row, 8)?,
+    })
+}
+
+pub(crate) const TETHER_COLS: &str =
+    "session_id, seq, role, content, model_used, created_at, chunk_id";
+
+pub(crate) fn tether_row(row: &Row<'_>) -> rusqlite::Result<TetherEntry> {
+    Ok(TetherEntry {
+        session_id: col_uuid(row, 0)?,
+        seq: col_u64(row, 1)?,
+        role: row.get(2)?,
+        content: row.get(3)?,
+        model_used: row.get(4)?,
+        created_at: col_ts(row, 5)?,
+        chunk_id: col_uuid(row, 6)?,
+    })
+}
+
+pub(crate) const TURN_COLS: &str = "id, session_id, state, started_at, finished_at, error";
+
+pub(crate) fn turn_row(row: &Row<'_>) -> rusqlite::Result<TurnRecord> {
+    Ok(TurnRecord {
+        id: col_uuid(row, 0)?,
+        session_id: col_uuid(row, 1)?,
+        state: col_turn_state(row, 2)?,
+        started_at: col_ts(row, 3)?,
+        finished_at: col_opt_ts(row, 4)?,
+        error: row.get(5)?,
+    })
+}
+
+pub(crate) const IDEMPOTENCY_COLS: &str = "key, session_id, fingerprint, state, created_session, \
+     response_status, response_body, created_at, updated_at";
+
+pub(crate) fn idempotency_row(row: &Row<'_>) -> rusqlite::Result<IdempotencyRecord> {
+    Ok(IdempotencyRecord {
+        key: row.get(0)?,
+        session_id: col_uuid(row, 1)?,
+        fingerprint: row.get(2)?,
+        state: col_idem_state(row, 3)?,
+        created_session: row.get(4)?,
+        response_status: row.get(5)?,
+        response_body: col_opt_json(row, 6)?,
+        created_at: col_ts(row, 7)?,
+        updated_at: col_ts(row, 8)?,
+    })
+}

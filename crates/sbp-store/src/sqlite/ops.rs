@@ -1,0 +1,687 @@
+//! The store's operations as plain synchronous functions on a connection. Writes run on the writer
+//! thread inside a savepoint, so returning `Err` at any point undoes everything the function did.
+
+use rusqlite::{Connection, OptionalExtension, params};
+use sbp_protocol::SessionStatus;
+use uuid::Uuid;
+
+use super::codec::{
+    IDEMPOTENCY_COLS, MESSAGE_COLS, SESSION_COLS, SNAPSHOT_COLS, TETHER_COLS, TURN_COLS,
+    col_status, db_err, idem_state, idempotency_row, int, json, message_row, session_row,
+    snapshot_row, tether_row, ts, turn_row, turn_state, uuid,
+};
+use crate::{
+    BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
+    IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, NewTetherEntry,
+    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnRecord,
+    TurnState,
+};
+
+/// Error text of turns failed by `recover_interrupted_turns`.
+pub(crate) const INTERRUPTED: &str = "interrupted by gateway restart";
+
+fn conflict(msg: impl Into<String>) -> StoreError {
+    StoreError::Conflict(msg.into())
+}
+
+// ---- sessions ----
+
+pub(crate) fn insert_session(conn: &Connection, s: &NewSession) -> StoreResult<()> {
+    let created = ts(&s.created_at);
+    let metadata = json(&s.metadata)?;
+    conn.prepare_cached(
+        "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, metadata) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            uuid(&s.id),
+            s.agent_id,
+            s.token_hash,
+            SessionStatus::Idle.as_str(),
+            created,
+            metadata,
+        ])
+    })
+    .map_err(db_err)?;
+    Ok(())
+}
+
+pub(crate) fn get_session(conn: &Connection, id: Uuid) -> StoreResult<Option<SessionRecord>> {
+    conn.prepare_cached(&format!(
+        "SELECT {SESSION_COLS} FROM sessions WHERE id = ?1"
+    ))
+    .and_then(|mut st| st.query_row([uuid(&id)], session_row).optional())
+    .map_err(db_err)
+}
+
+pub(crate) fn find_session_by_token(
+    conn: &Connection,
+    token_hash: &str,
+) -> StoreResult<Option<SessionRecord>> {
+    conn.prepare_cached(&format!(
+        "SELECT {SESSION_COLS} FROM sessions WHERE token_hash = ?1"
+    ))
+    .and_then(|mut st| st.query_row([token_hash], session_row).optional())
+    .map_err(db_err)
+}
+
+pub(crate) fn latest_suspended_for_agent(
+    conn: &Connection,
+    agent_id: &str,
+) -> StoreResult<Option<SessionRecord>> {
+    // `rowid` breaks ties between sessions updated in the same microsecond: the later insert wins.
+    conn.prepare_cached(&format!(
+        "SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND status = 'suspended' \
+         ORDER BY updated_at DESC, rowid DESC LIMIT 1"
+    ))
+    .and_then(|mut st| st.query_row([agent_id], session_row).optional())
+    .map_err(db_err)
+}
+
+fn require_session(conn: &Connection, id: Uuid) -> StoreResult<SessionRecord> {
+    get_session(conn, id)?.ok_or(StoreError::NotFound)
+}
+
+fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreResult<()> {
+    if from.can_transition(to) {
+        Ok(())
+    } else {
+        Err(conflict(format!(
+            "session status cannot change from {from} to {to}"
+        )))
+    }
+}
+
+pub(crate) fn update_status(
+    conn: &Connection,
+    id: Uuid,
+    to: SessionStatus,
+    now: Timestamp,
+) -> StoreResult<SessionStatus> {
+    let current = require_session(conn, id)?.status;
+    check_transition(current, to)?;
+    conn.prepare_cached("UPDATE sessions SET status = ?2, updated_at = ?3 WHERE id = ?1")
+        .and_then(|mut st| st.execute(params![uuid(&id), to.as_str(), ts(&now)]))
+        .map_err(db_err)?;
+    Ok(current)
+}
+
+pub(crate) fn mark_attached(
+    conn: &Connection,
+    id: Uuid,
+    now: Timestamp,
+) -> StoreResult<SessionRecord> {
+    conn.prepare_cached(&format!(
+        "UPDATE sessions SET tether_enabled = 1, updated_at = ?2, \
+         status = CASE WHEN status IN ('suspended', 'idle') THEN 'running' ELSE status END \
+         WHERE id = ?1 RETURNING {SESSION_COLS}"
+    ))
+    .and_then(|mut st| {
+        st.query_row(params![uuid(&id), ts(&now)], session_row)
+            .optional()
+    })
+    .map_err(db_err)?
+    .ok_or(StoreError::NotFound)
+}
+
+/// Every status, zero counts included, in `SessionStatus::ALL` order.
+pub(crate) fn count_sessions_by_status(
+    conn: &Connection,
+) -> StoreResult<Vec<(SessionStatus, u64)>> {
+    let mut counts: Vec<(SessionStatus, u64)> =
+        SessionStatus::ALL.iter().map(|s| (*s, 0)).collect();
+    let rows = conn
+        .prepare_cached("SELECT status, COUNT(*) FROM sessions GROUP BY status")
+        .and_then(|mut st| {
+            st.query_map([], |r| Ok((col_status(r, 0)?, r.get::<_, i64>(1)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map_err(db_err)?;
+    for (status, n) in rows {
+        if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == status) {
+            // COUNT(*) is never negative.
+            slot.1 = u64::try_from(n).unwrap_or(0);
+        }
+    }
+    Ok(counts)
+}
+
+// ---- messages ----
+
+/// Appends at the end of the transcript and bumps `message_count`; returns the seq of the first one.
+fn append_messages(conn: &Connection, session: Uuid, messages: &[NewMessage]) -> StoreResult<u64> {
+    let sid = uuid(&session);
+    let start: i64 = conn
+        .prepare_cached("SELECT message_count FROM sessions WHERE id = ?1")
+        .and_then(|mut st| st.query_row([&sid], |r| r.get(0)).optional())
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)?;
+    if !messages.is_empty() {
+        let mut insert = conn
+            .prepare_cached(
+                "INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )
+            .map_err(db_err)?;
+        let mut seq = start;
+        for m in messages {
+            insert
+                .execute(params![
+                    sid,
+                    seq,
+                    m.role,
+                    json(&m.body)?,
+                    m.model_used,
+                    m.cost_usd,
+                    ts(&m.created_at)
+                ])
+                .map_err(db_err)?;
+            seq += 1;
+        }
+        conn.prepare_cached("UPDATE sessions SET message_count = ?2 WHERE id = ?1")
+            .and_then(|mut st| st.execute(params![sid, seq]))
+            .map_err(db_err)?;
+    }
+    u64::try_from(start).map_err(|_| StoreError::Backend("negative message_count".to_owned()))
+}
+
+pub(crate) fn list_messages(
+    conn: &Connection,
+    session: Uuid,
+    after: Option<u64>,
+    limit: Option<u32>,
+) -> StoreResult<Vec<MessageRecord>> {
+    // `after = None` means from the start: seq >= 0, i.e. seq > -1.
+    let after = match after {
+        Some(a) => int(a)?,
+        None => -1,
+    };
+    // SQLite reads a negative LIMIT as "no limit".
+    let limit = limit.map_or(-1, i64::from);
+    conn.prepare_cached(&format!(
+        "SELECT {MESSAGE_COLS} FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+    ))
+    .and_then(|mut st| {
+        st.query_map(params![uuid(&session), after, limit], message_row)?
+            .collect()
+    })
+    .map_err(db_err)
+}
+
+// ---- snapshots ----
+
+/// Writes a snapshot carrying the session's counts as they are now in this transaction.
+fn insert_snapshot(
+    conn: &Connection,
+    session: Uuid,
+    snap: &NewSnapshot,
+) -> StoreResult<SnapshotRecord> {
+    let state = json(&snap.state)?;
+    conn.prepare_cached(&format!(
+        "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, current_task, \
+         created_at, state) \
+         SELECT ?1, id, ?2, step_count, message_count, ?3, ?4, ?5, ?6 FROM sessions WHERE id = ?7 \
+         RETURNING {SNAPSHOT_COLS}"
+    ))
+    .and_then(|mut st| {
+        st.query_row(
+            params![
+                uuid(&snap.id),
+                snap.kind.as_str(),
+                snap.model,
+                snap.current_task,
+                ts(&snap.created_at),
+                state,
+                uuid(&session),
+            ],
+            snapshot_row,
+        )
+        .optional()
+    })
+    .map_err(db_err)?
+    .ok_or(StoreError::NotFound)
+}
+
+pub(crate) fn latest_snapshot(
+    conn: &Connection,
+    session: Uuid,
+    kind: Option<sbp_protocol::SnapshotKind>,
+) -> StoreResult<Option<SnapshotRecord>> {
+    let sid = uuid(&session);
+    let found = match kind {
+        Some(kind) => conn
+            .prepare_cached(&format!(
+                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 AND kind = ?2 \
+                 ORDER BY ord DESC LIMIT 1"
+            ))
+            .and_then(|mut st| st.query_row(params![sid, kind.as_str()], snapshot_row).optional()),
+        None => conn
+            .prepare_cached(&format!(
+                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT 1"
+            ))
+            .and_then(|mut st| st.query_row([sid], snapshot_row).optional()),
+    };
+    found.map_err(db_err)
+}
+
+pub(crate) fn get_snapshot(conn: &Connection, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
+    conn.prepare_cached(&format!(
+        "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?1"
+    ))
+    .and_then(|mut st| st.query_row([uuid(&id)], snapshot_row).optional())
+    .map_err(db_err)
+}
+
+pub(crate) fn list_snapshots(
+    conn: &Connection,
+    session: Uuid,
+    limit: u32,
+) -> StoreResult<Vec<SnapshotRecord>> {
+    conn.prepare_cached(&format!(
+        "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT ?2"
+    ))
+    .and_then(|mut st| {
+        st.query_map(params![uuid(&session), i64::from(limit)], snapshot_row)?
+            .collect()
+    })
+    .map_err(db_err)
+}
+
+// ---- tether ----
+
+fn insert_tether(conn: &Connection, session: Uuid, entry: &NewTetherEntry) -> StoreResult<u64> {
+    let sid = uuid(&session);
+    // Taking the seq from the session row (not MAX(seq) of the table) keeps it growing after the
+    // newest entries were acknowledged or removed.
+    let seq: i64 = conn
+        .prepare_cached("UPDATE sessions SET tether_seq = tether_seq + 1 WHERE id = ?1 RETURNING tether_seq - 1")
+        .and_then(|mut st| st.query_row([&sid], |r| r.get(0)).optional())
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)?;
+    conn.prepare_cached(
+        "INSERT INTO tether (session_id, seq, role, content, model_used, created_at, chunk_id) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            sid,
+            seq,
+            entry.role,
+            entry.content,
+            entry.model_used,
+            ts(&entry.created_at),
+            uuid(&entry.chunk_id)
+        ])
+    })
+    .map_err(db_err)?;
+    u64::try_from(seq).map_err(|_| StoreError::Backend("negative tether seq".to_owned()))
+}
+
+pub(crate) fn tether_pending(
+    conn: &Connection,
+    session: Uuid,
+    after: Option<u64>,
+    limit: u32,
+) -> StoreResult<Vec<TetherEntry>> {
+    let after = match after {
+        Some(a) => int(a)?,
+        None => 0,
+    };
+    conn.prepare_cached(&format!(
+        "SELECT {TETHER_COLS} FROM tether WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+    ))
+    .and_then(|mut st| {
+        st.query_map(params![uuid(&session), after, i64::from(limit)], tether_row)?
+            .collect()
+    })
+    .map_err(db_err)
+}
+
+fn count(conn: &Connection, sql: &str, p: impl rusqlite::Params) -> StoreResult<u64> {
+    let n: i64 = conn
+        .prepare_cached(sql)
+        .and_then(|mut st| st.query_row(p, |r| r.get(0)))
+        .map_err(db_err)?;
+    // COUNT(*) is never negative.
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+pub(crate) fn tether_count(conn: &Connection, session: Uuid) -> StoreResult<u64> {
+    count(
+        conn,
+        "SELECT COUNT(*) FROM tether WHERE session_id = ?1",
+        [uuid(&session)],
+    )
+}
+
+pub(crate) fn tether_depth_total(conn: &Connection) -> StoreResult<u64> {
+    count(conn, "SELECT COUNT(*) FROM tether", [])
+}
+
+pub(crate) fn tether_ack(conn: &Connection, session: Uuid, up_to: u64) -> StoreResult<u64> {
+    // Clamp rather than fail: "everything up to a huge seq" is simply everything.
+    let up_to = i64::try_from(up_to).unwrap_or(i64::MAX);
+    let n = conn
+        .prepare_cached("DELETE FROM tether WHERE session_id = ?1 AND seq <= ?2")
+        .and_then(|mut st| st.execute(params![uuid(&session), up_to]))
+        .map_err(db_err)?;
+    Ok(n as u64)
+}
+
+pub(crate) fn tether_remove(conn: &Connection, session: Uuid, seqs: &[u64]) -> StoreResult<u64> {
+    let sid = uuid(&session);
+    let mut delete = conn
+        .prepare_cached("DELETE FROM tether WHERE session_id = ?1 AND seq = ?2")
+        .map_err(db_err)?;
+    let mut removed = 0u64;
+    for &seq in seqs {
+        // A seq beyond i64 was never handed out, so there is nothing to remove.
+        let Ok(seq) = i64::try_from(seq) else {
+            continue;
+        };
+        removed += delete.execute(params![sid, seq]).map_err(db_err)? as u64;
+    }
+    Ok(removed)
+}
+
+// ---- turns ----
+
+pub(crate) fn get_turn(conn: &Connection, id: Uuid) -> StoreResult<Option<TurnRecord>> {
+    conn.prepare_cached(&format!("SELECT {TURN_COLS} FROM turns WHERE id = ?1"))
+        .and_then(|mut st| st.query_row([uuid(&id)], turn_row).optional())
+        .map_err(db_err)
+}
+
+fn set_session_fields(
+    conn: &Connection,
+    session: Uuid,
+    status: Option<SessionStatus>,
+    last_task: Option<&str>,
+    model: Option<&str>,
+    now: Timestamp,
+) -> StoreResult<SessionRecord> {
+    conn.prepare_cached(&format!(
+        "UPDATE sessions SET status = COALESCE(?2, status), last_task = COALESCE(?3, last_task), \
+         model = COALESCE(?4, model), updated_at = ?5 WHERE id = ?1 RETURNING {SESSION_COLS}"
+    ))
+    .and_then(|mut st| {
+        st.query_row(
+            params![
+                uuid(&session),
+                status.map(SessionStatus::as_str),
+                last_task,
+                model,
+                ts(&now)
+            ],
+            session_row,
+        )
+        .optional()
+    })
+    .map_err(db_err)?
+    .ok_or(StoreError::NotFound)
+}
+
+pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginTurnOutcome> {
+    let now = ts(&b.now);
+    let sid = uuid(&b.session_id);
+    if let Some(create) = &b.create {
+        if create.id != b.session_id {
+            return Err(conflict("begin_turn: create.id differs from session_id"));
+        }
+        insert_session(conn, create)?;
+    }
+    let session = require_session(conn, b.session_id)?;
+    if let Some(to) = b.status {
+        check_transition(session.status, to)?;
+    }
+    if let Some(idem) = &b.idempotency {
+        let exists = conn
+            .prepare_cached("SELECT 1 FROM idempotency WHERE key = ?1")
+            .and_then(|mut st| st.exists([&idem.key]))
+            .map_err(db_err)?;
+        if exists {
+            return Err(conflict("idempotency key exists"));
+        }
+        conn.prepare_cached(
+            "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, created_session, \
+             created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+        )
+        .and_then(|mut st| {
+            st.execute(params![
+                idem.key,
+                sid,
+                uuid(&b.turn_id),
+                idem.fingerprint,
+                idem_state(IdempotencyState::InProgress),
+                idem.created_session,
+                now
+            ])
+        })
+        .map_err(db_err)?;
+    }
+    if let Some(key) = &b.retry_key {
+        let n = conn
+            .prepare_cached(
+                "UPDATE idempotency SET state = ?4, turn_id = ?3, updated_at = ?5 \
+                 WHERE key = ?1 AND session_id = ?2 AND state = ?6",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    key,
+                    sid,
+                    uuid(&b.turn_id),
+                    idem_state(IdempotencyState::InProgress),
+                    now,
+                    idem_state(IdempotencyState::Failed)
+                ])
+            })
+            .map_err(db_err)?;
+        if n == 0 {
+            return Err(conflict(
+                "idempotency key is not a failed request of this session",
+            ));
+        }
+    }
+    conn.prepare_cached(
+        "INSERT INTO turns (id, session_id, state, started_at) VALUES (?1, ?2, ?3, ?4)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            uuid(&b.turn_id),
+            sid,
+            turn_state(TurnState::Running),
+            now
+        ])
+    })
+    .map_err(db_err)?;
+    append_messages(conn, b.session_id, &b.new_messages)?;
+    let session = set_session_fields(
+        conn,
+        b.session_id,
+        b.status,
+        b.last_task.as_deref(),
+        b.model.as_deref(),
+        b.now,
+    )?;
+    let pre_action_snapshot = match &b.pre_action {
+        Some(snap) => Some(insert_snapshot(conn, b.session_id, snap)?),
+        None => None,
+    };
+    Ok(BeginTurnOutcome {
+        session,
+        pre_action_snapshot,
+    })
+}
+
+pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<FinishTurnOutcome> {
+    let now = ts(&f.now);
+    let sid = uuid(&f.session_id);
+    require_session(conn, f.session_id)?;
+    if let Some(turn) = f.turn_id {
+        let n = conn
+            .prepare_cached(
+                "UPDATE turns SET state = ?3, finished_at = ?4 \
+                 WHERE id = ?1 AND session_id = ?2 AND state = ?5",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    uuid(&turn),
+                    sid,
+                    turn_state(TurnState::Done),
+                    now,
+                    turn_state(TurnState::Running)
+                ])
+            })
+            .map_err(db_err)?;
+        if n == 0 {
+            return Err(conflict("turn is not running in this session"));
+        }
+    }
+    let first_message_seq = append_messages(conn, f.session_id, &f.messages)?;
+    let session = conn
+        .prepare_cached(&format!(
+            "UPDATE sessions SET step_count = step_count + ?2, updated_at = ?3 WHERE id = ?1 \
+             RETURNING {SESSION_COLS}"
+        ))
+        .and_then(|mut st| st.query_row(params![sid, i64::from(f.count_step), now], session_row))
+        .map_err(db_err)?;
+    let post_action_snapshot = match &f.post_action {
+        Some(snap) => Some(insert_snapshot(conn, f.session_id, snap)?),
+        None => None,
+    };
+    let checkpoint_snapshot = match &f.checkpoint {
+        Some((snap, every))
+            if f.count_step && *every > 0 && session.step_count % u64::from(*every) == 0 =>
+        {
+            Some(insert_snapshot(conn, f.session_id, snap)?)
+        }
+        _ => None,
+    };
+    let tether_seq = match &f.tether {
+        Some(entry) => Some(insert_tether(conn, f.session_id, entry)?),
+        None => None,
+    };
+    if let Some((key, status, body)) = &f.idempotency_done {
+        let body = json(body)?;
+        let n = conn
+            .prepare_cached(
+                "UPDATE idempotency SET state = ?3, response_status = ?4, response_body = ?5, \
+                 updated_at = ?6 WHERE key = ?1 AND session_id = ?2",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    key,
+                    sid,
+                    idem_state(IdempotencyState::Done),
+                    status,
+                    body,
+                    now
+                ])
+            })
+            .map_err(db_err)?;
+        if n == 0 {
+            return Err(conflict("idempotency key was not claimed by this session"));
+        }
+    }
+    Ok(FinishTurnOutcome {
+        session,
+        tether_seq,
+        post_action_snapshot,
+        checkpoint_snapshot,
+        first_message_seq,
+    })
+}
+
+pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
+    let now = ts(&f.now);
+    let sid = uuid(&f.session_id);
+    let turn = get_turn(conn, f.turn_id)?
+        .filter(|t| t.session_id == f.session_id)
+        .ok_or(StoreError::NotFound)?;
+    match turn.state {
+        TurnState::Done => return Err(conflict("turn already finished")),
+        // Already failed (e.g. by restart recovery): keep its first error, still release the key.
+        TurnState::Failed => {}
+        TurnState::Running => {
+            conn.prepare_cached(
+                "UPDATE turns SET state = ?2, finished_at = ?3, error = ?4 WHERE id = ?1",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    uuid(&f.turn_id),
+                    turn_state(TurnState::Failed),
+                    now,
+                    f.error
+                ])
+            })
+            .map_err(db_err)?;
+        }
+    }
+    if let Some(key) = &f.idempotency_key {
+        conn.prepare_cached(
+            "UPDATE idempotency SET state = ?3, updated_at = ?4 \
+             WHERE key = ?1 AND session_id = ?2 AND state = ?5",
+        )
+        .and_then(|mut st| {
+            st.execute(params![
+                key,
+                sid,
+                idem_state(IdempotencyState::Failed),
+                now,
+                idem_state(IdempotencyState::InProgress)
+            ])
+        })
+        .map_err(db_err)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn recover_interrupted_turns(
+    conn: &Connection,
+    now: Timestamp,
+) -> StoreResult<Vec<TurnRecord>> {
+    let now = ts(&now);
+    let turns: Vec<TurnRecord> = conn
+        .prepare_cached(&format!(
+            "UPDATE turns SET state = ?1, finished_at = ?2, error = ?3 WHERE state = ?4 RETURNING {TURN_COLS}"
+        ))
+        .and_then(|mut st| {
+            st.query_map(
+                params![turn_state(TurnState::Failed), now, INTERRUPTED, turn_state(TurnState::Running)],
+                turn_row,
+            )?
+            .collect()
+        })
+        .map_err(db_err)?;
+    // The keys those turns held would otherwise stay in progress forever and block every retry.
+    let mut release = conn
+        .prepare_cached(
+            "UPDATE idempotency SET state = ?2, updated_at = ?3 WHERE turn_id = ?1 AND state = ?4",
+        )
+        .map_err(db_err)?;
+    for t in &turns {
+        release
+            .execute(params![
+                uuid(&t.id),
+                idem_state(IdempotencyState::Failed),
+                now,
+                idem_state(IdempotencyState::InProgress)
+            ])
+            .map_err(db_err)?;
+    }
+    Ok(turns)
+}
+
+// ---- idempotency ----
+
+pub(crate) fn get_idempotency(
+    conn: &Connection,
+    key: &str,
+) -> StoreResult<Option<IdempotencyRecord>> {
+    conn.prepare_cached(&format!(
+        "SELECT {IDEMPOTENCY_COLS} FROM idempotency WHERE key = ?1"
+    ))
+    .and_then(|mut st| st.query_row([key], idempotency_row).optional())
+    .map_err(db_err)
+}

@@ -1,0 +1,125 @@
+//! The SQLite schema as an ordered list of migrations; `PRAGMA user_version` records how many have run,
+//! so a later version appends a migration and never edits an old one.
+
+use rusqlite::Connection;
+
+use super::codec::db_err;
+use crate::{StoreError, StoreResult};
+
+/// Migration `i` moves the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[
+    // v1: the first schema.
+    r#"
+    CREATE TABLE sessions (
+        id             TEXT PRIMARY KEY NOT NULL,
+        agent_id       TEXT NOT NULL,
+        token_hash     TEXT NOT NULL,
+        status         TEXT NOT NULL,
+        step_count     INTEGER NOT NULL DEFAULT 0,
+        message_count  INTEGER NOT NULL DEFAULT 0,
+        last_task      TEXT,
+        model          TEXT,
+        tether_enabled INTEGER NOT NULL DEFAULT 0,
+        -- The next tether seq to hand out; only ever grows, so a seq is never reused.
+        tether_seq     INTEGER NOT NULL DEFAULT 1,
+        created_at     TEXT NOT NULL,
+        updated_at     TEXT NOT NULL,
+        metadata       TEXT NOT NULL
+    );
+    CREATE UNIQUE INDEX sessions_token_hash ON sessions (token_hash);
+    CREATE INDEX sessions_agent_status_updated ON sessions (agent_id, status, updated_at);
+    CREATE INDEX sessions_status ON sessions (status);
+
+    CREATE TABLE messages (
+        session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        seq        INTEGER NOT NULL,
+        role       TEXT NOT NULL,
+        body       TEXT NOT NULL,
+        model_used TEXT,
+        cost_usd   REAL,
+        created_at TEXT NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    ) WITHOUT ROWID;
+
+    CREATE TABLE snapshots (
+        -- Insertion order: "latest" means the last written, never a timestamp tie.
+        ord           INTEGER PRIMARY KEY AUTOINCREMENT,
+        id            TEXT NOT NULL UNIQUE,
+        session_id    TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        kind          TEXT NOT NULL,
+        step_count    INTEGER NOT NULL,
+        message_count INTEGER NOT NULL,
+        model         TEXT,
+        current_task  TEXT,
+        created_at    TEXT NOT NULL,
+        state         TEXT NOT NULL
+    );
+    CREATE INDEX snapshots_session ON snapshots (session_id, ord);
+    CREATE INDEX snapshots_session_kind ON snapshots (session_id, kind, ord);
+
+    CREATE TABLE tether (
+        session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        seq        INTEGER NOT NULL,
+        role       TEXT NOT NULL,
+        content    TEXT,
+        model_used TEXT,
+        created_at TEXT NOT NULL,
+        chunk_id   TEXT NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    ) WITHOUT ROWID;
+
+    CREATE TABLE turns (
+        id          TEXT PRIMARY KEY NOT NULL,
+        session_id  TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        state       TEXT NOT NULL,
+        started_at  TEXT NOT NULL,
+        finished_at TEXT,
+        error       TEXT
+    );
+    CREATE INDEX turns_state ON turns (state);
+
+    CREATE TABLE idempotency (
+        key             TEXT PRIMARY KEY NOT NULL,
+        session_id      TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        -- The turn that claimed (or re-claimed) the key, so restart recovery can release it.
+        turn_id         TEXT,
+        fingerprint     TEXT NOT NULL,
+        state           TEXT NOT NULL,
+        created_session INTEGER NOT NULL,
+        response_status INTEGER,
+        response_body   TEXT,
+        created_at      TEXT NOT NULL,
+        updated_at      TEXT NOT NULL
+    );
+    CREATE INDEX idempotency_turn ON idempotency (turn_id);
+    "#,
+];
+
+/// Brings the database up to the latest schema in one immediate transaction, so two processes opening
+/// the same file cannot both migrate.
+pub(crate) fn migrate(conn: &mut Connection) -> StoreResult<()> {
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(db_err)?;
+    let version: i64 = tx
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(db_err)?;
+    let known = MIGRATIONS.len();
+    let applied = usize::try_from(version)
+        .map_err(|_| StoreError::Backend(format!("bad schema version {version}")))?;
+    if applied > known {
+        return Err(StoreError::Backend(format!(
+            "database schema version {applied} is newer than this build knows ({known})"
+        )));
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(applied) {
+        tx.execute_batch(sql).map_err(db_err)?;
+        tracing::info!(version = i + 1, "applied sqlite migration");
+    }
+    if applied < known {
+        // PRAGMA takes no bound parameters; `known` is a small integer we own.
+        tx.execute_batch(&format!("PRAGMA user_version = {known}"))
+            .map_err(db_err)?;
+    }
+    tx.commit().map_err(db_err)
+}

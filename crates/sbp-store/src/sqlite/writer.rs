@@ -1,0 +1,181 @@
+//! The group-commit writer: one OS thread owns the write connection, takes every queued job, runs them
+//! in one transaction (each in its own savepoint, so a failing job undoes only itself) and answers each
+//! job only after COMMIT returned, so an acknowledged write is durable.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::{Receiver, Sender};
+use std::thread::JoinHandle;
+
+use rusqlite::Connection;
+use tokio::sync::oneshot;
+
+use super::codec::db_err;
+use crate::{StoreError, StoreResult};
+
+/// How many jobs one transaction takes at most; bounds the latency a job adds to the others.
+const MAX_BATCH: usize = 512;
+
+/// A queued write, erased over its result type.
+pub(crate) trait Job: Send {
+    /// Runs the work on the writer connection; the result waits in the returned value until COMMIT.
+    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending>;
+    /// Answers without running (the transaction could not start).
+    fn abort(self: Box<Self>, err: StoreError);
+}
+
+/// A job that ran and waits for its transaction's outcome.
+pub(crate) trait Pending: Send {
+    fn succeeded(&self) -> bool;
+    /// `commit` is the outcome of the transaction the job ran in.
+    fn deliver(self: Box<Self>, commit: StoreResult<()>);
+}
+
+struct WriteJob<F, T> {
+    work: F,
+    reply: oneshot::Sender<StoreResult<T>>,
+}
+
+struct Ran<T> {
+    result: StoreResult<T>,
+    reply: oneshot::Sender<StoreResult<T>>,
+}
+
+impl<F, T> Job for WriteJob<F, T>
+where
+    F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    T: Send + 'static,
+{
+    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending> {
+        let WriteJob { work, reply } = *self;
+        // A panicking job must not take the writer thread (and with it every later write) down; the
+        // savepoint around it is rolled back like for any other failure.
+        let result = catch_unwind(AssertUnwindSafe(|| work(conn)))
+            .unwrap_or_else(|_| Err(StoreError::Backend("write job panicked".to_owned())));
+        Box::new(Ran { result, reply })
+    }
+
+    fn abort(self: Box<Self>, err: StoreError) {
+        // The caller may have gone away (cancelled future); nobody is left to tell.
+        let _ = self.reply.send(Err(err));
+    }
+}
+
+impl<T: Send + 'static> Pending for Ran<T> {
+    fn succeeded(&self) -> bool {
+        self.result.is_ok()
+    }
+
+    fn deliver(self: Box<Self>, commit: StoreResult<()>) {
+        let result = match (self.result, commit) {
+            (Ok(v), Ok(())) => Ok(v),
+            (Ok(_), Err(e)) | (Err(e), _) => Err(e),
+        };
+        let _ = self.reply.send(result);
+    }
+}
+
+/// Packs a closure and its reply channel into a job.
+pub(crate) fn job<F, T>(work: F) -> (Box<dyn Job>, oneshot::Receiver<StoreResult<T>>)
+where
+    F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    T: Send + 'static,
+{
+    let (reply, rx) = oneshot::channel();
+    (Box::new(WriteJob { work, reply }), rx)
+}
+
+pub(crate) fn spawn(conn: Connection, rx: Receiver<Box<dyn Job>>) -> StoreResult<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("sbp-sqlite-writer".to_owned())
+        .spawn(move || run(conn, rx))
+        .map_err(|e| StoreError::Backend(format!("spawn sqlite writer: {e}")))
+}
+
+pub(crate) type JobSender = Sender<Box<dyn Job>>;
+
+/// Ends when every sender is gone, i.e. when the store is dropped.
+fn run(conn: Connection, rx: Receiver<Box<dyn Job>>) {
+    let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(MAX_BATCH);
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        tracing::trace!(jobs = batch.len(), "sqlite write batch");
+        run_batch(&conn, batch.drain(..));
+    }
+}
+
+fn exec(conn: &Connection, sql: &str) -> StoreResult<()> {
+    conn.prepare_cached(sql)
+        .and_then(|mut st| st.execute([]))
+        .map(|_| ())
+        .map_err(db_err)
+}
+
+fn begin(conn: &Connection) -> StoreResult<()> {
+    exec(conn, "BEGIN IMMEDIATE")
+}
+
+fn run_batch(conn: &Connection, jobs: impl Iterator<Item = Box<dyn Job>>) {
+    let mut ran: Vec<Box<dyn Pending>> = Vec::new();
+    let mut in_tx = false;
+    for job in jobs {
+        if in_tx && conn.is_autocommit() {
+            // SQLite rolled the whole transaction back on its own (I/O error, disk full, ...):
+            // the jobs that ran so far are lost, so they fail, and the rest start a fresh one.
+            tracing::warn!(lost = ran.len(), "sqlite rolled back a write batch");
+            let err = StoreError::Backend("transaction rolled back by sqlite".to_owned());
+            for p in ran.drain(..) {
+                p.deliver(Err(err.clone()));
+            }
+            in_tx = false;
+        }
+        if !in_tx {
+            if let Err(e) = begin(conn) {
+                job.abort(e);
+                continue;
+            }
+            in_tx = true;
+        }
+        if let Err(e) = exec(conn, "SAVEPOINT job") {
+            job.abort(e);
+            continue;
+        }
+        let pending = job.run(conn);
+        let closed = if pending.succeeded() {
+            exec(conn, "RELEASE job")
+        } else {
+            exec(conn, "ROLLBACK TO job").and_then(|()| exec(conn, "RELEASE job"))
+        };
+        if let Err(e) = closed {
+            // Only happens when the transaction is already gone, which the next round notices.
+            tracing::warn!(error = %e, "closing a sqlite savepoint failed");
+        }
+        ran.push(pending);
+    }
+    if !in_tx {
+        return;
+    }
+    let commit = if conn.is_autocommit() {
+        Err(StoreError::Backend(
+            "transaction rolled back by sqlite".to_owned(),
+        ))
+    } else {
+        exec(conn, "COMMIT")
+    };
+    if let Err(e) = &commit {
+        tracing::warn!(error = %e, jobs = ran.len(), "sqlite batch commit failed");
+        if !conn.is_autocommit()
+            && let Err(e) = exec(conn, "ROLLBACK")
+        {
+            tracing::error!(error = %e, "sqlite rollback after failed commit failed");
+        }
+    }
+    for p in ran {
+        p.deliver(commit.clone());
+    }
+}
