@@ -185,7 +185,14 @@ impl Gateway {
                 } else {
                     new_part(&history, &messages)
                 };
-                (s.id, None, None, history, new)
+                // A retried request that created its session gets that session's token again.
+                let token = match (&retry, &input.idempotency_key) {
+                    (Some(rec), Some(key)) if rec.created_session => Some(
+                        auth::idempotent_session_token(&self.config().secret, &s.id, key),
+                    ),
+                    _ => None,
+                };
+                (s.id, None, token, history, new)
             }
         };
 
@@ -427,7 +434,11 @@ impl Gateway {
                 if let Err(e) = self.store().fail_turn(fail).await {
                     tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
                 }
-                let mut err = err.with_detail(json!({"session_id": turn.session.id}));
+                let mut err = err;
+                let detail = err.detail.get_or_insert_with(|| json!({}));
+                if let Some(obj) = detail.as_object_mut() {
+                    obj.insert("session_id".into(), json!(turn.session.id));
+                }
                 err.headers.extend(session_headers(
                     &turn.session,
                     turn.created_token.as_deref(),

@@ -1,0 +1,8 @@
+//! Integration tests of the gateway over loopback with real clients. One binary; a module per area.
+
+mod support;
+
+mod http_l1;
+mod lifecycle;
+mod ws_handshake;
+mod ws_tether;

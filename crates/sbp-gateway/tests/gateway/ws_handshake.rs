@@ -1,0 +1,1 @@
+//! ws_handshake tests.

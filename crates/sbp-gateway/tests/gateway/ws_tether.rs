@@ -1,0 +1,1 @@
+//! ws_tether tests.
