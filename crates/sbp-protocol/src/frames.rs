@@ -161,7 +161,7 @@ impl ClientFrame {
 #[serde(tag = "type")]
 pub enum ServerFrame {
     #[serde(rename = "SESSION_ATTACHED")]
-    SessionAttached(SessionAttached),
+    SessionAttached(Box<SessionAttached>),
     #[serde(rename = "SESSION_NOT_FOUND")]
     SessionNotFound { detail: String },
     #[serde(rename = "FORBIDDEN")]
@@ -265,7 +265,8 @@ mod tests {
 
     #[test]
     fn parse_errors_are_classified() {
-        let cases: &[(&str, fn(&FrameError) -> bool)] = &[
+        type Check = fn(&FrameError) -> bool;
+        let cases: &[(&str, Check)] = &[
             ("not json", |e| matches!(e, FrameError::NotJson(_))),
             ("[1,2]", |e| matches!(e, FrameError::NotObject)),
             ("\"PONG\"", |e| matches!(e, FrameError::NotObject)),

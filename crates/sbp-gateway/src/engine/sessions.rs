@@ -220,11 +220,10 @@ impl Gateway {
                 )),
                 other => other.into(),
             })?;
-        Ok(self
-            .store()
+        self.store()
             .get_session(session.id)
             .await?
-            .ok_or_else(|| ApiError::session_not_found(session.id))?)
+            .ok_or_else(|| ApiError::session_not_found(session.id))
     }
 
     /// Persists a backend-pushed turn and delivers it live, or tethers it for the next attach.

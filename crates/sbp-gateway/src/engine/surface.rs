@@ -120,7 +120,7 @@ impl Gateway {
             surface_context: frame.surface_context,
             extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
         };
-        let mut frames = vec![(ServerFrame::SessionAttached(attached), None)];
+        let mut frames = vec![(ServerFrame::SessionAttached(Box::new(attached)), None)];
         frames.extend(pending.iter().map(|e| delivery.tether_frame(e)));
         tracing::info!(session_id = %id, conn_id, queued = pending.len(), device_type = surface.device_type_or_unknown(), "surface attached");
         Ok(Attached {
@@ -332,7 +332,7 @@ impl Gateway {
             surface_context: frame.surface_context,
             extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
         };
-        let mut frames = vec![(ServerFrame::SessionAttached(attached), None)];
+        let mut frames = vec![(ServerFrame::SessionAttached(Box::new(attached)), None)];
         frames.extend(pending.iter().map(|e| d.tether_frame(e)));
         Ok(frames)
     }

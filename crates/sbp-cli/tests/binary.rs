@@ -1,0 +1,438 @@
+//! End-to-end tests of the real `sbp` binary: durability across `kill -9`, an in-flight turn cut
+//! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM, and
+//! operator API keys. Each test runs its own gateway process on 127.0.0.1:0 over a temp data dir.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::process::ExitStatusExt as _;
+use std::time::Duration;
+
+use sbp_fake_llm::FakeLlm;
+use serde_json::{Value, json};
+use support::{Proc, Sbp, WAIT, msg, reply_text, sbp_serve, sbp_serve_in, send};
+
+/// A transcript as (role, content) pairs.
+type Transcript = Vec<(String, String)>;
+
+fn pairs(v: &[(&str, &str)]) -> Transcript {
+    v.iter()
+        .map(|(r, c)| ((*r).to_owned(), (*c).to_owned()))
+        .collect()
+}
+
+/// Every acknowledged write (an HTTP response received before the kill) survives `kill -9`:
+/// sessions, their transcripts in order, and the tether of turns pushed while no surface was
+/// attached, which a surface attaching to the restarted gateway drains in order.
+#[tokio::test]
+async fn acknowledged_writes_survive_kill_9() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut gw = Sbp::start(dir.path(), &[]).await;
+
+    // (id, token, expected transcript)
+    let mut sessions: Vec<(String, String, Transcript)> = Vec::new();
+    for i in 0..3 {
+        let first = format!("session {i}: what is {i} + {i}?");
+        let (status, token, body) = gw.chat(None, json!([msg("user", &first)])).await;
+        assert_eq!(status, 200, "{body}");
+        let token = token.expect("a new session's token header");
+        let id = body["sbp"]["session_id"]
+            .as_str()
+            .expect("sbp.session_id")
+            .to_owned();
+        let reply1 = reply_text(&body);
+        assert_eq!(reply1, format!("Echo: {first}"));
+
+        // The second turn resends the whole conversation, as OpenAI clients do.
+        let second = format!("session {i}: and times {}?", i + 7);
+        let (status, _, body) = gw
+            .chat(
+                Some(&token),
+                json!([
+                    msg("user", &first),
+                    msg("assistant", &reply1),
+                    msg("user", &second)
+                ]),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["sbp"]["session_id"], id.as_str());
+        assert_eq!(body["sbp"]["step_count"], 2, "{body}");
+        let reply2 = reply_text(&body);
+        assert_eq!(reply2, format!("Echo: {second}"));
+        let transcript = pairs(&[
+            ("user", &first),
+            ("assistant", &reply1),
+            ("user", &second),
+            ("assistant", &reply2),
+        ]);
+        sessions.push((id, token, transcript));
+    }
+
+    let (tethered_id, tethered_token) = (sessions[1].0.clone(), sessions[1].1.clone());
+    let mut pushed = Vec::new();
+    for k in 0..5 {
+        let content = format!("background result #{k} for session 1");
+        let body = gw.push(&tethered_id, &tethered_token, &content).await;
+        assert_eq!(body["delivery"], "tethered", "{body}");
+        let seq = body["seq"].as_u64().expect("seq");
+        sessions[1].2.push(("assistant".into(), content.clone()));
+        pushed.push((seq, content));
+    }
+    assert!(pushed.windows(2).all(|w| w[0].0 < w[1].0), "{pushed:?}");
+    let statuses_before: Vec<Value> = {
+        let mut v = Vec::new();
+        for (id, token, _) in &sessions {
+            v.push(gw.session(id, token).await["status"].clone());
+        }
+        v
+    };
+
+    let status = gw.proc.kill9();
+    assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status}");
+
+    let gw = Sbp::start(dir.path(), &[]).await;
+    for (n, (id, token, transcript)) in sessions.iter().enumerate() {
+        let view = gw.session(id, token).await;
+        assert_eq!(view["session_id"], id.as_str(), "{view}");
+        assert_eq!(view["status"], statuses_before[n], "{view}");
+        assert_eq!(view["step_count"], 2, "{view}");
+        assert_eq!(view["message_count"], transcript.len(), "{view}");
+        let pending = if *id == tethered_id { 5 } else { 0 };
+        assert_eq!(view["tether_turns_pending"], pending, "{view}");
+        assert_eq!(gw.messages(id, token).await, *transcript, "session {n}");
+    }
+
+    let (ws, attached) = gw.attach(&tethered_id, &tethered_token).await;
+    let mut ws = ws;
+    assert_eq!(attached["queued_turns"], 5, "{attached}");
+    for (index, (seq, content)) in pushed.iter().enumerate() {
+        let frame = ws.recv().await;
+        assert_eq!(frame["type"], "TETHER_TURN", "{frame}");
+        assert_eq!(frame["turn_index"], index, "{frame}");
+        assert_eq!(frame["role"], "assistant", "{frame}");
+        assert_eq!(frame["content"], content.as_str(), "{frame}");
+        assert_eq!(frame["seq"], *seq, "{frame}");
+    }
+    ws.close().await;
+
+    // A session with an empty tether attaches with nothing queued.
+    let (ws, attached) = gw.attach(&sessions[0].0, &sessions[0].1).await;
+    assert_eq!(attached["queued_turns"], 0, "{attached}");
+    ws.close().await;
+}
+
+/// A turn whose upstream call is in flight when the gateway is killed: after restart its user
+/// message is there (begin_turn committed before the call), no reply was invented for it, and
+/// the session takes the next turn with the full durable history sent upstream.
+#[tokio::test]
+async fn turn_in_flight_at_kill_9_leaves_session_usable() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let base = fake.base_url();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut gw = Sbp::start(dir.path(), &["--llm-base-url", &base]).await;
+    assert!(gw.banner.contains(&base), "{}", gw.banner);
+
+    let first = "first question";
+    let (status, token, body) = gw.chat(None, json!([msg("user", first)])).await;
+    assert_eq!(status, 200, "{body}");
+    let token = token.expect("session token");
+    let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
+    let reply1 = reply_text(&body);
+    assert_eq!(reply1, format!("echo: {first}"));
+
+    let slow = "a long question [[fake:slow=5000]]";
+    let history = json!([
+        msg("user", first),
+        msg("assistant", &reply1),
+        msg("user", slow)
+    ]);
+    let in_flight = tokio::spawn({
+        let req = gw
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "gpt-test", "messages": history}),
+            )
+            .header("x-session-token", &token);
+        async move { req.send().await.map(|r| r.status().as_u16()) }
+    });
+    let seen = tokio::time::timeout(WAIT, fake.wait_for_requests(2))
+        .await
+        .expect("the slow request reaches the upstream");
+    assert_eq!(seen[1]["messages"][2]["content"], slow);
+
+    let status = gw.proc.kill9();
+    assert_eq!(status.signal(), Some(9), "{status}");
+    let answer = tokio::time::timeout(WAIT, in_flight)
+        .await
+        .expect("the caller learns of the kill")
+        .expect("task");
+    assert!(
+        answer.is_err(),
+        "the interrupted turn was never answered, got {answer:?}"
+    );
+
+    let gw = Sbp::start(dir.path(), &["--llm-base-url", &base]).await;
+    let view = gw.session(&id, &token).await;
+    assert_eq!(view["step_count"], 1, "{view}");
+    assert_eq!(
+        gw.messages(&id, &token).await,
+        pairs(&[("user", first), ("assistant", &reply1), ("user", slow)]),
+        "the interrupted turn's user message is kept, without a reply"
+    );
+
+    let next = "are you still there?";
+    let (status, _, body) = gw.chat(Some(&token), json!([msg("user", next)])).await;
+    assert_eq!(status, 200, "the session is not stuck: {body}");
+    assert_eq!(body["sbp"]["session_id"], id.as_str());
+    let reply2 = reply_text(&body);
+    assert_eq!(reply2, format!("echo: {next}"));
+    let upstream = fake.requests();
+    assert_eq!(upstream.len(), 3, "one more upstream call after restart");
+    let sent: Transcript = upstream[2]["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(support::role_content)
+        .collect();
+    assert_eq!(
+        sent,
+        pairs(&[
+            ("user", first),
+            ("assistant", &reply1),
+            ("user", slow),
+            ("user", next)
+        ]),
+        "the upstream gets the durable history"
+    );
+
+    let view = gw.session(&id, &token).await;
+    assert_eq!(view["step_count"], 2, "{view}");
+    assert_eq!(view["status"], "running", "{view}");
+    assert_eq!(
+        gw.messages(&id, &token).await,
+        pairs(&[
+            ("user", first),
+            ("assistant", &reply1),
+            ("user", slow),
+            ("user", next),
+            ("assistant", &reply2)
+        ])
+    );
+}
+
+/// The startup line says where the gateway listens and how to use a real LLM; the data dir gets
+/// the database and a private signing secret that is kept across restarts and never printed;
+/// /healthz and /metrics answer.
+#[tokio::test]
+async fn startup_line_files_secret_health_and_metrics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = sbp_serve_in(dir.path(), &[]);
+    // Debug logs make the "never printed" check cover as much output as possible.
+    cmd.env("SBP_LOG", "debug");
+    let mut gw = Sbp::spawn(cmd).await;
+    assert!(
+        gw.banner
+            .starts_with(&format!("sbp gateway listening on {}", gw.url)),
+        "{}",
+        gw.banner
+    );
+    assert!(gw.banner.contains("--llm-base-url"), "{}", gw.banner);
+    assert!(gw.banner.contains("sbp.db"), "{}", gw.banner);
+
+    let db = dir.path().join("sbp.db");
+    let secret_path = dir.path().join("secret");
+    assert!(db.is_file(), "{} exists", db.display());
+    let secret = std::fs::read_to_string(&secret_path).expect("secret file");
+    let secret = secret.trim().to_owned();
+    assert!(secret.len() >= 43, "at least 32 bytes of base64: {secret}");
+    let mode = std::fs::metadata(&secret_path)
+        .expect("secret metadata")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "secret mode {mode:o}");
+
+    let (status, _, body) = send(gw.get("/healthz")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["status"], "ok", "{body}");
+
+    let (status, _, body) = gw.chat(None, json!([msg("user", "count me")])).await;
+    assert_eq!(status, 200, "{body}");
+    let text = gw.metrics().await;
+    for name in [
+        "sbp_sessions",
+        "sbp_turns_total",
+        "sbp_attached_surfaces",
+        "sbp_tether_depth",
+        "sbp_upstream_latency_seconds_bucket",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(name)),
+            "{name} in /metrics:\n{text}"
+        );
+    }
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("sbp_sessions{status=\"running\"} 1")),
+        "the new session is counted:\n{text}"
+    );
+
+    gw.proc.kill9();
+    let (out, err) = gw.proc.output();
+    assert!(!err.is_empty(), "the gateway logged to stderr");
+    assert!(!out.contains(&secret) && !err.contains(&secret));
+
+    let mut cmd = sbp_serve_in(dir.path(), &[]);
+    cmd.env("SBP_LOG", "debug");
+    let mut gw = Sbp::spawn(cmd).await;
+    let (status, _, _) = send(gw.get("/healthz")).await;
+    assert_eq!(status, 200);
+    let again = std::fs::read_to_string(&secret_path).expect("secret file");
+    assert_eq!(again.trim(), secret, "the secret is kept across restarts");
+    gw.proc.kill9();
+    let (out, err) = gw.proc.output();
+    assert!(!out.contains(&secret) && !err.contains(&secret));
+}
+
+/// Options come from `SBP_*` environment variables and from a TOML file; SIGTERM stops the
+/// gateway cleanly with exit status 0.
+#[tokio::test]
+async fn env_and_toml_config_and_sigterm_exits_cleanly() {
+    // Environment only: no flags at all.
+    let env_dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = sbp_serve();
+    cmd.env("SBP_LISTEN", "127.0.0.1:0")
+        .env("SBP_DATA_DIR", env_dir.path())
+        .env("SBP_API_KEYS", "env-key-1,env-key-2");
+    let mut gw = Sbp::spawn(cmd).await;
+    assert!(env_dir.path().join("sbp.db").is_file());
+    assert!(env_dir.path().join("secret").is_file());
+    let (status, _, _) = send(gw.get("/metrics")).await;
+    assert_eq!(status, 401, "SBP_API_KEYS is applied");
+    let (status, _, _) = send(gw.get("/metrics").bearer_auth("env-key-2")).await;
+    assert_eq!(status, 200);
+    gw.proc.sigterm();
+    let status = gw.proc.wait_exit(Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(0), "SIGTERM exits 0: {status}");
+    let (_, err) = gw.proc.output();
+    assert!(err.contains("gateway stopped"), "{err}");
+
+    // A TOML file only.
+    let toml_dir = tempfile::tempdir().expect("tempdir");
+    let data_dir = toml_dir.path().join("data");
+    let file = toml_dir.path().join("sbp.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = {}\napi_keys = [\"file-key\"]\n",
+            toml::Value::String(data_dir.display().to_string())
+        ),
+    )
+    .expect("write config");
+    let mut cmd = sbp_serve();
+    cmd.arg("--config").arg(&file);
+    let mut gw = Sbp::spawn(cmd).await;
+    assert!(data_dir.join("sbp.db").is_file(), "data_dir from the file");
+    let (status, _, body) = send(
+        gw.post(
+            "/v1/chat/completions",
+            &json!({"messages": [msg("user", "configured by file")]}),
+        )
+        .bearer_auth("file-key"),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(reply_text(&body), "Echo: configured by file");
+    gw.proc.sigterm();
+    let status = gw.proc.wait_exit(Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(0), "SIGTERM exits 0: {status}");
+}
+
+/// A bad option stops the binary before it listens, with a non-zero status and a message that
+/// names the problem.
+#[tokio::test]
+async fn bad_options_exit_non_zero_with_a_clear_message() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad_toml = dir.path().join("bad.toml");
+    std::fs::write(&bad_toml, "listen = \"127.0.0.1:0\"\nno_such_option = 1\n").expect("write");
+    let bad_toml = bad_toml.display().to_string();
+    // (flags, environment, what stderr must say)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 5] = [
+        (
+            &["--database", "mysql://x"],
+            &[],
+            "--database must look like sqlite://PATH",
+        ),
+        (
+            &["--jwt-secret", "short"],
+            &[],
+            "--jwt-secret must be at least 32 bytes",
+        ),
+        (
+            &["--sqlite-synchronous", "sometimes"],
+            &[],
+            "--sqlite-synchronous must be full or normal",
+        ),
+        (
+            &[],
+            &[("SBP_PING_INTERVAL", "-1")],
+            "--ping-interval must be a positive number",
+        ),
+        (&["--config", &bad_toml], &[], "no_such_option"),
+    ];
+    for (args, envs, expected) in cases {
+        let mut cmd = sbp_serve_in(dir.path(), args);
+        cmd.envs(envs.iter().copied());
+        let mut proc = Proc::spawn(cmd);
+        let status = proc.wait_exit(WAIT).await;
+        let (out, err) = proc.output();
+        assert!(
+            status.code().is_some_and(|c| c != 0),
+            "{args:?} {envs:?}: exit {status}, stderr:\n{err}"
+        );
+        assert!(
+            err.contains(expected),
+            "{args:?} {envs:?}: stderr should say '{expected}':\n{err}"
+        );
+        assert!(!out.contains("listening"), "{args:?}: {out}");
+    }
+}
+
+/// With operator API keys, every endpoint but /healthz needs `Authorization: Bearer <key>`;
+/// any configured key works, and the refusal uses the SBP error envelope.
+#[tokio::test]
+async fn operator_api_keys_guard_the_api() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gw = Sbp::start(dir.path(), &["--api-key", "k1", "--api-key", "k2"]).await;
+    let body = json!({"model": "sbp/echo", "messages": [msg("user", "let me in")]});
+
+    for req in [
+        gw.post("/v1/chat/completions", &body),
+        gw.post("/v1/chat/completions", &body).bearer_auth("k3"),
+        gw.post("/v1/chat/completions", &body)
+            .header("authorization", "k2"),
+    ] {
+        let (status, _, err) = send(req).await;
+        assert_eq!(status, 401, "{err}");
+        assert_eq!(err["error"]["code"], "SBP_UNAUTHORIZED", "{err}");
+        assert!(err["error"]["message"].is_string(), "{err}");
+    }
+    let (status, _, _) = send(gw.get("/metrics")).await;
+    assert_eq!(status, 401, "/metrics is guarded too");
+
+    let (status, headers, reply) =
+        send(gw.post("/v1/chat/completions", &body).bearer_auth("k2")).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply_text(&reply), "Echo: let me in");
+    assert!(headers.contains_key("x-session-token"));
+    let id = reply["sbp"]["session_id"].as_str().expect("id");
+    // The operator key alone is enough to read any session.
+    let (status, _, view) = send(gw.get(&format!("/v1/sessions/{id}")).bearer_auth("k1")).await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["step_count"], 1, "{view}");
+
+    let (status, _, health) = send(gw.get("/healthz")).await;
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(health["status"], "ok");
+}

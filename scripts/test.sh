@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The project's test command: starts PostgreSQL and Redis if needed, then runs every test of the
+# workspace (unit, storage suite, gateway integration tests over loopback, real-binary tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/services.sh
+export SBP_TEST_DATABASE_URL="${SBP_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+cargo test --workspace --all-targets --locked "$@"
