@@ -112,6 +112,13 @@ impl Hub {
         }
     }
 
+    /// Replaces the stored SurfaceContext of the session's connection, if it is still `conn_id`.
+    pub fn update_surface(&self, session: Uuid, conn_id: u64, surface: SurfaceContext) {
+        if let Some(att) = self.conns().get_mut(&session).filter(|a| a.conn_id == conn_id) {
+            att.surface = Arc::new(surface);
+        }
+    }
+
     pub fn is_current(&self, session: Uuid, conn_id: u64) -> bool {
         self.conns()
             .get(&session)
