@@ -191,6 +191,9 @@ pub struct FinishTurn {
     /// Written when the step count after this turn is a multiple of `checkpoint_every`.
     pub checkpoint: Option<(NewSnapshot, u32)>,
     pub tether: Option<NewTetherEntry>,
+    /// Enqueue `tether` only if the session's tether is on at commit time (a surface has attached by
+    /// then), read in the same transaction, so an attach during a long turn is not missed.
+    pub tether_only_if_enabled: bool,
     /// Completes the idempotency record with the response to replay.
     pub idempotency_done: Option<(String, u16, Value)>,
     pub now: Timestamp,

@@ -30,8 +30,10 @@ use crate::{
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Enough for every distinct statement the store prepares, so none is ever re-parsed.
 const STATEMENT_CACHE: usize = 64;
+/// Writer page cache, as SQLite's negative KiB count (64 MiB).
+const WRITER_CACHE_KIB: i64 = -65536;
 
-/// `PRAGMA synchronous` for the writer connection.
+/// `PRAGMA synchronous` for the connections that write (the writer and the checkpointer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Synchronous {
     /// fsync the WAL on every commit: an acknowledged write survives a power loss.
@@ -81,6 +83,7 @@ struct Inner {
     /// `Option` only so `Drop` can close the channel before joining the writer.
     jobs: Option<JobSender>,
     writer: Option<JoinHandle<()>>,
+    checkpoints: Option<JoinHandle<()>>,
     readers: Arc<ReadPool>,
 }
 
@@ -89,10 +92,14 @@ impl Drop for Inner {
         drop(self.jobs.take());
         // No job can be queued any more (submitting needs `Inner`), so the writer finishes the batch
         // in hand and exits; joining makes "dropped" mean "closed" for a reopen of the same file.
-        if let Some(handle) = self.writer.take()
-            && handle.join().is_err()
+        // The checkpointer follows once the writer's connection (which holds its bell) is closed.
+        for handle in [self.writer.take(), self.checkpoints.take()]
+            .into_iter()
+            .flatten()
         {
-            tracing::error!("sqlite writer thread panicked");
+            if handle.join().is_err() {
+                tracing::error!("sqlite background thread panicked");
+            }
         }
     }
 }
@@ -152,7 +159,22 @@ fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
     }
     conn.pragma_update(None, "synchronous", opts.synchronous.pragma())
         .map_err(db_err)?;
+    // Every job runs in a savepoint, whose undo pages would otherwise be written to a temp file.
+    conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(db_err)?;
+    // Big batches dirty many pages; a larger cache keeps them from spilling mid-transaction.
+    conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)
+        .map_err(db_err)?;
     schema::migrate(&mut conn)?;
+    Ok(conn)
+}
+
+fn open_checkpointer(opts: &SqliteOptions) -> StoreResult<Connection> {
+    let conn = Connection::open(&opts.path).map_err(db_err)?;
+    configure(&conn)?;
+    // A checkpoint syncs the database file before the WAL may be reused; that follows this setting.
+    conn.pragma_update(None, "synchronous", opts.synchronous.pragma())
+        .map_err(db_err)?;
     Ok(conn)
 }
 
@@ -171,13 +193,15 @@ impl SqliteStore {
         let idle = (0..count)
             .map(|_| open_reader(&opts.path))
             .collect::<StoreResult<Vec<_>>>()?;
+        let checkpointer = open_checkpointer(&opts)?;
         let (tx, rx) = std::sync::mpsc::channel();
-        let writer = writer::spawn(conn, rx)?;
+        let (writer, checkpoints) = writer::spawn(conn, rx, checkpointer)?;
         tracing::info!(path = %opts.path.display(), readers = count, "sqlite store open");
         Ok(SqliteStore {
             inner: Arc::new(Inner {
                 jobs: Some(tx),
                 writer: Some(writer),
+                checkpoints: Some(checkpoints),
                 readers: Arc::new(ReadPool {
                     path: opts.path,
                     idle: Mutex::new(idle),

@@ -49,6 +49,7 @@ sqlite_cases!(
     finish_turn_counts_and_snapshots,
     checkpoints_every_n,
     tether_seq_never_reused,
+    tether_only_if_enabled,
     tether_pending_order_after_limit,
     fail_turn_and_retry,
     recover_interrupted_turns,

@@ -559,14 +559,15 @@ impl Gateway {
             created_at: now,
             state: json!({"turn_id": turn.turn_id}),
         };
-        let tether = session.tether_enabled.then(|| NewTetherEntry {
+        // Whether it is tethered is decided by the store at commit time: a surface may have
+        // attached (turning the tether on) since this turn began.
+        let tether = Some(NewTetherEntry {
             role: "assistant".into(),
             content: text.clone(),
             model_used: Some(up.model.clone()),
             created_at: now,
             chunk_id: up.chunk_id,
         });
-        let tethered = tether.is_some();
         let finish = FinishTurn {
             session_id: session.id,
             turn_id: Some(turn.turn_id),
@@ -584,12 +585,13 @@ impl Gateway {
                 turn.checkpoint_every,
             )),
             tether,
+            tether_only_if_enabled: true,
             idempotency_done: turn.idempotency_key.clone().map(|k| (k, 200, body.clone())),
             now,
         };
         let outcome = self.store().finish_turn(finish).await?;
         self.metrics().turns_completed.fetch_add(1, Relaxed);
-        if tethered {
+        if outcome.tether_seq.is_some() {
             self.metrics().tether_enqueued.fetch_add(1, Relaxed);
         }
         body["sbp"]["step_count"] = json!(outcome.session.step_count);

@@ -114,7 +114,11 @@ impl Hub {
 
     /// Replaces the stored SurfaceContext of the session's connection, if it is still `conn_id`.
     pub fn update_surface(&self, session: Uuid, conn_id: u64, surface: SurfaceContext) {
-        if let Some(att) = self.conns().get_mut(&session).filter(|a| a.conn_id == conn_id) {
+        if let Some(att) = self
+            .conns()
+            .get_mut(&session)
+            .filter(|a| a.conn_id == conn_id)
+        {
             att.surface = Arc::new(surface);
         }
     }

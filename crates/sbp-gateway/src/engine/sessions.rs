@@ -260,6 +260,7 @@ impl Gateway {
                     created_at: now,
                     chunk_id,
                 }),
+                tether_only_if_enabled: false,
                 idempotency_done: None,
                 now,
             })

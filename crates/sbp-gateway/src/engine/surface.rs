@@ -320,7 +320,8 @@ impl Gateway {
             .await
             .map_err(internal)?;
         let surface = frame.surface_context.clone().unwrap_or_default();
-        self.hub().update_surface(d.session_id, d.conn_id, surface.clone());
+        self.hub()
+            .update_surface(d.session_id, d.conn_id, surface.clone());
         let attached = SessionAttached {
             session_id: d.session_id.to_string(),
             surface_id: surface.surface_id.clone(),

@@ -17,13 +17,17 @@ fn is_uuid(v: &Value) -> bool {
 }
 
 fn error_code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_else(|| panic!("not an error envelope: {body}"))
+    body["error"]["code"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an error envelope: {body}"))
 }
 
 #[tokio::test]
 async fn first_completion_creates_a_session_and_returns_its_token() {
     let gw = TestGateway::start().await;
-    let (status, headers, body) = gw.chat(json!({"model": "gpt-4o", "messages": [user("Hello")]}), &[]).await;
+    let (status, headers, body) = gw
+        .chat(json!({"model": "gpt-4o", "messages": [user("Hello")]}), &[])
+        .await;
     assert_eq!(status, 200, "{body}");
     let token = headers["x-session-token"].to_str().expect("token header");
     assert!(is_uuid(&body["sbp"]["session_id"]), "{body}");
@@ -33,7 +37,10 @@ async fn first_completion_creates_a_session_and_returns_its_token() {
     assert!(is_uuid(&body["sbp"]["snapshot_id"]));
     assert_eq!(body["choices"][0]["message"]["content"], "Echo: Hello");
     assert!(body["sbp"].get("force_new_session").is_none());
-    assert_eq!(headers["x-session-id"].to_str().ok(), body["sbp"]["session_id"].as_str());
+    assert_eq!(
+        headers["x-session-id"].to_str().ok(),
+        body["sbp"]["session_id"].as_str()
+    );
 }
 
 #[tokio::test]
@@ -41,16 +48,29 @@ async fn model_is_forwarded_verbatim_and_sbp_is_not() {
     let gw = TestGateway::with_fake().await;
     let body = json!({"model": "claude-opus-4-7", "messages": [user("Hello")], "temperature": 0.5,
                       "sbp": {"force_new_session": false, "checkpoint_every": 1}});
-    let (status, _, resp) = gw.chat(body, &[("authorization", "Bearer client-openai-key")]).await;
+    let (status, _, resp) = gw
+        .chat(body, &[("authorization", "Bearer client-openai-key")])
+        .await;
     assert_eq!(status, 200, "{resp}");
     assert_eq!(resp["sbp"]["model_routed_to"], "claude-opus-4-7");
     let sent = gw.fake().requests();
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0]["model"], "claude-opus-4-7");
     assert_eq!(sent[0]["temperature"], 0.5);
-    assert!(sent[0].get("sbp").is_none(), "sbp forwarded upstream: {}", sent[0]);
-    let auth = gw.fake().request_headers()[0].get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    assert_eq!(auth.as_deref(), Some("Bearer upstream-key"), "the client's key must not reach the upstream");
+    assert!(
+        sent[0].get("sbp").is_none(),
+        "sbp forwarded upstream: {}",
+        sent[0]
+    );
+    let auth = gw.fake().request_headers()[0]
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    assert_eq!(
+        auth.as_deref(),
+        Some("Bearer upstream-key"),
+        "the client's key must not reach the upstream"
+    );
 }
 
 #[tokio::test]
@@ -59,10 +79,17 @@ async fn upstream_sees_stored_history_and_both_client_styles_store_no_duplicates
     let (id, token) = gw.session().await;
     let auth = [("x-session-token", token.as_str())];
     // New-message-only client.
-    let (s, _, b) = gw.chat(json!({"model": "m", "messages": [user("second")]}), &auth).await;
+    let (s, _, b) = gw
+        .chat(json!({"model": "m", "messages": [user("second")]}), &auth)
+        .await;
     assert_eq!(s, 200, "{b}");
     let sent = gw.fake().requests();
-    let msgs: Vec<&str> = sent[1]["messages"].as_array().expect("messages").iter().map(|m| m["content"].as_str().unwrap_or("")).collect();
+    let msgs: Vec<&str> = sent[1]["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(msgs, vec!["Hello", "echo: Hello", "second"]);
     // Full-resend client: the whole conversation so far plus one new message.
     let full = json!({"model": "m", "messages": [user("Hello"), {"role": "assistant", "content": "echo: Hello"},
@@ -71,46 +98,98 @@ async fn upstream_sees_stored_history_and_both_client_styles_store_no_duplicates
     assert_eq!(s, 200, "{b}");
     assert_eq!(b["sbp"]["step_count"], 3);
     let (_, page) = gw.get(&format!("/v1/sessions/{id}/messages"), &auth).await;
-    let stored: Vec<&str> = page["messages"].as_array().expect("messages").iter().map(|m| m["content"].as_str().unwrap_or("")).collect();
-    assert_eq!(stored, vec!["Hello", "echo: Hello", "second", "echo: second", "third", "echo: third"]);
-    assert_eq!(gw.fake().requests()[2]["messages"].as_array().map(Vec::len), Some(5));
+    let stored: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        stored,
+        vec![
+            "Hello",
+            "echo: Hello",
+            "second",
+            "echo: second",
+            "third",
+            "echo: third"
+        ]
+    );
+    assert_eq!(
+        gw.fake().requests()[2]["messages"].as_array().map(Vec::len),
+        Some(5)
+    );
 }
 
 #[tokio::test]
 async fn session_token_in_the_sbp_namespace_works_and_bearer_is_not_a_session_token() {
     let gw = TestGateway::start().await;
     let (id, token) = gw.session().await;
-    let (s, _, b) = gw.chat(json!({"messages": [user("x")], "sbp": {"session_token": token}}), &[]).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("x")], "sbp": {"session_token": token}}),
+            &[],
+        )
+        .await;
     assert_eq!(s, 200);
     assert_eq!(b["sbp"]["session_id"], id.as_str());
     assert_eq!(b["sbp"]["step_count"], 2);
     let bearer = format!("Bearer {token}");
-    let (s, h, b) = gw.chat(json!({"messages": [user("y")]}), &[("authorization", &bearer)]).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"messages": [user("y")]}),
+            &[("authorization", &bearer)],
+        )
+        .await;
     assert_eq!(s, 200);
-    assert_ne!(b["sbp"]["session_id"], id.as_str(), "Authorization must not select a session");
+    assert_ne!(
+        b["sbp"]["session_id"],
+        id.as_str(),
+        "Authorization must not select a session"
+    );
     assert!(h.get("x-session-token").is_some());
 }
 
 #[tokio::test]
 async fn unknown_or_foreign_tokens_are_refused_and_callers_cannot_choose_tokens() {
     let gw = TestGateway::start().await;
-    let (s, _, b) = gw.chat(json!({"messages": [user("x")]}), &[("x-session-token", "sbp_made-up")]).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("x")]}),
+            &[("x-session-token", "sbp_made-up")],
+        )
+        .await;
     assert_eq!(s, 403);
     assert_eq!(error_code(&b), "SBP_FORBIDDEN");
     let (id_a, _) = gw.session().await;
     let (_, token_b) = gw.session().await;
-    let (s, _, b) = gw.chat(json!({"messages": [user("x")], "sbp": {"session_id": id_a}}), &[("x-session-token", &token_b)]).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("x")], "sbp": {"session_id": id_a}}),
+            &[("x-session-token", &token_b)],
+        )
+        .await;
     assert_eq!(s, 403, "{b}");
 }
 
 #[tokio::test]
 async fn agent_identity_is_stable_across_calls() {
     let gw = TestGateway::start().await;
-    let (s, h, b) = gw.chat(json!({"messages": [user("x")]}), &[("x-agent-id", "agent-alpha")]).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"messages": [user("x")]}),
+            &[("x-agent-id", "agent-alpha")],
+        )
+        .await;
     assert_eq!(s, 200);
     assert_eq!(b["sbp"]["agent_id"], "agent-alpha");
     let token = h["x-session-token"].to_str().expect("token").to_owned();
-    let (_, h2, b2) = gw.chat(json!({"messages": [user("y")]}), &[("x-session-token", &token), ("x-agent-id", "other")]).await;
+    let (_, h2, b2) = gw
+        .chat(
+            json!({"messages": [user("y")]}),
+            &[("x-session-token", &token), ("x-agent-id", "other")],
+        )
+        .await;
     assert_eq!(b2["sbp"]["agent_id"], "agent-alpha");
     assert_eq!(h2["x-agent-id"], "agent-alpha");
     let id = b["sbp"]["session_id"].as_str().expect("id");
@@ -120,7 +199,9 @@ async fn agent_identity_is_stable_across_calls() {
 #[tokio::test]
 async fn create_and_inspect_sessions() {
     let gw = TestGateway::start().await;
-    let (s, h, b) = gw.post("/v1/sessions", json!({"agent_id": "agent-7"}), &[]).await;
+    let (s, h, b) = gw
+        .post("/v1/sessions", json!({"agent_id": "agent-7"}), &[])
+        .await;
     assert_eq!(s, 201, "{b}");
     assert!(is_uuid(&b["session_id"]));
     assert_eq!(b["status"], "idle");
@@ -136,14 +217,29 @@ async fn create_and_inspect_sessions() {
     assert_eq!(view["tether_turns_pending"], 0);
     let (s, b) = gw.get(&format!("/v1/sessions/{id}"), &[]).await;
     assert_eq!((s, error_code(&b)), (401, "SBP_UNAUTHORIZED"));
-    let (s, b) = gw.get(&format!("/v1/sessions/{id}"), &[("x-session-token", "sbp_wrong")]).await;
+    let (s, b) = gw
+        .get(
+            &format!("/v1/sessions/{id}"),
+            &[("x-session-token", "sbp_wrong")],
+        )
+        .await;
     assert_eq!((s, error_code(&b)), (403, "SBP_FORBIDDEN"));
-    let (s, b) = gw.get(&format!("/v1/sessions/{}", uuid::Uuid::new_v4()), &[("x-session-token", &token)]).await;
+    let (s, b) = gw
+        .get(
+            &format!("/v1/sessions/{}", uuid::Uuid::new_v4()),
+            &[("x-session-token", &token)],
+        )
+        .await;
     assert_eq!((s, error_code(&b)), (404, "SBP_SESSION_NOT_FOUND"));
     let (s, b) = gw.get("/v1/sessions/not-a-uuid", &[]).await;
     assert_eq!((s, error_code(&b)), (422, "SBP_INVALID_UUID"));
     // The session continues through completions with its token.
-    let (s, _, b) = gw.chat(json!({"messages": [user("go")]}), &[("x-session-token", &token)]).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("go")]}),
+            &[("x-session-token", &token)],
+        )
+        .await;
     assert_eq!(s, 200);
     assert_eq!(b["sbp"]["session_id"], id.as_str());
     assert_eq!(gw.session_view(&id, &token).await["status"], "running");
@@ -175,23 +271,44 @@ async fn transcript_is_paginated() {
     for t in ["two", "three"] {
         gw.chat(json!({"messages": [user(t)]}), &auth).await;
     }
-    let (s, p1) = gw.get(&format!("/v1/sessions/{id}/messages?limit=4"), &auth).await;
+    let (s, p1) = gw
+        .get(&format!("/v1/sessions/{id}/messages?limit=4"), &auth)
+        .await;
     assert_eq!(s, 200);
     assert_eq!(p1["messages"].as_array().map(Vec::len), Some(4));
     assert_eq!(p1["has_more"], true);
     assert_eq!(p1["message_count"], 6);
     let after = p1["next_after"].as_u64().expect("cursor");
-    let (_, p2) = gw.get(&format!("/v1/sbp/sessions/{id}/messages?limit=4&after={after}"), &auth).await;
-    let rest: Vec<&str> = p2["messages"].as_array().expect("page").iter().map(|m| m["content"].as_str().unwrap_or("")).collect();
+    let (_, p2) = gw
+        .get(
+            &format!("/v1/sbp/sessions/{id}/messages?limit=4&after={after}"),
+            &auth,
+        )
+        .await;
+    let rest: Vec<&str> = p2["messages"]
+        .as_array()
+        .expect("page")
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(rest, vec!["three", "Echo: three"]);
     assert_eq!(p2["has_more"], false);
     assert_eq!(p1["messages"][1]["model_used"], "sbp/echo");
-    let (s, b) = gw.get(&format!("/v1/sessions/{id}/messages?limit=abc"), &auth).await;
+    let (s, b) = gw
+        .get(&format!("/v1/sessions/{id}/messages?limit=abc"), &auth)
+        .await;
     assert_eq!((s, error_code(&b)), (400, "SBP_BAD_REQUEST"));
 }
 
-async fn sse(gw: &TestGateway, body: Value, headers: &[(&str, &str)]) -> (u16, reqwest::header::HeaderMap, Vec<Value>) {
-    let mut req = gw.http.post(format!("{}/v1/chat/completions", gw.url)).json(&body);
+async fn sse(
+    gw: &TestGateway,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> (u16, reqwest::header::HeaderMap, Vec<Value>) {
+    let mut req = gw
+        .http
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .json(&body);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
@@ -202,7 +319,13 @@ async fn sse(gw: &TestGateway, body: Value, headers: &[(&str, &str)]) -> (u16, r
     let events = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
-        .map(|d| if d == "[DONE]" { json!("[DONE]") } else { serde_json::from_str(d).expect("event json") })
+        .map(|d| {
+            if d == "[DONE]" {
+                json!("[DONE]")
+            } else {
+                serde_json::from_str(d).expect("event json")
+            }
+        })
         .collect();
     (status, headers, events)
 }
@@ -214,32 +337,71 @@ async fn streaming_completion_is_sse_and_persisted() {
         sse(&gw, json!({"model": "m", "stream": true, "messages": [user("[[fake:chunks=4]] one two three four")]}), &[]).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
-    let token = headers["x-session-token"].to_str().expect("token").to_owned();
+    let token = headers["x-session-token"]
+        .to_str()
+        .expect("token")
+        .to_owned();
     assert_eq!(events.last(), Some(&json!("[DONE]")));
-    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(text, "echo: one two three four");
-    let sbp = events.iter().find_map(|e| e.get("sbp")).expect("an event carries sbp");
+    let sbp = events
+        .iter()
+        .find_map(|e| e.get("sbp"))
+        .expect("an event carries sbp");
     assert_eq!(sbp["step_count"], 1);
     let id = sbp["session_id"].as_str().expect("id").to_owned();
-    let (_, page) = gw.get(&format!("/v1/sessions/{id}/messages"), &[("x-session-token", &token)]).await;
+    let (_, page) = gw
+        .get(
+            &format!("/v1/sessions/{id}/messages"),
+            &[("x-session-token", &token)],
+        )
+        .await;
     assert_eq!(page["messages"][1]["content"], "echo: one two three four");
 }
 
 #[tokio::test]
 async fn upstream_errors_map_to_clear_statuses_and_keep_the_users_message() {
-    let gw = TestGateway::with(Options { upstream: Upstream::Fake, upstream_timeout: Duration::from_millis(400), ..Options::default() }).await;
+    let gw = TestGateway::with(Options {
+        upstream: Upstream::Fake,
+        upstream_timeout: Duration::from_millis(400),
+        ..Options::default()
+    })
+    .await;
     let (id, token) = gw.session().await;
     let auth = [("x-session-token", token.as_str())];
-    let (s, h, b) = gw.chat(json!({"messages": [user("[[fake:error=429]] busy?")]}), &auth).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"messages": [user("[[fake:error=429]] busy?")]}),
+            &auth,
+        )
+        .await;
     assert_eq!((s, error_code(&b)), (429, "SBP_UPSTREAM_ERROR"), "{b}");
-    assert_eq!(b["error"]["detail"]["upstream"]["error"]["message"], "fake error");
+    assert_eq!(
+        b["error"]["detail"]["upstream"]["error"]["message"],
+        "fake error"
+    );
     assert_eq!(h["x-session-id"].to_str().ok(), Some(id.as_str()));
-    let (s, _, b) = gw.chat(json!({"messages": [user("[[fake:error=503]] down?")]}), &auth).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("[[fake:error=503]] down?")]}),
+            &auth,
+        )
+        .await;
     assert_eq!((s, error_code(&b)), (503, "SBP_UPSTREAM_ERROR"));
-    let (s, _, b) = gw.chat(json!({"messages": [user("[[fake:hang=1]] slow?")]}), &auth).await;
+    let (s, _, b) = gw
+        .chat(json!({"messages": [user("[[fake:hang=1]] slow?")]}), &auth)
+        .await;
     assert_eq!((s, error_code(&b)), (504, "SBP_UPSTREAM_TIMEOUT"));
     let (_, page) = gw.get(&format!("/v1/sessions/{id}/messages"), &auth).await;
-    let roles: Vec<&str> = page["messages"].as_array().expect("messages").iter().map(|m| m["role"].as_str().unwrap_or("")).collect();
+    let roles: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["role"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(roles, vec!["user", "assistant", "user", "user", "user"]);
     assert_eq!(gw.session_view(&id, &token).await["step_count"], 1);
 }
@@ -249,12 +411,31 @@ async fn unreachable_upstream_is_502_and_a_new_session_still_gets_its_token() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = closed.local_addr().expect("addr").port();
     drop(closed);
-    let gw = TestGateway::with(Options { upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")), ..Options::default() }).await;
+    let gw = TestGateway::with(Options {
+        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        ..Options::default()
+    })
+    .await;
     let (s, h, b) = gw.chat(json!({"messages": [user("anyone?")]}), &[]).await;
-    assert_eq!((s, error_code(&b)), (502, "SBP_UPSTREAM_UNREACHABLE"), "{b}");
-    let token = h["x-session-token"].to_str().expect("token on the error").to_owned();
-    let id = b["error"]["detail"]["session_id"].as_str().expect("session id in detail").to_owned();
-    let (_, page) = gw.get(&format!("/v1/sessions/{id}/messages"), &[("x-session-token", &token)]).await;
+    assert_eq!(
+        (s, error_code(&b)),
+        (502, "SBP_UPSTREAM_UNREACHABLE"),
+        "{b}"
+    );
+    let token = h["x-session-token"]
+        .to_str()
+        .expect("token on the error")
+        .to_owned();
+    let id = b["error"]["detail"]["session_id"]
+        .as_str()
+        .expect("session id in detail")
+        .to_owned();
+    let (_, page) = gw
+        .get(
+            &format!("/v1/sessions/{id}/messages"),
+            &[("x-session-token", &token)],
+        )
+        .await;
     assert_eq!(page["messages"][0]["content"], "anyone?");
 }
 
@@ -263,7 +444,11 @@ async fn idempotent_retry_after_failure_stores_nothing_twice() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = closed.local_addr().expect("addr").port();
     drop(closed);
-    let down = TestGateway::with(Options { upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")), ..Options::default() }).await;
+    let down = TestGateway::with(Options {
+        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        ..Options::default()
+    })
+    .await;
     let body = json!({"model": "m", "messages": [user("pay the invoice")]});
     let key = [("idempotency-key", "key-123")];
     let (s, h1, _) = down.chat(body.clone(), &key).await;
@@ -271,13 +456,27 @@ async fn idempotent_retry_after_failure_stores_nothing_twice() {
     let token1 = h1["x-session-token"].to_str().expect("token").to_owned();
     let dir = down.stop().await;
     // Same store, upstream back: the retry runs the turn in the same session, without a second user message.
-    let up = TestGateway::with(Options { dir: Some(dir), ..Options::default() }).await;
+    let up = TestGateway::with(Options {
+        dir: Some(dir),
+        ..Options::default()
+    })
+    .await;
     let (s, h2, b2) = up.chat(body.clone(), &key).await;
     assert_eq!(s, 200, "{b2}");
     assert_eq!(h2["x-session-token"].to_str().ok(), Some(token1.as_str()));
     let id = b2["sbp"]["session_id"].as_str().expect("id").to_owned();
-    let (_, page) = up.get(&format!("/v1/sessions/{id}/messages"), &[("x-session-token", &token1)]).await;
-    let contents: Vec<&str> = page["messages"].as_array().expect("msgs").iter().map(|m| m["content"].as_str().unwrap_or("")).collect();
+    let (_, page) = up
+        .get(
+            &format!("/v1/sessions/{id}/messages"),
+            &[("x-session-token", &token1)],
+        )
+        .await;
+    let contents: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("msgs")
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(contents, vec!["pay the invoice", "Echo: pay the invoice"]);
     // A second retry replays the stored response.
     let (s, h3, b3) = up.chat(body.clone(), &key).await;
@@ -287,7 +486,9 @@ async fn idempotent_retry_after_failure_stores_nothing_twice() {
     assert_eq!(b3["sbp"]["session_token"], token1.as_str());
     assert_eq!(up.session_view(&id, &token1).await["message_count"], 2);
     // The same key for another request is refused.
-    let (s, _, b) = up.chat(json!({"messages": [user("something else")]}), &key).await;
+    let (s, _, b) = up
+        .chat(json!({"messages": [user("something else")]}), &key)
+        .await;
     assert_eq!((s, error_code(&b)), (422, "SBP_IDEMPOTENCY_KEY_REUSED"));
 }
 
@@ -295,7 +496,10 @@ async fn idempotent_retry_after_failure_stores_nothing_twice() {
 async fn idempotent_replay_does_not_call_the_upstream_again() {
     let gw = TestGateway::with_fake().await;
     let (id, token) = gw.session().await;
-    let headers = [("x-session-token", token.as_str()), ("idempotency-key", "abc")];
+    let headers = [
+        ("x-session-token", token.as_str()),
+        ("idempotency-key", "abc"),
+    ];
     let body = json!({"messages": [user("once")]});
     let (s1, _, b1) = gw.chat(body.clone(), &headers).await;
     let (s2, _, b2) = gw.chat(body, &headers).await;
@@ -307,14 +511,30 @@ async fn idempotent_replay_does_not_call_the_upstream_again() {
 
 #[tokio::test]
 async fn strict_mode_passes_plain_requests_through_untracked() {
-    let config = GatewayConfig { strict_sbp: true, secret: vec![1; 32], ..GatewayConfig::default() };
-    let gw = TestGateway::with(Options { config, upstream: Upstream::Fake, ..Options::default() }).await;
-    let (s, h, b) = gw.chat(json!({"model": "m", "messages": [user("plain")]}), &[]).await;
+    let config = GatewayConfig {
+        strict_sbp: true,
+        secret: vec![1; 32],
+        ..GatewayConfig::default()
+    };
+    let gw = TestGateway::with(Options {
+        config,
+        upstream: Upstream::Fake,
+        ..Options::default()
+    })
+    .await;
+    let (s, h, b) = gw
+        .chat(json!({"model": "m", "messages": [user("plain")]}), &[])
+        .await;
     assert_eq!(s, 200);
     assert!(b.get("sbp").is_none(), "{b}");
     assert!(h.get("x-session-token").is_none());
     assert_eq!(b["choices"][0]["message"]["content"], "echo: plain");
-    let (s, h, b) = gw.chat(json!({"model": "m", "messages": [user("tracked")], "sbp": {}}), &[]).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"model": "m", "messages": [user("tracked")], "sbp": {}}),
+            &[],
+        )
+        .await;
     assert_eq!(s, 200);
     assert!(is_uuid(&b["sbp"]["session_id"]));
     assert!(h.get("x-session-token").is_some());
@@ -322,17 +542,36 @@ async fn strict_mode_passes_plain_requests_through_untracked() {
 
 #[tokio::test]
 async fn bad_input_gets_the_error_envelope() {
-    let config = GatewayConfig { max_body_bytes: 4096, secret: vec![1; 32], ..GatewayConfig::default() };
-    let gw = TestGateway::with(Options { config, ..Options::default() }).await;
+    let config = GatewayConfig {
+        max_body_bytes: 4096,
+        secret: vec![1; 32],
+        ..GatewayConfig::default()
+    };
+    let gw = TestGateway::with(Options {
+        config,
+        ..Options::default()
+    })
+    .await;
     let raw = |body: &'static str| {
-        let req = gw.http.post(format!("{}/v1/chat/completions", gw.url)).header("content-type", "application/json").body(body);
+        let req = gw
+            .http
+            .post(format!("{}/v1/chat/completions", gw.url))
+            .header("content-type", "application/json")
+            .body(body);
         async move { crate::support::response(req.send().await.expect("sent")).await }
     };
-    for body in ["{not json", "[1,2]", "\"str\"", "{}", "{\"messages\": []}", "{\"messages\": [{\"content\": \"no role\"}]}",
-                 "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"stream\": \"yes\"}",
-                 "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"sbp\": {\"checkpoint_every\": 0}}",
-                 "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"sbp\": \"on\"}",
-                 "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"model\": 42}"] {
+    for body in [
+        "{not json",
+        "[1,2]",
+        "\"str\"",
+        "{}",
+        "{\"messages\": []}",
+        "{\"messages\": [{\"content\": \"no role\"}]}",
+        "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"stream\": \"yes\"}",
+        "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"sbp\": {\"checkpoint_every\": 0}}",
+        "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"sbp\": \"on\"}",
+        "{\"messages\": [{\"role\":\"user\",\"content\":\"x\"}], \"model\": 42}",
+    ] {
         let (s, _, b) = raw(body).await;
         assert_eq!((s, error_code(&b)), (400, "SBP_BAD_REQUEST"), "{body}");
     }
@@ -343,25 +582,50 @@ async fn bad_input_gets_the_error_envelope() {
     assert_eq!((s, error_code(&b)), (404, "SBP_NOT_FOUND"));
     let (s, b) = gw.get("/v1/chat/completions", &[]).await;
     assert_eq!((s, error_code(&b)), (405, "SBP_METHOD_NOT_ALLOWED"));
-    let (s, _, b) = gw.chat(json!({"messages": [user("x")], "sbp": {"session_id": "nope"}}), &[]).await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"messages": [user("x")], "sbp": {"session_id": "nope"}}),
+            &[],
+        )
+        .await;
     assert_eq!((s, error_code(&b)), (422, "SBP_INVALID_UUID"));
 }
 
 #[tokio::test]
 async fn operator_keys_guard_every_endpoint_but_healthz() {
-    let config = GatewayConfig { api_keys: vec!["k1".into()], secret: vec![1; 32], ..GatewayConfig::default() };
-    let gw = TestGateway::with(Options { config, ..Options::default() }).await;
+    let config = GatewayConfig {
+        api_keys: vec!["k1".into()],
+        secret: vec![1; 32],
+        ..GatewayConfig::default()
+    };
+    let gw = TestGateway::with(Options {
+        config,
+        ..Options::default()
+    })
+    .await;
     let (s, b) = gw.get("/healthz", &[]).await;
     assert_eq!((s, &b["status"]), (200, &json!("ok")));
     let (s, _, b) = gw.chat(json!({"messages": [user("x")]}), &[]).await;
     assert_eq!((s, error_code(&b)), (401, "SBP_UNAUTHORIZED"));
-    let (s, b) = gw.get("/metrics", &[("authorization", "Bearer wrong")]).await;
+    let (s, b) = gw
+        .get("/metrics", &[("authorization", "Bearer wrong")])
+        .await;
     assert_eq!((s, error_code(&b)), (401, "SBP_UNAUTHORIZED"));
-    let (s, h, b) = gw.chat(json!({"messages": [user("x")]}), &[("authorization", "Bearer k1")]).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"messages": [user("x")]}),
+            &[("authorization", "Bearer k1")],
+        )
+        .await;
     assert_eq!(s, 200);
     // An operator key also authorises session-scoped endpoints.
     let id = b["sbp"]["session_id"].as_str().expect("id");
-    let (s, v) = gw.get(&format!("/v1/sessions/{id}"), &[("authorization", "Bearer k1")]).await;
+    let (s, v) = gw
+        .get(
+            &format!("/v1/sessions/{id}"),
+            &[("authorization", "Bearer k1")],
+        )
+        .await;
     assert_eq!(s, 200, "{v}");
     assert!(h.get("x-session-token").is_some());
 }
@@ -370,9 +634,23 @@ async fn operator_keys_guard_every_endpoint_but_healthz() {
 async fn metrics_count_turns_and_sessions() {
     let gw = TestGateway::start().await;
     gw.session().await;
-    let text = gw.http.get(format!("{}/metrics", gw.url)).send().await.expect("sent").text().await.expect("text");
+    let text = gw
+        .http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .expect("sent")
+        .text()
+        .await
+        .expect("text");
     assert!(text.contains("sbp_turns_total 1"), "{text}");
-    assert!(text.contains("sbp_sessions{status=\"running\"} 1"), "{text}");
-    assert!(text.contains("sbp_upstream_latency_seconds_count 1"), "{text}");
+    assert!(
+        text.contains("sbp_sessions{status=\"running\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sbp_upstream_latency_seconds_count 1"),
+        "{text}"
+    );
     assert!(text.contains("sbp_attached_surfaces 0"));
 }

@@ -38,7 +38,10 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             upstream: Upstream::Echo,
-            config: GatewayConfig { secret: vec![7u8; 32], ..GatewayConfig::default() },
+            config: GatewayConfig {
+                secret: vec![7u8; 32],
+                ..GatewayConfig::default()
+            },
             dir: None,
             upstream_timeout: Duration::from_secs(10),
         }
@@ -62,12 +65,20 @@ impl TestGateway {
     }
 
     pub async fn with_fake() -> Self {
-        Self::with(Options { upstream: Upstream::Fake, ..Options::default() }).await
+        Self::with(Options {
+            upstream: Upstream::Fake,
+            ..Options::default()
+        })
+        .await
     }
 
     pub async fn with(opts: Options) -> Self {
-        let dir = opts.dir.unwrap_or_else(|| Arc::new(tempfile::tempdir().expect("tempdir")));
-        let store = SqliteStore::open(SqliteOptions::new(db_path(&dir))).await.expect("open store");
+        let dir = opts
+            .dir
+            .unwrap_or_else(|| Arc::new(tempfile::tempdir().expect("tempdir")));
+        let store = SqliteStore::open(SqliteOptions::new(db_path(&dir)))
+            .await
+            .expect("open store");
         let mut fake = None;
         let provider: Arc<dyn Provider> = match opts.upstream {
             Upstream::Echo => Arc::new(EchoProvider),
@@ -79,8 +90,12 @@ impl TestGateway {
             }
             Upstream::Url(u) => openai(u, opts.upstream_timeout),
         };
-        let gateway = Gateway::start(opts.config, Arc::new(store), provider).await.expect("gateway starts");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let gateway = Gateway::start(opts.config, Arc::new(store), provider)
+            .await
+            .expect("gateway starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let handle = tokio::spawn(sbp_gateway::serve(listener, gateway.clone(), async move {
@@ -113,7 +128,12 @@ impl TestGateway {
         self.fake.as_ref().expect("started with the fake upstream")
     }
 
-    pub async fn post(&self, path: &str, body: Value, headers: &[(&str, &str)]) -> (u16, reqwest::header::HeaderMap, Value) {
+    pub async fn post(
+        &self,
+        path: &str,
+        body: Value,
+        headers: &[(&str, &str)],
+    ) -> (u16, reqwest::header::HeaderMap, Value) {
         let mut req = self.http.post(format!("{}{path}", self.url)).json(&body);
         for (k, v) in headers {
             req = req.header(*k, *v);
@@ -140,34 +160,61 @@ impl TestGateway {
     }
 
     /// A completion; returns status, headers, body.
-    pub async fn chat(&self, body: Value, headers: &[(&str, &str)]) -> (u16, reqwest::header::HeaderMap, Value) {
+    pub async fn chat(
+        &self,
+        body: Value,
+        headers: &[(&str, &str)],
+    ) -> (u16, reqwest::header::HeaderMap, Value) {
         self.post("/v1/chat/completions", body, headers).await
     }
 
     /// Creates a session through a first completion; returns (session_id, token).
     pub async fn session(&self) -> (String, String) {
-        let (status, headers, body) = self.chat(json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello"}]}), &[]).await;
+        let (status, headers, body) = self
+            .chat(
+                json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello"}]}),
+                &[],
+            )
+            .await;
         assert_eq!(status, 200, "{body}");
-        let token = headers["x-session-token"].to_str().expect("token").to_owned();
-        (body["sbp"]["session_id"].as_str().expect("session id").to_owned(), token)
+        let token = headers["x-session-token"]
+            .to_str()
+            .expect("token")
+            .to_owned();
+        (
+            body["sbp"]["session_id"]
+                .as_str()
+                .expect("session id")
+                .to_owned(),
+            token,
+        )
     }
 
     pub async fn session_view(&self, id: &str, token: &str) -> Value {
-        let (s, v) = self.get(&format!("/v1/sessions/{id}"), &[("x-session-token", token)]).await;
+        let (s, v) = self
+            .get(&format!("/v1/sessions/{id}"), &[("x-session-token", token)])
+            .await;
         assert_eq!(s, 200, "{v}");
         v
     }
 
     pub async fn push(&self, id: &str, token: &str, content: &str) -> Value {
         let (s, _, v) = self
-            .post(&format!("/v1/sbp/sessions/{id}/turns"), json!({"content": content}), &[("x-session-token", token)])
+            .post(
+                &format!("/v1/sbp/sessions/{id}/turns"),
+                json!({"content": content}),
+                &[("x-session-token", token)],
+            )
             .await;
         assert_eq!(s, 201, "{v}");
         v
     }
 
     pub async fn ws(&self, id: &str) -> Ws {
-        let (stream, _) = tokio_tungstenite::connect_async(format!("{}/v1/sbp/ws/{id}", self.ws_base)).await.expect("ws connect");
+        let (stream, _) =
+            tokio_tungstenite::connect_async(format!("{}/v1/sbp/ws/{id}", self.ws_base))
+                .await
+                .expect("ws connect");
         Ws { stream }
     }
 
@@ -194,7 +241,10 @@ impl TestGateway {
             if v["surface_attached"] == false {
                 return;
             }
-            assert!(tokio::time::Instant::now() < deadline, "surface still attached: {v}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "surface still attached: {v}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -238,21 +288,35 @@ pub enum Event {
 
 impl Ws {
     pub async fn send(&mut self, v: Value) {
-        self.stream.send(Message::Text(v.to_string().into())).await.expect("ws send");
+        self.stream
+            .send(Message::Text(v.to_string().into()))
+            .await
+            .expect("ws send");
     }
 
     pub async fn send_text(&mut self, t: &str) {
-        self.stream.send(Message::Text(t.to_owned().into())).await.expect("ws send");
+        self.stream
+            .send(Message::Text(t.to_owned().into()))
+            .await
+            .expect("ws send");
     }
 
     pub async fn next_event(&mut self) -> Event {
         loop {
-            let msg = tokio::time::timeout(WAIT, self.stream.next()).await.expect("ws event within the wait");
+            let msg = tokio::time::timeout(WAIT, self.stream.next())
+                .await
+                .expect("ws event within the wait");
             match msg {
                 None => return Event::Closed(None),
                 Some(Err(_)) => return Event::Closed(None),
-                Some(Ok(Message::Text(t))) => return Event::Frame(serde_json::from_str(t.as_str()).expect("server sends JSON")),
-                Some(Ok(Message::Close(frame))) => return Event::Closed(frame.map(|f| u16::from(f.code))),
+                Some(Ok(Message::Text(t))) => {
+                    return Event::Frame(
+                        serde_json::from_str(t.as_str()).expect("server sends JSON"),
+                    );
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    return Event::Closed(frame.map(|f| u16::from(f.code)));
+                }
                 Some(Ok(_)) => continue,
             }
         }
@@ -264,7 +328,9 @@ impl Ws {
             match self.next_event().await {
                 Event::Frame(v) if v["type"] == "PING" => self.send(json!({"type": "PONG"})).await,
                 Event::Frame(v) => return v,
-                Event::Closed(code) => panic!("socket closed ({code:?}) while a frame was expected"),
+                Event::Closed(code) => {
+                    panic!("socket closed ({code:?}) while a frame was expected")
+                }
             }
         }
     }
@@ -313,10 +379,12 @@ impl Ws {
     pub async fn close_code(&mut self, code: u16) {
         let _ = self
             .stream
-            .send(Message::Close(Some(tokio_tungstenite::tungstenite::protocol::CloseFrame {
-                code: CloseCode::from(code),
-                reason: "".into(),
-            })))
+            .send(Message::Close(Some(
+                tokio_tungstenite::tungstenite::protocol::CloseFrame {
+                    code: CloseCode::from(code),
+                    reason: "".into(),
+                },
+            )))
             .await;
     }
 }
@@ -324,14 +392,23 @@ impl Ws {
 impl TestGateway {
     /// Polls GET /v1/sessions/{id} until `done` holds (e.g. the server has processed a close);
     /// returns that view. Fails after `WAIT`, naming `what`.
-    pub async fn wait_view(&self, id: &str, token: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    pub async fn wait_view(
+        &self,
+        id: &str,
+        token: &str,
+        what: &str,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             let v = self.session_view(id, token).await;
             if done(&v) {
                 return v;
             }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {v}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {v}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }

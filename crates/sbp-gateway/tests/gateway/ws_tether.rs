@@ -571,9 +571,6 @@ async fn gateway_shutdown_closes_surfaces_and_the_session_resumes_after_restart(
 }
 
 #[tokio::test]
-#[ignore = "BUG: a turn that began before the session's first attach is neither tethered nor delivered \
-            when that surface detaches before the turn finishes (engine/chat.rs finish uses the stale \
-            turn.session.tether_enabled)"]
 async fn turn_outliving_the_first_attach_is_tethered() {
     let gw = TestGateway::with_fake().await;
     let (id, token) = gw.session().await;

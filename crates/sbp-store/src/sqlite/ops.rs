@@ -79,8 +79,11 @@ pub(crate) fn latest_suspended_for_agent(
     .map_err(db_err)
 }
 
-fn require_session(conn: &Connection, id: Uuid) -> StoreResult<SessionRecord> {
-    get_session(conn, id)?.ok_or(StoreError::NotFound)
+fn current_status(conn: &Connection, sid: &str) -> StoreResult<SessionStatus> {
+    conn.prepare_cached("SELECT status FROM sessions WHERE id = ?1")
+        .and_then(|mut st| st.query_row([sid], |r| col_status(r, 0)).optional())
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)
 }
 
 fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreResult<()> {
@@ -99,7 +102,7 @@ pub(crate) fn update_status(
     to: SessionStatus,
     now: Timestamp,
 ) -> StoreResult<SessionStatus> {
-    let current = require_session(conn, id)?.status;
+    let current = current_status(conn, &uuid(&id))?;
     check_transition(current, to)?;
     conn.prepare_cached("UPDATE sessions SET status = ?2, updated_at = ?3 WHERE id = ?1")
         .and_then(|mut st| st.execute(params![uuid(&id), to.as_str(), ts(&now)]))
@@ -149,41 +152,40 @@ pub(crate) fn count_sessions_by_status(
 
 // ---- messages ----
 
-/// Appends at the end of the transcript and bumps `message_count`; returns the seq of the first one.
-fn append_messages(conn: &Connection, session: Uuid, messages: &[NewMessage]) -> StoreResult<u64> {
-    let sid = uuid(&session);
-    let start: i64 = conn
-        .prepare_cached("SELECT message_count FROM sessions WHERE id = ?1")
-        .and_then(|mut st| st.query_row([&sid], |r| r.get(0)).optional())
-        .map_err(db_err)?
-        .ok_or(StoreError::NotFound)?;
-    if !messages.is_empty() {
-        let mut insert = conn
-            .prepare_cached(
-                "INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            )
-            .map_err(db_err)?;
-        let mut seq = start;
-        for m in messages {
-            insert
-                .execute(params![
-                    sid,
-                    seq,
-                    m.role,
-                    json(&m.body)?,
-                    m.model_used,
-                    m.cost_usd,
-                    ts(&m.created_at)
-                ])
-                .map_err(db_err)?;
-            seq += 1;
-        }
-        conn.prepare_cached("UPDATE sessions SET message_count = ?2 WHERE id = ?1")
-            .and_then(|mut st| st.execute(params![sid, seq]))
+/// Inserts `messages` at seqs `start..`; the caller has already moved `message_count` past them.
+fn insert_messages(
+    conn: &Connection,
+    sid: &str,
+    start: i64,
+    messages: &[NewMessage],
+) -> StoreResult<()> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let mut insert = conn
+        .prepare_cached(
+            "INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .map_err(db_err)?;
+    for (seq, m) in (start..).zip(messages) {
+        insert
+            .execute(params![
+                sid,
+                seq,
+                m.role,
+                json(&m.body)?,
+                m.model_used,
+                m.cost_usd,
+                ts(&m.created_at)
+            ])
             .map_err(db_err)?;
     }
-    u64::try_from(start).map_err(|_| StoreError::Backend("negative message_count".to_owned()))
+    Ok(())
+}
+
+fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
+    i64::try_from(messages.len()).map_err(|_| StoreError::Backend("too many messages".to_owned()))
 }
 
 pub(crate) fn list_messages(
@@ -393,72 +395,58 @@ pub(crate) fn get_turn(conn: &Connection, id: Uuid) -> StoreResult<Option<TurnRe
         .map_err(db_err)
 }
 
-fn set_session_fields(
+/// The session row after a turn's update: `message_count` already includes the new messages.
+fn updated_session(
     conn: &Connection,
-    session: Uuid,
-    status: Option<SessionStatus>,
-    last_task: Option<&str>,
-    model: Option<&str>,
-    now: Timestamp,
-) -> StoreResult<SessionRecord> {
-    conn.prepare_cached(&format!(
-        "UPDATE sessions SET status = COALESCE(?2, status), last_task = COALESCE(?3, last_task), \
-         model = COALESCE(?4, model), updated_at = ?5 WHERE id = ?1 RETURNING {SESSION_COLS}"
-    ))
-    .and_then(|mut st| {
-        st.query_row(
-            params![
-                uuid(&session),
-                status.map(SessionStatus::as_str),
-                last_task,
-                model,
-                ts(&now)
-            ],
-            session_row,
-        )
-        .optional()
-    })
-    .map_err(db_err)?
-    .ok_or(StoreError::NotFound)
+    sql: &str,
+    p: impl rusqlite::Params,
+    appended: i64,
+) -> StoreResult<(SessionRecord, i64)> {
+    let session = conn
+        .prepare_cached(sql)
+        .and_then(|mut st| st.query_row(p, session_row).optional())
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)?;
+    let end = int(session.message_count)?;
+    Ok((session, end - appended))
 }
 
 pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginTurnOutcome> {
     let now = ts(&b.now);
     let sid = uuid(&b.session_id);
+    let turn_id = uuid(&b.turn_id);
     if let Some(create) = &b.create {
         if create.id != b.session_id {
             return Err(conflict("begin_turn: create.id differs from session_id"));
         }
         insert_session(conn, create)?;
     }
-    let session = require_session(conn, b.session_id)?;
+    let current = current_status(conn, &sid)?;
     if let Some(to) = b.status {
-        check_transition(session.status, to)?;
+        check_transition(current, to)?;
     }
     if let Some(idem) = &b.idempotency {
-        let exists = conn
-            .prepare_cached("SELECT 1 FROM idempotency WHERE key = ?1")
-            .and_then(|mut st| st.exists([&idem.key]))
+        let claimed = conn
+            .prepare_cached(
+                "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+                 created_session, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) \
+                 ON CONFLICT (key) DO NOTHING",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    idem.key,
+                    sid,
+                    turn_id,
+                    idem.fingerprint,
+                    idem_state(IdempotencyState::InProgress),
+                    idem.created_session,
+                    now
+                ])
+            })
             .map_err(db_err)?;
-        if exists {
+        if claimed == 0 {
             return Err(conflict("idempotency key exists"));
         }
-        conn.prepare_cached(
-            "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, created_session, \
-             created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
-        )
-        .and_then(|mut st| {
-            st.execute(params![
-                idem.key,
-                sid,
-                uuid(&b.turn_id),
-                idem.fingerprint,
-                idem_state(IdempotencyState::InProgress),
-                idem.created_session,
-                now
-            ])
-        })
-        .map_err(db_err)?;
     }
     if let Some(key) = &b.retry_key {
         let n = conn
@@ -470,7 +458,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
                 st.execute(params![
                     key,
                     sid,
-                    uuid(&b.turn_id),
+                    turn_id,
                     idem_state(IdempotencyState::InProgress),
                     now,
                     idem_state(IdempotencyState::Failed)
@@ -486,24 +474,28 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     conn.prepare_cached(
         "INSERT INTO turns (id, session_id, state, started_at) VALUES (?1, ?2, ?3, ?4)",
     )
-    .and_then(|mut st| {
-        st.execute(params![
-            uuid(&b.turn_id),
-            sid,
-            turn_state(TurnState::Running),
-            now
-        ])
-    })
+    .and_then(|mut st| st.execute(params![turn_id, sid, turn_state(TurnState::Running), now]))
     .map_err(db_err)?;
-    append_messages(conn, b.session_id, &b.new_messages)?;
-    let session = set_session_fields(
+    let appended = len_i64(&b.new_messages)?;
+    let (session, start) = updated_session(
         conn,
-        b.session_id,
-        b.status,
-        b.last_task.as_deref(),
-        b.model.as_deref(),
-        b.now,
+        &format!(
+            "UPDATE sessions SET message_count = message_count + ?2, status = COALESCE(?3, status), \
+             last_task = COALESCE(?4, last_task), model = COALESCE(?5, model), updated_at = ?6 \
+             WHERE id = ?1 RETURNING {SESSION_COLS}"
+        ),
+        params![
+            sid,
+            appended,
+            b.status.map(SessionStatus::as_str),
+            b.last_task,
+            b.model,
+            now
+        ],
+        appended,
     )?;
+    insert_messages(conn, &sid, start, &b.new_messages)?;
+    // After the messages, so the snapshot covers the prompt it is about to act on.
     let pre_action_snapshot = match &b.pre_action {
         Some(snap) => Some(insert_snapshot(conn, b.session_id, snap)?),
         None => None,
@@ -517,7 +509,18 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
 pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<FinishTurnOutcome> {
     let now = ts(&f.now);
     let sid = uuid(&f.session_id);
-    require_session(conn, f.session_id)?;
+    // One update moves the counts past the new messages and the step, so the snapshots below read
+    // the final values; a missing session is `NotFound` before anything else is checked.
+    let appended = len_i64(&f.messages)?;
+    let (session, start) = updated_session(
+        conn,
+        &format!(
+            "UPDATE sessions SET message_count = message_count + ?2, step_count = step_count + ?3, \
+             updated_at = ?4 WHERE id = ?1 RETURNING {SESSION_COLS}"
+        ),
+        params![sid, appended, i64::from(f.count_step), now],
+        appended,
+    )?;
     if let Some(turn) = f.turn_id {
         let n = conn
             .prepare_cached(
@@ -538,14 +541,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             return Err(conflict("turn is not running in this session"));
         }
     }
-    let first_message_seq = append_messages(conn, f.session_id, &f.messages)?;
-    let session = conn
-        .prepare_cached(&format!(
-            "UPDATE sessions SET step_count = step_count + ?2, updated_at = ?3 WHERE id = ?1 \
-             RETURNING {SESSION_COLS}"
-        ))
-        .and_then(|mut st| st.query_row(params![sid, i64::from(f.count_step), now], session_row))
-        .map_err(db_err)?;
+    insert_messages(conn, &sid, start, &f.messages)?;
     let post_action_snapshot = match &f.post_action {
         Some(snap) => Some(insert_snapshot(conn, f.session_id, snap)?),
         None => None,
@@ -559,8 +555,10 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
         _ => None,
     };
     let tether_seq = match &f.tether {
-        Some(entry) => Some(insert_tether(conn, f.session_id, entry)?),
-        None => None,
+        Some(entry) if session.tether_enabled || !f.tether_only_if_enabled => {
+            Some(insert_tether(conn, f.session_id, entry)?)
+        }
+        _ => None,
     };
     if let Some((key, status, body)) = &f.idempotency_done {
         let body = json(body)?;
@@ -589,7 +587,8 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
         tether_seq,
         post_action_snapshot,
         checkpoint_snapshot,
-        first_message_seq,
+        first_message_seq: u64::try_from(start)
+            .map_err(|_| StoreError::Backend("negative message_count".to_owned()))?,
     })
 }
 
@@ -644,11 +643,12 @@ pub(crate) fn recover_interrupted_turns(
     let now = ts(&now);
     let turns: Vec<TurnRecord> = conn
         .prepare_cached(&format!(
-            "UPDATE turns SET state = ?1, finished_at = ?2, error = ?3 WHERE state = ?4 RETURNING {TURN_COLS}"
+            "UPDATE turns SET state = ?1, finished_at = ?2, error = ?3 \
+             WHERE state = 'running' RETURNING {TURN_COLS}"
         ))
         .and_then(|mut st| {
             st.query_map(
-                params![turn_state(TurnState::Failed), now, INTERRUPTED, turn_state(TurnState::Running)],
+                params![turn_state(TurnState::Failed), now, INTERRUPTED],
                 turn_row,
             )?
             .collect()

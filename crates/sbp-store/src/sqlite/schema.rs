@@ -27,7 +27,9 @@ const MIGRATIONS: &[&str] = &[
         metadata       TEXT NOT NULL
     );
     CREATE UNIQUE INDEX sessions_token_hash ON sessions (token_hash);
-    CREATE INDEX sessions_agent_status_updated ON sessions (agent_id, status, updated_at);
+    -- Partial: every turn rewrites updated_at, and only suspended sessions are looked up by it.
+    CREATE INDEX sessions_suspended_by_agent ON sessions (agent_id, updated_at)
+        WHERE status = 'suspended';
     CREATE INDEX sessions_status ON sessions (status);
 
     CREATE TABLE messages (
@@ -76,7 +78,8 @@ const MIGRATIONS: &[&str] = &[
         finished_at TEXT,
         error       TEXT
     );
-    CREATE INDEX turns_state ON turns (state);
+    -- Only running turns are ever looked up by state (restart recovery).
+    CREATE INDEX turns_running ON turns (state) WHERE state = 'running';
 
     CREATE TABLE idempotency (
         key             TEXT PRIMARY KEY NOT NULL,

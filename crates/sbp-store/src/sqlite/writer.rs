@@ -1,12 +1,15 @@
 //! The group-commit writer: one OS thread owns the write connection, takes every queued job, runs them
 //! in one transaction (each in its own savepoint, so a failing job undoes only itself) and answers each
-//! job only after COMMIT returned, so an acknowledged write is durable.
+//! job only after COMMIT returned, so an acknowledged write is durable. A second thread checkpoints the
+//! WAL so the writer never does.
 
+use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender};
 use std::thread::JoinHandle;
 
 use rusqlite::Connection;
+use rusqlite::wal::CheckpointMode;
 use tokio::sync::oneshot;
 
 use super::codec::db_err;
@@ -84,11 +87,47 @@ where
     (Box::new(WriteJob { work, reply }), rx)
 }
 
-pub(crate) fn spawn(conn: Connection, rx: Receiver<Box<dyn Job>>) -> StoreResult<JoinHandle<()>> {
-    std::thread::Builder::new()
+/// Starts the writer on `conn` and the checkpointer on `checkpointer`; both threads end once every
+/// job sender is gone (the checkpointer when the writer's connection closes).
+pub(crate) fn spawn(
+    mut conn: Connection,
+    rx: Receiver<Box<dyn Job>>,
+    checkpointer: Connection,
+) -> StoreResult<(JoinHandle<()>, JoinHandle<()>)> {
+    // Copying the WAL back into the database (and its fsync) would stall every queued job if the
+    // writer did it after a commit, so the writer only rings a bell and a second thread does it.
+    let (wake, woken) = std::sync::mpsc::sync_channel::<()>(1);
+    conn.pragma_update(None, "wal_autocheckpoint", 0)
+        .map_err(db_err)?;
+    conn.wal_hook(Some(move |_: &mut rusqlite::hooks::Wal, frames: c_int| {
+        if frames >= CHECKPOINT_FRAMES {
+            // A full channel means a checkpoint is already due; one ring is enough.
+            let _ = wake.try_send(());
+        }
+        Ok(())
+    }))
+    .map_err(db_err)?;
+    let checkpoints = std::thread::Builder::new()
+        .name("sbp-sqlite-ckpt".to_owned())
+        .spawn(move || checkpoint_loop(checkpointer, woken))
+        .map_err(|e| StoreError::Backend(format!("spawn sqlite checkpointer: {e}")))?;
+    let writer = std::thread::Builder::new()
         .name("sbp-sqlite-writer".to_owned())
         .spawn(move || run(conn, rx))
-        .map_err(|e| StoreError::Backend(format!("spawn sqlite writer: {e}")))
+        .map_err(|e| StoreError::Backend(format!("spawn sqlite writer: {e}")))?;
+    Ok((writer, checkpoints))
+}
+
+/// WAL frames at which a checkpoint is requested (SQLite's own auto-checkpoint default).
+const CHECKPOINT_FRAMES: c_int = 1000;
+
+fn checkpoint_loop(conn: Connection, woken: Receiver<()>) {
+    while woken.recv().is_ok() {
+        // PASSIVE never waits for the writer or readers; what it cannot copy now, a later round will.
+        if let Err(e) = conn.wal_checkpoint_v2(None::<&str>, CheckpointMode::PASSIVE) {
+            tracing::warn!(error = %e, "sqlite checkpoint failed");
+        }
+    }
 }
 
 pub(crate) type JobSender = Sender<Box<dyn Job>>;

@@ -91,6 +91,7 @@ fn finish(session_id: Uuid, turn_id: Option<Uuid>) -> FinishTurn {
         post_action: None,
         checkpoint: None,
         tether: None,
+        tether_only_if_enabled: false,
         idempotency_done: None,
         now: t(20),
     }
@@ -606,6 +607,32 @@ pub async fn tether_seq_never_reused(store: Arc<dyn Store>) {
     );
     assert_eq!(pending[0].session_id, s.id);
     assert_eq!(pending[0].created_at, t(3));
+}
+
+/// `tether_only_if_enabled` enqueues only once the session's tether is on, judged at commit time.
+pub async fn tether_only_if_enabled(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-t").await;
+    let b = begin(s.id, vec![msg("user", "before any surface")]);
+    store.begin_turn(b.clone()).await.expect("begin");
+    let mut f = finish(s.id, Some(b.turn_id));
+    f.tether = Some(tether_entry("not tethered"));
+    f.tether_only_if_enabled = true;
+    let out = store.finish_turn(f).await.expect("finish");
+    assert_eq!(out.tether_seq, None);
+    assert_eq!(store.tether_count(s.id).await.expect("count"), 0);
+
+    // A surface attaches while the next turn runs: the turn is tethered.
+    let b = begin(s.id, vec![msg("user", "during an attach")]);
+    store.begin_turn(b.clone()).await.expect("begin");
+    store.mark_attached(s.id, t(15)).await.expect("attach");
+    let mut f = finish(s.id, Some(b.turn_id));
+    f.tether = Some(tether_entry("tethered"));
+    f.tether_only_if_enabled = true;
+    let out = store.finish_turn(f).await.expect("finish");
+    assert_eq!(out.tether_seq, Some(1));
+    let pending = store.tether_pending(s.id, None, 10).await.expect("pending");
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].content.as_deref(), Some("tethered"));
 }
 
 pub async fn tether_pending_order_after_limit(store: Arc<dyn Store>) {
