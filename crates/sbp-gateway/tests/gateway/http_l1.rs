@@ -654,3 +654,41 @@ async fn metrics_count_turns_and_sessions() {
     );
     assert!(text.contains("sbp_attached_surfaces 0"));
 }
+
+#[tokio::test]
+async fn a_caller_that_disconnects_mid_stream_does_not_lose_the_turn() {
+    let gw = TestGateway::with_fake().await;
+    let (id, token) = gw.session().await;
+    let body = json!({"model": "m", "stream": true,
+                      "messages": [user("[[fake:chunks=6]] [[fake:chunk_delay=100]] a b c d e f")]});
+    let mut resp = gw
+        .http
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .header("x-session-token", &token)
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.expect("read").expect("a first chunk");
+    assert!(!first.is_empty());
+    drop(resp);
+    // The turn finishes without its caller and is persisted.
+    let deadline = tokio::time::Instant::now() + crate::support::WAIT;
+    loop {
+        let v = gw.session_view(&id, &token).await;
+        if v["step_count"] == 2 {
+            assert_eq!(v["message_count"], 4);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "turn was lost: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, page) = gw
+        .get(
+            &format!("/v1/sessions/{id}/messages?after=2"),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(page["messages"][0]["content"], "echo: a b c d e f");
+}
