@@ -30,8 +30,9 @@ use crate::{
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Enough for every distinct statement the store prepares, so none is ever re-parsed.
 const STATEMENT_CACHE: usize = 64;
-/// Writer page cache, as SQLite's negative KiB count (64 MiB).
-const WRITER_CACHE_KIB: i64 = -65536;
+/// Writer page cache, as SQLite's negative KiB count (16 MiB): enough for a batch of 512 turns with
+/// time-ordered keys, small enough for the gateway's memory budget.
+const WRITER_CACHE_KIB: i64 = -16384;
 
 /// `PRAGMA synchronous` for the connections that write (the writer and the checkpointer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -164,7 +164,7 @@ impl Gateway {
                 return Ok(ChatOutcome::Reply(self.resume_available(&s).await?));
             }
             Resolved::New { agent_id } => {
-                let id = Uuid::new_v4();
+                let id = Uuid::now_v7();
                 let token = match &input.idempotency_key {
                     Some(key) => auth::idempotent_session_token(&self.config().secret, &id, key),
                     None => auth::new_session_token(),
@@ -204,7 +204,7 @@ impl Gateway {
             .and_then(content_text)
             .map(|t| truncate_chars(t.trim(), MAX_TASK_CHARS))
             .filter(|t| !t.is_empty());
-        let turn_id = Uuid::new_v4();
+        let turn_id = Uuid::now_v7();
         let created = create.is_some();
         let begin = BeginTurn {
             session_id,
@@ -228,7 +228,7 @@ impl Gateway {
             last_task: last_task.clone(),
             model: Some(model.clone()),
             pre_action: Some(NewSnapshot {
-                id: Uuid::new_v4(),
+                id: Uuid::now_v7(),
                 kind: SnapshotKind::PreAction,
                 model: Some(model.clone()),
                 current_task: last_task.clone(),
@@ -497,7 +497,7 @@ impl Gateway {
             }
             let model = asm.model.clone().unwrap_or_else(|| routed.clone());
             let body = json!({
-                "id": asm.id.clone().unwrap_or_else(|| format!("chatcmpl-{}", Uuid::new_v4().simple())),
+                "id": asm.id.clone().unwrap_or_else(|| format!("chatcmpl-{}", Uuid::now_v7().simple())),
                 "object": "chat.completion",
                 "created": Utc::now().timestamp(),
                 "model": model,
@@ -532,7 +532,7 @@ impl Gateway {
         let now = Utc::now();
         let session = &turn.session;
         let text = up.message.get("content").and_then(content_text);
-        let post_id = Uuid::new_v4();
+        let post_id = Uuid::now_v7();
         let meta = SbpResponseMeta {
             session_id: session.id.to_string(),
             snapshot_id: Some(post_id.to_string()),
@@ -581,7 +581,7 @@ impl Gateway {
             count_step: true,
             post_action: Some(snapshot(post_id, SnapshotKind::PostAction)),
             checkpoint: Some((
-                snapshot(Uuid::new_v4(), SnapshotKind::Checkpoint),
+                snapshot(Uuid::now_v7(), SnapshotKind::Checkpoint),
                 turn.checkpoint_every,
             )),
             tether,

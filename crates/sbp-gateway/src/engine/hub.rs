@@ -161,7 +161,7 @@ impl<'a> LiveSink<'a> {
         Self {
             hub,
             session,
-            chunk_id: Uuid::new_v4(),
+            chunk_id: Uuid::now_v7(),
             target: hub.get(session),
             sent_any: false,
         }

@@ -100,7 +100,7 @@ impl Gateway {
         let token = auth::new_session_token();
         let now = Utc::now();
         let new = NewSession {
-            id: Uuid::new_v4(),
+            id: Uuid::now_v7(),
             agent_id: agent_id.unwrap_or_else(new_agent_id),
             token_hash: auth::hash_token(&token),
             created_at: now,
@@ -236,7 +236,7 @@ impl Gateway {
             return Err(ApiError::conflict(format!("session is {}", session.status)));
         }
         let now = Utc::now();
-        let chunk_id = Uuid::new_v4();
+        let chunk_id = Uuid::now_v7();
         let body = json!({"role": push.role, "content": push.content});
         let outcome = self
             .store()
@@ -286,7 +286,7 @@ impl Gateway {
 
 /// An agent id for a session whose caller named none.
 pub fn new_agent_id() -> String {
-    format!("agent-{}", Uuid::new_v4())
+    format!("agent-{}", Uuid::now_v7())
 }
 
 impl Gateway {

@@ -20,6 +20,8 @@ use crate::engine::{AttachError, Delivery};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
 pub const CLOSE_DISPLACED: u16 = 4409;
+/// Read and write buffer size of a WebSocket connection.
+const WS_BUFFER: usize = 4096;
 /// Close code for an internal failure during attach.
 const CLOSE_INTERNAL: u16 = 1011;
 
@@ -29,8 +31,14 @@ pub async fn upgrade(
     ws: WebSocketUpgrade,
 ) -> Response {
     let max = gw.config().max_frame_bytes;
+    // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
+    // are flushed frame by frame anyway; the cap gives backpressure against a surface that stops
+    // reading.
     ws.max_message_size(max)
         .max_frame_size(max)
+        .read_buffer_size(WS_BUFFER)
+        .write_buffer_size(WS_BUFFER)
+        .max_write_buffer_size(max.saturating_mul(4).max(WS_BUFFER * 2))
         .on_upgrade(move |socket| {
             let tracked = gw.clone();
             tracked.track(run(gw, id, socket))

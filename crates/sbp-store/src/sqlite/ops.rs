@@ -523,19 +523,13 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
     )?;
     if let Some(turn) = f.turn_id {
         let n = conn
+            // 'running' is inline, not a parameter: a bound value compared with the predicate of
+            // the partial index `turns_running` makes SQLite re-prepare the statement every call.
             .prepare_cached(
                 "UPDATE turns SET state = ?3, finished_at = ?4 \
-                 WHERE id = ?1 AND session_id = ?2 AND state = ?5",
+                 WHERE id = ?1 AND session_id = ?2 AND state = 'running'",
             )
-            .and_then(|mut st| {
-                st.execute(params![
-                    uuid(&turn),
-                    sid,
-                    turn_state(TurnState::Done),
-                    now,
-                    turn_state(TurnState::Running)
-                ])
-            })
+            .and_then(|mut st| st.execute(params![uuid(&turn), sid, turn_state(TurnState::Done), now]))
             .map_err(db_err)?;
         if n == 0 {
             return Err(conflict("turn is not running in this session"));

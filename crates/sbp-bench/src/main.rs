@@ -1,0 +1,586 @@
+//! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
+//! (throughput, added latency at a fixed rate, tether drain, idle surfaces), prints a summary and
+//! writes `bench-out/results.json`. See BENCHMARKS.md.
+
+mod client;
+mod http;
+mod idle;
+mod latency;
+mod procs;
+mod stats;
+mod tether;
+mod throughput;
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::procs::{Env, Sync};
+
+/// Benchmarks the sbp gateway against the fake upstream, both run as separate processes.
+#[derive(Debug, Parser)]
+#[command(name = "sbp-bench", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Every scenario in turn.
+    All,
+    /// Closed-loop stateful completions: one growing session per connection, then a new session
+    /// every --turns-per-session turns.
+    Throughput,
+    /// Open-loop latency at --rate, straight to the upstream, then through the gateway.
+    Latency,
+    /// Push --tether-turns turns to a detached session, then time their drain on attach.
+    Tether,
+    /// Attach --surfaces idle WebSockets and measure the gateway's memory.
+    Idle,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Shape {
+    Growing,
+    Rotating,
+    /// Straight to the fake upstream, no gateway: the ceiling the machine allows.
+    Direct,
+}
+
+#[derive(Debug, Args)]
+struct Opts {
+    /// Concurrent keep-alive connections of the HTTP scenarios.
+    #[arg(long, global = true, default_value_t = 64)]
+    connections: usize,
+    /// Measured seconds of the throughput and latency runs.
+    #[arg(long, global = true, default_value_t = 15.0)]
+    duration: f64,
+    /// Session shapes of the throughput scenario: `growing` (one session per connection for the
+    /// whole run), `rotating` (a new session every --turns-per-session turns), `direct` (no
+    /// gateway: plain completions straight to the fake upstream, for calibration).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "growing,rotating"
+    )]
+    shapes: Vec<Shape>,
+    /// Unmeasured seconds before each measured run.
+    #[arg(long, global = true, default_value_t = 2.0)]
+    warmup: f64,
+    /// Turns per session in the rotating throughput run and the latency run.
+    #[arg(long, global = true, default_value_t = 20)]
+    turns_per_session: u32,
+    /// Requests per second of the open-loop latency run.
+    #[arg(long, global = true, default_value_t = 1000.0)]
+    rate: f64,
+    /// Turns pushed to the tether before the drain.
+    #[arg(long, global = true, default_value_t = 20_000)]
+    tether_turns: u64,
+    /// Idle WebSocket surfaces.
+    #[arg(long, global = true, default_value_t = 10_000)]
+    surfaces: usize,
+    /// SQLite durability of the gateway (`--sqlite-synchronous`); a list (`full,normal`) runs the
+    /// throughput scenario once per mode, the others with the first.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "full"
+    )]
+    sync: Vec<Sync>,
+    /// Directory of the `sbp` and `sbp-fake-llm` binaries. [default: this binary's directory]
+    #[arg(long, global = true)]
+    bin_dir: Option<PathBuf>,
+    /// Output directory: results.json and the processes' logs.
+    #[arg(long, global = true, default_value = "bench-out")]
+    out: PathBuf,
+    /// Where the gateway's fresh data directories are made. [default: the system temp dir]
+    #[arg(long, global = true)]
+    data_root: Option<PathBuf>,
+    /// Before starting, wait up to this many seconds for the 1-minute load average to fall
+    /// below --quiet-load (polling every 30 s).
+    #[arg(long, global = true, default_value_t = 0)]
+    wait_quiet: u64,
+    #[arg(long, global = true, default_value_t = 0.7)]
+    quiet_load: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tokio::select! {
+        r = run(cli) => r,
+        _ = tokio::signal::ctrl_c() => {
+            // Returning drops the running scenario, whose child processes are killed on drop.
+            anyhow::bail!("interrupted")
+        }
+    }
+}
+
+fn secs(v: f64, name: &str) -> anyhow::Result<Duration> {
+    if !(v.is_finite() && v >= 0.0) {
+        anyhow::bail!("--{name} must be a non-negative number of seconds");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let o = &cli.opts;
+    if o.connections == 0 || o.rate <= 0.0 || o.turns_per_session == 0 || o.duration <= 0.0 {
+        anyhow::bail!("--connections, --rate, --turns-per-session and --duration must be positive");
+    }
+    let duration = secs(o.duration, "duration")?;
+    let warmup = secs(o.warmup, "warmup")?;
+    let bin_dir = match &o.bin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("this binary has no directory")?
+            .to_path_buf(),
+    };
+    let log_dir = o.out.join("logs");
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
+    let env = Env {
+        bin_dir,
+        log_dir,
+        data_root: o.data_root.clone().unwrap_or_else(std::env::temp_dir),
+    };
+    // The gateway inherits this limit; 10,000 surfaces need 10,000 descriptors on each side.
+    let fd_limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);
+    let primary = o.sync.first().copied().unwrap_or(Sync::Full);
+
+    if o.wait_quiet > 0 {
+        wait_quiet(o.wait_quiet, o.quiet_load).await;
+    }
+    let machine = procs::machine();
+    let load_at_start = procs::loadavg();
+    println!(
+        "machine: {} x {}, {} MiB, kernel {}; load {:.2} {:.2} {:.2}",
+        machine.nproc,
+        machine.cpu_model,
+        machine.mem_total_kib / 1024,
+        machine.kernel,
+        load_at_start[0],
+        load_at_start[1],
+        load_at_start[2]
+    );
+
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut results = Results {
+        started_unix: started,
+        machine,
+        load_at_start,
+        params: json!({
+            "connections": o.connections,
+            "duration_s": o.duration,
+            "warmup_s": o.warmup,
+            "turns_per_session": o.turns_per_session,
+            "rate": o.rate,
+            "tether_turns": o.tether_turns,
+            "surfaces": o.surfaces,
+            "sync": o.sync,
+            "fd_limit": fd_limit,
+        }),
+        throughput: Vec::new(),
+        latency: None,
+        tether: None,
+        idle: None,
+        errors: Vec::new(),
+        targets: Vec::new(),
+        load_at_end: [0.0; 3],
+    };
+    let all = matches!(cli.command, Command::All);
+
+    if all || matches!(cli.command, Command::Throughput) {
+        for &sync in &o.sync {
+            for shape in &o.shapes {
+                let tps = match shape {
+                    Shape::Growing | Shape::Direct => None,
+                    Shape::Rotating => Some(o.turns_per_session),
+                };
+                let direct = *shape == Shape::Direct;
+                if direct && sync != primary {
+                    // The gateway's durability does not matter without the gateway.
+                    continue;
+                }
+                let label = match (direct, tps) {
+                    (true, _) => "throughput-direct".to_owned(),
+                    (false, None) => format!("throughput-{}", sync.as_str()),
+                    (false, Some(n)) => format!("throughput-{}-rotate{n}", sync.as_str()),
+                };
+                println!(
+                    "\n== {label}: {} connections, {:.0} s",
+                    o.connections, o.duration
+                );
+                let p = throughput::Params {
+                    connections: o.connections,
+                    warmup,
+                    duration,
+                    turns_per_session: tps,
+                    direct,
+                    sync,
+                };
+                match throughput::run(&env, &label, &p).await {
+                    Ok(r) => {
+                        print_throughput(&r);
+                        results.throughput.push(r);
+                    }
+                    Err(e) => results.fail(&label, &e),
+                }
+            }
+        }
+    }
+    if all || matches!(cli.command, Command::Latency) {
+        let label = format!("latency-{}", primary.as_str());
+        println!(
+            "\n== {label}: open loop at {:.0} req/s over {} connections, {:.0} s",
+            o.rate, o.connections, o.duration
+        );
+        let p = latency::Params {
+            rate: o.rate,
+            warmup,
+            duration,
+            connections: o.connections,
+            turns_per_session: Some(o.turns_per_session),
+            sync: primary,
+        };
+        match latency::run(&env, &label, &p).await {
+            Ok(r) => {
+                print_latency(&r);
+                results.latency = Some(r);
+            }
+            Err(e) => results.fail(&label, &e),
+        }
+    }
+    if all || matches!(cli.command, Command::Tether) {
+        let label = format!("tether-{}", primary.as_str());
+        println!("\n== {label}: {} turns", o.tether_turns);
+        let p = tether::Params {
+            turns: o.tether_turns,
+            connections: o.connections,
+            sync: primary,
+        };
+        match tether::run(&env, &label, &p).await {
+            Ok(r) => {
+                print_tether(&r);
+                results.tether = Some(r);
+            }
+            Err(e) => results.fail(&label, &e),
+        }
+    }
+    if all || matches!(cli.command, Command::Idle) {
+        let label = format!("idle-{}", primary.as_str());
+        println!("\n== {label}: {} idle surfaces", o.surfaces);
+        let p = idle::Params {
+            surfaces: o.surfaces,
+            connections: o.connections,
+            settle: Duration::from_secs(2),
+            sync: primary,
+        };
+        match idle::run(&env, &label, &p, fd_limit).await {
+            Ok(r) => {
+                print_idle(&r);
+                results.idle = Some(r);
+            }
+            Err(e) => results.fail(&label, &e),
+        }
+    }
+
+    results.load_at_end = procs::loadavg();
+    results.targets = targets(&results);
+    print_targets(&results.targets);
+    let path = o.out.join("results.json");
+    let text = serde_json::to_string_pretty(&results)?;
+    std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    println!("\nresults: {}", path.display());
+    if !results.errors.is_empty() {
+        anyhow::bail!("{} scenario(s) failed", results.errors.len());
+    }
+    Ok(())
+}
+
+async fn wait_quiet(max_secs: u64, threshold: f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(max_secs);
+    loop {
+        let load = procs::loadavg()[0];
+        if load < threshold {
+            println!("load {load:.2} < {threshold}: starting");
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            println!("load still {load:.2} after {max_secs} s: starting anyway");
+            return;
+        }
+        println!("load {load:.2} >= {threshold}: waiting 30 s");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Results {
+    started_unix: u64,
+    machine: procs::Machine,
+    load_at_start: [f64; 3],
+    load_at_end: [f64; 3],
+    params: Value,
+    throughput: Vec<throughput::Report>,
+    latency: Option<latency::Report>,
+    tether: Option<tether::Report>,
+    idle: Option<idle::Report>,
+    errors: Vec<Value>,
+    targets: Vec<Target>,
+}
+
+impl Results {
+    fn fail(&mut self, scenario: &str, e: &anyhow::Error) {
+        eprintln!("{scenario} FAILED: {e:#}");
+        self.errors
+            .push(json!({"scenario": scenario, "error": format!("{e:#}")}));
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Target {
+    name: String,
+    target: String,
+    measured: String,
+    met: bool,
+}
+
+fn mib(kib: u64) -> f64 {
+    procs::round1(kib as f64 / 1024.0)
+}
+
+fn targets(r: &Results) -> Vec<Target> {
+    let mut out = Vec::new();
+    let gateway_full = |t: &&throughput::Report| t.sync == Sync::Full && t.target == "gateway";
+    for t in r.throughput.iter().filter(gateway_full) {
+        let shape = match t.turns_per_session {
+            None => "one session per connection".to_owned(),
+            Some(n) => format!("new session every {n} turns"),
+        };
+        out.push(Target {
+            name: format!(
+                "throughput, {} connections, {shape}, sync full",
+                t.connections
+            ),
+            target: ">= 10000 completions/s".into(),
+            measured: format!(
+                "{:.0} completions/s ({} errors)",
+                t.completions_per_s, t.errors
+            ),
+            met: t.completions_per_s >= 10_000.0 && t.errors == 0,
+        });
+    }
+    if let Some(l) = &r.latency {
+        out.push(Target {
+            name: format!("added p99 at {:.0} req/s", l.rate),
+            target: "<= 1 ms".into(),
+            measured: format!(
+                "{:.3} ms (direct p99 {:.3}, via gateway {:.3})",
+                l.added_p99_ms, l.direct.latency.p99_ms, l.gateway.latency.p99_ms
+            ),
+            met: l.added_p99_ms <= 1.0 && l.gateway.errors == 0 && l.gateway.dropped == 0,
+        });
+    }
+    for t in r.throughput.iter().filter(gateway_full) {
+        let shape = match t.turns_per_session {
+            None => "throughput".to_owned(),
+            Some(n) => format!("throughput, new session every {n}"),
+        };
+        out.push(Target {
+            name: format!("gateway peak RSS ({shape})"),
+            target: "<= 64 MB".into(),
+            measured: format!("{:.1} MiB VmHWM", mib(t.gateway_mem_end.hwm_kib)),
+            met: t.gateway_mem_end.hwm_kib <= 64 * 1024,
+        });
+    }
+    if let Some(l) = &r.latency {
+        out.push(Target {
+            name: format!("gateway peak RSS (fixed {:.0} req/s)", l.rate),
+            target: "<= 64 MB".into(),
+            measured: format!("{:.1} MiB VmHWM", mib(l.gateway_mem_end.hwm_kib)),
+            met: l.gateway_mem_end.hwm_kib <= 64 * 1024,
+        });
+    }
+    if let Some(t) = &r.tether {
+        out.push(Target {
+            name: format!("tether drain, {} turns", t.turns),
+            target: ">= 50000 turns/s".into(),
+            measured: format!(
+                "{:.0} turns/s (in order: {}, complete: {})",
+                t.drain_turns_per_s, t.in_order, t.all_contents_once
+            ),
+            met: t.drain_turns_per_s >= 50_000.0 && t.in_order && t.all_contents_once,
+        });
+    }
+    if let Some(i) = &r.idle {
+        out.push(Target {
+            name: format!("{} idle attached surfaces", i.surfaces),
+            target: "<= 100 MB gateway RSS".into(),
+            measured: format!(
+                "{:.1} MiB total ({:.1} MiB for the surfaces, {:.1} KiB each; {} attached)",
+                mib(i.rss_after_kib),
+                mib(i.rss_delta_kib),
+                i.per_surface_kib,
+                i.attached
+            ),
+            met: i.rss_after_kib <= 100 * 1024 && i.attached == i.surfaces,
+        });
+    }
+    out
+}
+
+/// "sbp.db 12.0 MiB, sbp.db-wal 3.9 MiB": the database files, without the tiny ones.
+fn data_files(files: &std::collections::BTreeMap<String, u64>) -> String {
+    let parts: Vec<String> = files
+        .iter()
+        .filter(|(name, _)| name.contains(".db"))
+        .map(|(name, len)| format!("{name} {:.1} MiB", mib(len / 1024)))
+        .collect();
+    parts.join(", ")
+}
+
+fn print_cpu(cpu: &procs::CpuUse) {
+    let procs: Vec<String> = cpu
+        .process_pct
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.0}%"))
+        .collect();
+    println!(
+        "  cpu (% of one core): {}, other processes {:.0}%; machine busy {:.0}% (steal {:.1}%)",
+        procs.join(", "),
+        cpu.others_pct,
+        cpu.machine_busy_pct,
+        cpu.machine_steal_pct
+    );
+    if let Some(threads) = cpu.thread_pct.get("gateway") {
+        let t: Vec<String> = threads
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.0}%"))
+            .collect();
+        println!("  gateway threads: {}", t.join(", "));
+    }
+}
+
+fn print_throughput(r: &throughput::Report) {
+    println!(
+        "  {:.0} completions/s, {} completions, {} errors, {} sessions",
+        r.completions_per_s, r.completions, r.errors, r.sessions_started
+    );
+    if let Some(e) = &r.first_error {
+        println!("  first error: {e}");
+    }
+    println!("  latency: {}", r.latency);
+    if r.target == "gateway" {
+        println!(
+            "  gateway CPU per completion: {:.3} ms",
+            r.gateway_cpu_ms_per_completion
+        );
+    }
+    println!(
+        "  gateway RSS: peak {:.1} MiB (VmHWM), {:.1} MiB at end; data {}; sessions verified {} (mismatched {})",
+        mib(r.gateway_mem_end.hwm_kib),
+        mib(r.gateway_mem_end.rss_kib),
+        data_files(&r.data_files),
+        r.sessions_verified,
+        r.sessions_mismatched
+    );
+    print_cpu(&r.cpu);
+}
+
+fn print_latency(r: &latency::Report) {
+    for (name, p) in [("direct ", &r.direct), ("gateway", &r.gateway)] {
+        println!(
+            "  {name}: {}  [{} ok, {} errors, {} dropped, {:.0} req/s]",
+            p.latency, p.ok, p.errors, p.dropped, p.achieved_rate
+        );
+        println!("           service time {}", p.service);
+        println!(
+            "           send lag p50 {:.3} ms p99 {:.3} ms; gateway CPU per request {:.3} ms",
+            p.send_lag.p50_ms, p.send_lag.p99_ms, p.gateway_cpu_ms_per_completion
+        );
+        if let Some(e) = &p.first_error {
+            println!("  first error: {e}");
+        }
+    }
+    println!(
+        "  added: p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms",
+        r.added_p50_ms, r.added_p90_ms, r.added_p99_ms
+    );
+    println!(
+        "  gateway RSS: peak {:.1} MiB (VmHWM), {:.1} MiB at end; data {}",
+        mib(r.gateway_mem_end.hwm_kib),
+        mib(r.gateway_mem_end.rss_kib),
+        data_files(&r.data_files)
+    );
+    print_cpu(&r.gateway.cpu);
+}
+
+fn print_tether(r: &tether::Report) {
+    println!(
+        "  push: {} turns in {:.2} s = {:.0} turns/s; latency {}",
+        r.turns, r.push_s, r.push_turns_per_s, r.push_latency
+    );
+    println!(
+        "  drain: {} of {} queued in {:.3} s = {:.0} turns/s (SESSION_ATTACHED after {:.1} ms); in order {}, complete {}, pending after {}",
+        r.received,
+        r.queued_turns,
+        r.drain_s,
+        r.drain_turns_per_s,
+        r.attached_ms,
+        r.in_order,
+        r.all_contents_once,
+        r.pending_after_drain
+    );
+    print_cpu(&r.drain_cpu);
+}
+
+fn print_idle(r: &idle::Report) {
+    println!(
+        "  {} sessions in {:.2} s ({:.0}/s); {} of {} attached in {:.2} s ({:.0}/s)",
+        r.surfaces,
+        r.create_s,
+        r.sessions_per_s,
+        r.attached,
+        r.surfaces,
+        r.attach_s,
+        r.attaches_per_s
+    );
+    if let Some(e) = &r.first_error {
+        println!("  first error: {e}");
+    }
+    println!(
+        "  gateway RSS: {:.1} MiB at start, {:.1} MiB before attaching, {:.1} MiB attached: +{:.1} MiB, {:.1} KiB per surface",
+        mib(r.rss_start_kib),
+        mib(r.rss_before_kib),
+        mib(r.rss_after_kib),
+        mib(r.rss_delta_kib),
+        r.per_surface_kib
+    );
+}
+
+fn print_targets(targets: &[Target]) {
+    println!("\n== targets");
+    for t in targets {
+        println!(
+            "  [{}] {}: {} (target {})",
+            if t.met { "met " } else { "MISS" },
+            t.name,
+            t.measured,
+            t.target
+        );
+    }
+}

@@ -1,0 +1,546 @@
+//! The processes under test (the fake upstream and the gateway, started from their release
+//! binaries and always killed), and what /proc says about them: memory, CPU time per process
+//! and per thread, machine load.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Where the binaries and logs are, and how the gateway is configured.
+#[derive(Debug, Clone)]
+pub struct Env {
+    pub bin_dir: PathBuf,
+    pub log_dir: PathBuf,
+    pub data_root: PathBuf,
+}
+
+/// A started child process that prints `... listening on http://ADDR...` on stdout.
+pub struct Service {
+    pub name: String,
+    pub pid: u32,
+    pub addr: SocketAddr,
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl Service {
+    async fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
+        let log_file =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file))
+            // Backstop: an error or panic anywhere in the bench still kills the child.
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        let pid = child
+            .id()
+            .with_context(|| format!("{name} exited at once"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .with_context(|| format!("{name}: no stdout pipe"))?;
+        let mut lines = BufReader::new(stdout).lines();
+        let first = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(addr) = parse_listen_line(&line) {
+                    return Ok::<_, anyhow::Error>(Some(addr));
+                }
+            }
+            Ok(None)
+        })
+        .await;
+        let addr = match first {
+            Ok(Ok(Some(addr))) => addr,
+            Ok(Ok(None)) => bail!(
+                "{name} exited before printing its address; log {}:\n{}",
+                log.display(),
+                tail(&log)
+            ),
+            Ok(Err(e)) => return Err(e.context(format!("reading {name}'s stdout"))),
+            Err(_) => bail!(
+                "{name} printed no address within 60 s; log {}:\n{}",
+                log.display(),
+                tail(&log)
+            ),
+        };
+        // Keep reading so a later line can never block the child on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(Self {
+            name: name.to_owned(),
+            pid,
+            addr,
+            log,
+            child,
+        })
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if self.child.try_wait()?.is_none() {
+            self.child
+                .start_kill()
+                .with_context(|| format!("killing {}", self.name))?;
+        }
+        self.child.wait().await?;
+        Ok(())
+    }
+
+    /// Fails if the process has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "{} exited during the run ({status}); log {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log)
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `... listening on http://127.0.0.1:PORT/v1` or `... listening on http://127.0.0.1:PORT (...)`.
+fn parse_listen_line(line: &str) -> Option<SocketAddr> {
+    let rest = line.split("listening on http://").nth(1)?;
+    let end = rest
+        .find(|c: char| c == '/' || c.is_whitespace())
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// The last lines of a log file, for error messages.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// SQLite durability of the gateway under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sync {
+    Full,
+    Normal,
+}
+
+impl Sync {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Normal => "normal",
+        }
+    }
+}
+
+/// A fake upstream and a gateway in front of it, with the gateway's fresh data directory.
+pub struct Stack {
+    pub fake: Service,
+    pub gateway: Service,
+    /// Deleted (with the database) on drop.
+    data: tempfile::TempDir,
+}
+
+impl Stack {
+    /// Starts `sbp-fake-llm` and `sbp serve` pointed at it. `label` names the log files.
+    pub async fn start(env: &Env, label: &str, sync: Sync) -> anyhow::Result<Self> {
+        let fake = start_fake(env, label).await?;
+        let data = tempfile::Builder::new()
+            .prefix("sbp-bench-")
+            .tempdir_in(&env.data_root)
+            .with_context(|| format!("creating a data dir in {}", env.data_root.display()))?;
+        let mut cmd = Command::new(binary(env, "sbp")?);
+        cmd.arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(data.path())
+            .arg("--llm-base-url")
+            .arg(format!("http://{}/v1", fake.addr))
+            .args(["--sqlite-synchronous", sync.as_str()])
+            // Idle surfaces must not be woken by PINGs during a run.
+            .args(["--ping-interval", "300"])
+            // The bench's own environment must not reconfigure the gateway under test.
+            .env_remove("SBP_CONFIG")
+            .env_remove("SBP_DATABASE")
+            .env_remove("SBP_API_KEYS")
+            .env_remove("SBP_STRICT_SBP");
+        let log = env.log_dir.join(format!("{label}-gateway.log"));
+        let gateway = match Service::spawn("gateway", cmd, log).await {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = fake.stop().await;
+                return Err(e);
+            }
+        };
+        // The pids are printed so a run can be profiled (`perf record -g -p PID`).
+        println!(
+            "  gateway pid {} on {} (sync {}), fake upstream pid {} on {}",
+            gateway.pid,
+            gateway.addr,
+            sync.as_str(),
+            fake.pid,
+            fake.addr
+        );
+        Ok(Self {
+            fake,
+            gateway,
+            data,
+        })
+    }
+
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let a = self.gateway.stop().await;
+        let b = self.fake.stop().await;
+        a.and(b)
+    }
+
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        self.gateway.check_alive()?;
+        self.fake.check_alive()
+    }
+
+    /// Size in bytes of each file in the gateway's data directory (database, WAL, shared memory).
+    pub fn data_files(&self) -> BTreeMap<String, u64> {
+        let Ok(dir) = std::fs::read_dir(self.data.path()) else {
+            return BTreeMap::new();
+        };
+        dir.flatten()
+            .filter_map(|e| {
+                let len = e.metadata().ok()?.len();
+                Some((e.file_name().to_string_lossy().into_owned(), len))
+            })
+            .collect()
+    }
+}
+
+pub async fn start_fake(env: &Env, label: &str) -> anyhow::Result<Service> {
+    let mut cmd = Command::new(binary(env, "sbp-fake-llm")?);
+    cmd.args(["--listen", "127.0.0.1:0", "--no-record"]);
+    let log = env.log_dir.join(format!("{label}-fake.log"));
+    Service::spawn("sbp-fake-llm", cmd, log).await
+}
+
+fn binary(env: &Env, name: &str) -> anyhow::Result<PathBuf> {
+    let path = env.bin_dir.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found; build with `cargo build --release -p sbp-cli -p sbp-fake-llm -p sbp-bench` \
+             or pass --bin-dir",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Resident memory of a process, in KiB.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Mem {
+    /// VmRSS: resident now.
+    pub rss_kib: u64,
+    /// VmHWM: the peak resident size since the process started.
+    pub hwm_kib: u64,
+}
+
+pub fn mem(pid: u32) -> anyhow::Result<Mem> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let field = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    Ok(Mem {
+        rss_kib: field("VmRSS:"),
+        hwm_kib: field("VmHWM:"),
+    })
+}
+
+/// Samples a process's VmRSS every 50 ms in the background and keeps the largest value seen.
+pub struct RssSampler {
+    peak: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RssSampler {
+    pub fn start(pid: u32) -> Self {
+        let peak = Arc::new(AtomicU64::new(0));
+        let p = peak.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            loop {
+                tick.tick().await;
+                match mem(pid) {
+                    Ok(m) => {
+                        p.fetch_max(m.rss_kib, Ordering::Relaxed);
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Self { peak, task }
+    }
+
+    /// Stops sampling; the largest VmRSS seen, in KiB.
+    pub fn finish(self) -> u64 {
+        self.task.abort();
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// CPU time (user + system) of processes and of the machine, to split a run's CPU between them.
+#[derive(Debug, Clone)]
+pub struct CpuSnapshot {
+    at: Instant,
+    procs: Vec<(String, u32, u64)>,
+    threads: Vec<BTreeMap<String, u64>>,
+    machine_busy: u64,
+    machine_steal: u64,
+    machine_total: u64,
+}
+
+/// CPU use over an interval: percent of one core per process (200 % = both cores of a 2-core machine).
+#[derive(Debug, Clone, Serialize)]
+pub struct CpuUse {
+    pub seconds: f64,
+    /// Percent of one core, by process.
+    pub process_pct: BTreeMap<String, f64>,
+    /// Percent of one core, by process and thread name.
+    pub thread_pct: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Busy share of all cores of the machine, percent (steal included).
+    pub machine_busy_pct: f64,
+    /// Share of all cores taken by the hypervisor for other guests, percent.
+    pub machine_steal_pct: f64,
+    /// CPU used by everything else on the machine (other processes, the kernel's own threads),
+    /// percent of one core: a sign that the run was disturbed.
+    pub others_pct: f64,
+}
+
+impl CpuUse {
+    /// CPU seconds a process used over the interval.
+    pub fn cpu_seconds(&self, process: &str) -> f64 {
+        self.process_pct.get(process).copied().unwrap_or(0.0) / 100.0 * self.seconds
+    }
+}
+
+fn clock_ticks() -> f64 {
+    // Linux reports CPU times in USER_HZ, which is 100 on every mainstream architecture.
+    100.0
+}
+
+/// utime + stime, in ticks, from a /proc/.../stat line.
+fn stat_ticks(text: &str) -> Option<(String, u64)> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = text.get(open + 1..close)?.to_owned();
+    let fields: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
+    // Fields after the comm start at field 3 (state); utime and stime are fields 14 and 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((comm, utime + stime))
+}
+
+fn proc_ticks(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|t| stat_ticks(&t))
+        .map_or(0, |(_, t)| t)
+}
+
+/// Ticks per thread name (threads of one name summed: tokio workers, blocking pool...).
+fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let path = entry.path().join("stat");
+        if let Some((comm, t)) = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| stat_ticks(&t))
+        {
+            *out.entry(comm).or_insert(0) += t;
+        }
+    }
+    out
+}
+
+/// (busy, steal, total) ticks of all cores.
+fn machine_ticks() -> (u64, u64, u64) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = text.lines().find(|l| l.starts_with("cpu ")) else {
+        return (0, 0, 0);
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    // idle + iowait
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    let steal = v.get(7).copied().unwrap_or(0);
+    (total.saturating_sub(idle), steal, total)
+}
+
+impl CpuSnapshot {
+    /// Takes a snapshot of the named processes (the bench itself is always included as "bench").
+    pub fn take(procs: &[(&str, u32)]) -> Self {
+        let mut all: Vec<(String, u32)> =
+            procs.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect();
+        all.push(("bench".to_owned(), std::process::id()));
+        let (machine_busy, machine_steal, machine_total) = machine_ticks();
+        Self {
+            at: Instant::now(),
+            threads: all.iter().map(|(_, pid)| thread_ticks(*pid)).collect(),
+            procs: all
+                .into_iter()
+                .map(|(n, pid)| {
+                    let t = proc_ticks(pid);
+                    (n, pid, t)
+                })
+                .collect(),
+            machine_busy,
+            machine_steal,
+            machine_total,
+        }
+    }
+
+    /// CPU use between `self` and now.
+    pub fn since(&self) -> CpuUse {
+        let now = Self::take(&[]);
+        let secs = now.at.duration_since(self.at).as_secs_f64().max(1e-9);
+        let pct = |ticks: u64| ticks as f64 / clock_ticks() / secs * 100.0;
+        let mut process_pct = BTreeMap::new();
+        let mut thread_pct = BTreeMap::new();
+        for ((name, pid, before), threads_before) in self.procs.iter().zip(&self.threads) {
+            process_pct.insert(
+                name.clone(),
+                round1(pct(proc_ticks(*pid).saturating_sub(*before))),
+            );
+            let mut per = BTreeMap::new();
+            for (comm, t) in thread_ticks(*pid) {
+                let b = threads_before.get(&comm).copied().unwrap_or(0);
+                let v = round1(pct(t.saturating_sub(b)));
+                if v > 0.0 {
+                    per.insert(comm, v);
+                }
+            }
+            thread_pct.insert(name.clone(), per);
+        }
+        let busy = now.machine_busy.saturating_sub(self.machine_busy) as f64;
+        let steal = now.machine_steal.saturating_sub(self.machine_steal) as f64;
+        let total = now.machine_total.saturating_sub(self.machine_total) as f64;
+        let share = |v: f64| {
+            if total > 0.0 {
+                round1(v / total * 100.0)
+            } else {
+                0.0
+            }
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let ours: f64 = process_pct.values().sum();
+        // Unrounded, so the difference is not skewed by rounding each share.
+        let busy_cores_pct = if total > 0.0 {
+            (busy - steal) / total * 100.0 * cores
+        } else {
+            0.0
+        };
+        CpuUse {
+            seconds: round1(secs),
+            process_pct,
+            thread_pct,
+            others_pct: round1((busy_cores_pct - ours).max(0.0)),
+            machine_busy_pct: share(busy),
+            machine_steal_pct: share(steal),
+        }
+    }
+}
+
+pub fn round1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}
+
+/// The 1-, 5- and 15-minute load averages.
+pub fn loadavg() -> [f64; 3] {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut it = text.split_whitespace().filter_map(|n| n.parse().ok());
+    [
+        it.next().unwrap_or(0.0),
+        it.next().unwrap_or(0.0),
+        it.next().unwrap_or(0.0),
+    ]
+}
+
+/// The machine: cores, CPU model, memory, kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub mem_total_kib: u64,
+    pub kernel: String,
+}
+
+pub fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu_model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_total_kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    Machine {
+        nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model,
+        mem_total_kib,
+        kernel,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_lines_parse() {
+        assert_eq!(
+            parse_listen_line("sbp-fake-llm listening on http://127.0.0.1:4100/v1"),
+            Some("127.0.0.1:4100".parse().expect("addr"))
+        );
+        assert_eq!(
+            parse_listen_line(
+                "sbp gateway listening on http://127.0.0.1:9 (storage sqlite://x; upstream y)"
+            ),
+            Some("127.0.0.1:9".parse().expect("addr"))
+        );
+        assert_eq!(parse_listen_line("hello"), None);
+    }
+
+    #[test]
+    fn stat_lines_parse() {
+        let line = "123 (tokio-runtime-w) S 1 2 3 4 5 6 7 8 9 10 250 31 0 0 20 0 1 0";
+        assert_eq!(stat_ticks(line), Some(("tokio-runtime-w".into(), 281)));
+        let odd = "7 (a) b) R 1 2 3 4 5 6 7 8 9 10 1 2 0";
+        assert_eq!(stat_ticks(odd), Some(("a) b".into(), 3)));
+    }
+}
