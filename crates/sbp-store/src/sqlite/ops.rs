@@ -529,7 +529,9 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
                 "UPDATE turns SET state = ?3, finished_at = ?4 \
                  WHERE id = ?1 AND session_id = ?2 AND state = 'running'",
             )
-            .and_then(|mut st| st.execute(params![uuid(&turn), sid, turn_state(TurnState::Done), now]))
+            .and_then(|mut st| {
+                st.execute(params![uuid(&turn), sid, turn_state(TurnState::Done), now])
+            })
             .map_err(db_err)?;
         if n == 0 {
             return Err(conflict("turn is not running in this session"));
