@@ -597,14 +597,14 @@ impl Gateway {
         body["sbp"]["step_count"] = json!(outcome.session.step_count);
         self.hub().notify(
             session.id,
-            ConnMsg::TurnDone(TurnDone {
+            ConnMsg::TurnDone(Box::new(TurnDone {
                 chunk_id: up.chunk_id,
                 seq: outcome.tether_seq,
                 streamed_to: up.sink_conn,
                 role: "assistant".into(),
                 content: text,
                 model_used: Some(up.model),
-            }),
+            })),
         );
         if let Some(token) = &turn.created_token {
             body["sbp"]["session_token"] = Value::String(token.clone());

@@ -22,8 +22,9 @@ const LOCK_STRIPES: usize = 64;
 pub enum ConnMsg {
     /// A live streaming delta of the turn `chunk_id`.
     Chunk { chunk_id: Uuid, delta: String },
-    /// A turn was completed and persisted.
-    TurnDone(TurnDone),
+    /// A turn was completed and persisted (boxed: inbox slots stay small, which matters for
+    /// thousands of idle connections).
+    TurnDone(Box<TurnDone>),
     /// Another surface attached to the session; this connection must close.
     Displaced,
 }

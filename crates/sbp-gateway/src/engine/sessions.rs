@@ -271,14 +271,14 @@ impl Gateway {
         let attached = self.hub().get(session.id).is_some();
         self.hub().notify(
             session.id,
-            ConnMsg::TurnDone(TurnDone {
+            ConnMsg::TurnDone(Box::new(TurnDone {
                 chunk_id,
                 seq: outcome.tether_seq,
                 streamed_to: None,
                 role: push.role,
                 content: Some(push.content),
                 model_used: push.model_used,
-            }),
+            })),
         );
         Ok((seq, attached))
     }

@@ -21,7 +21,7 @@ use crate::engine::{AttachError, Delivery};
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
 pub const CLOSE_DISPLACED: u16 = 4409;
 /// Read and write buffer size of a WebSocket connection.
-const WS_BUFFER: usize = 4096;
+const WS_BUFFER: usize = 1024;
 /// Close code for an internal failure during attach.
 const CLOSE_INTERNAL: u16 = 1011;
 
@@ -292,7 +292,7 @@ async fn connection_loop(
                         ServerFrame::TurnChunk(sbp_protocol::frames::TurnChunk { chunk_id: chunk_id.to_string(), delta }),
                         None,
                     )],
-                    Some(ConnMsg::TurnDone(done)) => gw.on_turn_done(d, done).await,
+                    Some(ConnMsg::TurnDone(done)) => gw.on_turn_done(d, *done).await,
                 };
                 if !send_all(gw, socket, d, frames).await {
                     return "socket write failed";
