@@ -5,11 +5,6 @@ mod serve;
 
 use clap::{Parser, Subcommand};
 
-/// mimalloc instead of glibc malloc: the gateway allocates small short-lived buffers on many
-/// threads, where glibc's arenas cost measurably more CPU (see BENCHMARKS.md).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(
     name = "sbp",

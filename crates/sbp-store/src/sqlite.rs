@@ -132,6 +132,13 @@ impl ReadPool {
 fn configure(conn: &Connection) -> StoreResult<()> {
     conn.busy_timeout(BUSY_TIMEOUT).map_err(db_err)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    // The bundled SQLite has STAT4, which re-prepares a cached statement whenever a bound value
+    // of a range term (`seq > ?`) changes: 8% of the gateway's CPU. A stable query plan avoids it.
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
+        true,
+    )
+    .map_err(db_err)?;
     conn.pragma_update(None, "foreign_keys", "ON")
         .map_err(db_err)
 }
@@ -162,6 +169,9 @@ fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
         .map_err(db_err)?;
     // Every job runs in a savepoint, whose undo pages would otherwise be written to a temp file.
     conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(db_err)?;
+    // Once the WAL has been checkpointed and restarts, give its disk space back above 64 MiB.
+    conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)
         .map_err(db_err)?;
     // Big batches dirty many pages; a larger cache keeps them from spilling mid-transaction.
     conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)
