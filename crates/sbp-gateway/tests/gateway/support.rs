@@ -232,22 +232,6 @@ impl TestGateway {
         assert_eq!(attached["type"], "SESSION_ATTACHED", "{attached}");
         (ws, attached)
     }
-
-    /// Waits until the gateway has no surface attached to `id` (a close has been processed).
-    pub async fn wait_detached(&self, id: &str, token: &str) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let v = self.session_view(id, token).await;
-            if v["surface_attached"] == false {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "surface still attached: {v}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
 }
 
 fn openai(base_url: String, timeout: Duration) -> Arc<dyn Provider> {
