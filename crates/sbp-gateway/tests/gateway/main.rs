@@ -2,6 +2,7 @@
 
 mod support;
 
+mod conformance;
 mod http_l1;
 mod lifecycle;
 mod ws_handshake;
