@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk, TurnComplete};
-use sbp_protocol::{ServerFrame, SessionStatus};
+use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 use sbp_store::TetherEntry;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -108,19 +108,7 @@ impl Gateway {
             last_sent: after,
             tether_index: 0,
         };
-        let attached = SessionAttached {
-            session_id: id.to_string(),
-            surface_id: surface.surface_id.clone(),
-            device_type: surface.device_type_or_unknown().to_owned(),
-            queued_turns: pending.len() as u64,
-            tether_turns_pending: pending.len() as u64,
-            mcp_tools_registered: Vec::new(),
-            sbp_version: self.config().sbp_version.clone(),
-            sbp_level: self.config().sbp_level.clone(),
-            surface_context: frame.surface_context,
-            extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
-        };
-        let mut frames = vec![(ServerFrame::SessionAttached(Box::new(attached)), None)];
+        let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
         frames.extend(pending.iter().map(|e| delivery.tether_frame(e)));
         tracing::info!(session_id = %id, conn_id, queued = pending.len(), device_type = surface.device_type_or_unknown(), "surface attached");
         Ok(Attached {
@@ -264,6 +252,31 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// SESSION_ATTACHED for `session`, echoing the surface's context, announcing `queued` turns.
+    fn attached_frame(
+        &self,
+        session: Uuid,
+        ctx: Option<SurfaceContext>,
+        queued: usize,
+    ) -> (ServerFrame, Option<u64>) {
+        let surface = ctx.clone().unwrap_or_default();
+        let attached = SessionAttached {
+            session_id: session.to_string(),
+            surface_id: surface.surface_id.clone(),
+            device_type: surface.device_type_or_unknown().to_owned(),
+            queued_turns: queued as u64,
+            tether_turns_pending: queued as u64,
+            mcp_tools_registered: Vec::new(),
+            sbp_version: self.config().sbp_version.clone(),
+            sbp_level: self.config().sbp_level.clone(),
+            surface_context: ctx,
+            extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        (ServerFrame::SessionAttached(Box::new(attached)), None)
+    }
+}
+
 impl Delivery {
     fn tether_frame(&mut self, e: &TetherEntry) -> (ServerFrame, Option<u64>) {
         let frame = ServerFrame::TetherTurn(TetherTurn {
@@ -320,21 +333,9 @@ impl Gateway {
             .await
             .map_err(internal)?;
         let surface = frame.surface_context.clone().unwrap_or_default();
-        self.hub()
-            .update_surface(d.session_id, d.conn_id, surface.clone());
-        let attached = SessionAttached {
-            session_id: d.session_id.to_string(),
-            surface_id: surface.surface_id.clone(),
-            device_type: surface.device_type_or_unknown().to_owned(),
-            queued_turns: pending.len() as u64,
-            tether_turns_pending: pending.len() as u64,
-            mcp_tools_registered: Vec::new(),
-            sbp_version: self.config().sbp_version.clone(),
-            sbp_level: self.config().sbp_level.clone(),
-            surface_context: frame.surface_context,
-            extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
-        };
-        let mut frames = vec![(ServerFrame::SessionAttached(Box::new(attached)), None)];
+        self.hub().update_surface(d.session_id, d.conn_id, surface);
+        let mut frames =
+            vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
         frames.extend(pending.iter().map(|e| d.tether_frame(e)));
         Ok(frames)
     }
