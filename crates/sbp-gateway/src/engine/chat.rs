@@ -714,24 +714,12 @@ fn upstream_error(e: LlmError) -> ApiError {
                 format!("the upstream LLM answered HTTP {status}"),
             )
             .with_status(status)
-            .with_upstream(body)
+            .with_detail(json!({"upstream": body}))
         }
         LlmError::Protocol(m) => ApiError::new(
             ErrorCode::UpstreamError,
             format!("the upstream LLM sent an invalid reply: {m}"),
         ),
-    }
-}
-
-trait WithUpstream {
-    fn with_upstream(self, body: Value) -> Self;
-}
-
-impl WithUpstream for ApiError {
-    /// Keeps the upstream's error body for the caller (merged into `detail` later).
-    fn with_upstream(mut self, body: Value) -> Self {
-        self.detail = Some(json!({"upstream": body}));
-        self
     }
 }
 

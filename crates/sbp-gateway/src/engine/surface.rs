@@ -70,18 +70,7 @@ impl Gateway {
         }
         let id = Uuid::parse_str(path_id)
             .map_err(|_| AttachError::NotFound(format!("No session with ID {path_id}")))?;
-        let internal = |e: sbp_store::StoreError| AttachError::Internal(e.to_string());
-        let session = self
-            .store()
-            .get_session(id)
-            .await
-            .map_err(internal)?
-            .ok_or_else(|| AttachError::NotFound(format!("No session with ID {id}")))?;
-        if !auth::token_matches(&frame.session_token, &session.token_hash) {
-            return Err(AttachError::Forbidden(
-                "session_token invalid or expired".into(),
-            ));
-        }
+        self.check_token(id, &frame.session_token).await?;
         let surface = frame.surface_context.clone().unwrap_or_default();
         let (conn_id, inbox) = {
             let _guard = self.hub().session_lock(id).lock().await;
@@ -253,6 +242,22 @@ impl Gateway {
 }
 
 impl Gateway {
+    /// The session exists (else SESSION_NOT_FOUND) and `token` is its token (else FORBIDDEN).
+    async fn check_token(&self, id: Uuid, token: &str) -> Result<(), AttachError> {
+        let session = self
+            .store()
+            .get_session(id)
+            .await
+            .map_err(internal)?
+            .ok_or_else(|| AttachError::NotFound(format!("No session with ID {id}")))?;
+        if !auth::token_matches(token, &session.token_hash) {
+            return Err(AttachError::Forbidden(
+                "session_token invalid or expired".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// SESSION_ATTACHED for `session`, echoing the surface's context, announcing `queued` turns.
     fn attached_frame(
         &self,
@@ -275,6 +280,10 @@ impl Gateway {
         };
         (ServerFrame::SessionAttached(Box::new(attached)), None)
     }
+}
+
+fn internal(e: sbp_store::StoreError) -> AttachError {
+    AttachError::Internal(e.to_string())
 }
 
 impl Delivery {
@@ -307,18 +316,7 @@ impl Gateway {
                 "session_id does not match this connection's session".into(),
             ));
         }
-        let internal = |e: sbp_store::StoreError| AttachError::Internal(e.to_string());
-        let session = self
-            .store()
-            .get_session(d.session_id)
-            .await
-            .map_err(internal)?
-            .ok_or_else(|| AttachError::NotFound(format!("No session with ID {}", d.session_id)))?;
-        if !auth::token_matches(&frame.session_token, &session.token_hash) {
-            return Err(AttachError::Forbidden(
-                "session_token invalid or expired".into(),
-            ));
-        }
+        self.check_token(d.session_id, &frame.session_token).await?;
         if let Some(last) = frame.last_seq {
             d.ack_mode = true;
             d.last_sent = d.last_sent.max(last);
