@@ -59,12 +59,10 @@ pub async fn run(env: &Env, label: &str, p: &Params, fd_limit: u64) -> anyhow::R
             p.surfaces
         );
     }
-    let mut stack = Stack::start(env, label, p.sync).await?;
-    let result = measure(&stack, p, load_before, fd_limit).await;
-    let alive = stack.check_alive();
-    stack.stop().await?;
-    alive?;
-    result
+    Stack::measure_with(env, label, p.sync, async |stack| {
+        measure(stack, p, load_before, fd_limit).await
+    })
+    .await
 }
 
 async fn measure(

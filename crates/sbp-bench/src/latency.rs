@@ -65,12 +65,10 @@ pub struct Report {
 
 pub async fn run(env: &Env, label: &str, p: &Params) -> anyhow::Result<Report> {
     let load_before = procs::loadavg();
-    let mut stack = Stack::start(env, label, p.sync).await?;
-    let result = measure(&stack, p, load_before).await;
-    let alive = stack.check_alive();
-    stack.stop().await?;
-    alive?;
-    result
+    Stack::measure_with(env, label, p.sync, async |stack| {
+        measure(stack, p, load_before).await
+    })
+    .await
 }
 
 async fn measure(stack: &Stack, p: &Params, load_before: [f64; 3]) -> anyhow::Result<Report> {

@@ -203,6 +203,22 @@ impl Stack {
         a.and(b)
     }
 
+    /// Starts the processes, runs `measure` against them and always stops them. A process that died
+    /// during the measurement turns the result into an error.
+    pub async fn measure_with<T>(
+        env: &Env,
+        label: &str,
+        sync: Sync,
+        measure: impl AsyncFnOnce(&Stack) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let mut stack = Stack::start(env, label, sync).await?;
+        let result = measure(&stack).await;
+        let alive = stack.check_alive();
+        stack.stop().await?;
+        alive?;
+        result
+    }
+
     pub fn check_alive(&mut self) -> anyhow::Result<()> {
         self.gateway.check_alive()?;
         self.fake.check_alive()
