@@ -86,8 +86,14 @@ struct Turn {
 
 impl Gateway {
     pub async fn chat(&self, mut input: ChatInput) -> Result<ChatOutcome, ApiError> {
-        let fingerprint =
-            auth::sha256_hex(Value::Object(input.body.clone()).to_string().as_bytes());
+        // Only a request with an Idempotency-Key needs the fingerprint of its body.
+        let fingerprint = input.idempotency_key.as_ref().map(|_| {
+            auth::sha256_hex(
+                serde_json::to_string(&input.body)
+                    .unwrap_or_default()
+                    .as_bytes(),
+            )
+        });
         let opts = match input.body.remove("sbp") {
             Some(v) => SbpRequestOptions::from_value(&v).map_err(ApiError::bad_request)?,
             None => None,
@@ -120,7 +126,7 @@ impl Gateway {
                 ));
             }
             if let Some(rec) = self.store().get_idempotency(key).await? {
-                if rec.fingerprint != fingerprint {
+                if fingerprint.as_deref() != Some(rec.fingerprint.as_str()) {
                     return Err(ApiError::new(
                         ErrorCode::IdempotencyKeyReused,
                         "this Idempotency-Key was used for a different request",
@@ -235,8 +241,8 @@ impl Gateway {
                 created_at: now,
                 state: json!({"action": "llm_call", "turn_id": turn_id}),
             }),
-            idempotency: match (&input.idempotency_key, &retry) {
-                (Some(key), None) => Some(NewIdempotency {
+            idempotency: match (&input.idempotency_key, &retry, fingerprint) {
+                (Some(key), None, Some(fingerprint)) => Some(NewIdempotency {
                     key: key.clone(),
                     fingerprint,
                     created_session: created,
