@@ -78,6 +78,10 @@ impl From<sbp_store::StoreError> for ApiError {
         match e {
             sbp_store::StoreError::NotFound => Self::new(ErrorCode::SessionNotFound, "not found"),
             sbp_store::StoreError::Conflict(m) => Self::conflict(m),
+            sbp_store::StoreError::Consumed => Self::new(
+                ErrorCode::TokenConsumed,
+                "this roaming token has already been imported",
+            ),
             sbp_store::StoreError::Backend(m) => Self::internal("accessing storage", m),
         }
     }

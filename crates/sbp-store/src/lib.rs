@@ -3,9 +3,11 @@
 //! saves what it is given and performs each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
 
 pub mod records;
+pub mod roaming;
 pub mod sqlite;
 
 pub use records::*;
+pub use roaming::*;
 
 use async_trait::async_trait;
 use sbp_protocol::{SessionStatus, SnapshotKind};
@@ -18,6 +20,9 @@ pub enum StoreError {
     /// The operation conflicts with stored state (a duplicate key, a forbidden status change).
     #[error("conflict: {0}")]
     Conflict(String),
+    /// A roaming export was already consumed by another import.
+    #[error("export already consumed")]
+    Consumed,
     #[error("storage backend error: {0}")]
     Backend(String),
 }
@@ -116,12 +121,48 @@ pub trait IdempotencyStore: Send + Sync {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>>;
 }
 
+/// L3 roaming: bundles by CID, exports, sessions adopted with a history, lineage, session memory.
+#[async_trait]
+pub trait RoamingStore: Send + Sync {
+    /// Stores the bundle (kept when its CID is already there) and the export row in one write.
+    async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()>;
+    async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>>;
+    /// The bundle's bytes exactly as stored.
+    async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>>;
+    /// Creates a session with its history and records its provenance: all or nothing (see
+    /// [`AdoptSession`]). The single-use check of `consume_export` happens inside this write, so of
+    /// many concurrent imports of one token exactly one succeeds.
+    async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome>;
+    async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage>;
+    async fn get_memory(&self, session_id: Uuid) -> StoreResult<Option<MemoryRecord>>;
+    /// Replaces the session's memory document; `NotFound` without the session.
+    async fn put_memory(
+        &self,
+        session_id: Uuid,
+        schema_id: String,
+        payload: serde_json::Value,
+        now: Timestamp,
+    ) -> StoreResult<MemoryRecord>;
+}
+
 /// Everything the engine needs from a backend.
 pub trait Store:
-    SessionStore + MessageStore + SnapshotStore + TetherStore + TurnStore + IdempotencyStore
+    SessionStore
+    + MessageStore
+    + SnapshotStore
+    + TetherStore
+    + TurnStore
+    + IdempotencyStore
+    + RoamingStore
 {
 }
 impl<T> Store for T where
-    T: SessionStore + MessageStore + SnapshotStore + TetherStore + TurnStore + IdempotencyStore
+    T: SessionStore
+        + MessageStore
+        + SnapshotStore
+        + TetherStore
+        + TurnStore
+        + IdempotencyStore
+        + RoamingStore
 {
 }

@@ -3,6 +3,7 @@
 
 mod codec;
 mod ops;
+mod roaming;
 mod schema;
 mod writer;
 
@@ -20,7 +21,8 @@ use uuid::Uuid;
 use self::codec::db_err;
 use self::writer::JobSender;
 use crate::{
-    BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
+    AdoptOutcome, AdoptSession, ExportRecord, Lineage, MemoryRecord, NewBundle, NewExport,
+    RoamingStore, BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
     IdempotencyStore, MessageRecord, MessageStore, NewSession, SessionRecord, SessionStore,
     SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
     TurnRecord, TurnStore,
@@ -408,5 +410,45 @@ impl IdempotencyStore for SqliteStore {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
         let key = key.to_owned();
         self.read(move |c| ops::get_idempotency(c, &key)).await
+    }
+}
+
+#[async_trait]
+impl RoamingStore for SqliteStore {
+    async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
+        self.write(move |c| roaming::create_export(c, &export, &bundle))
+            .await
+    }
+
+    async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>> {
+        self.read(move |c| roaming::get_export(c, id)).await
+    }
+
+    async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+        let cid = cid.to_owned();
+        self.read(move |c| roaming::get_bundle(c, &cid)).await
+    }
+
+    async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
+        self.write(move |c| roaming::adopt_session(c, &adopt)).await
+    }
+
+    async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage> {
+        self.read(move |c| roaming::lineage(c, session_id)).await
+    }
+
+    async fn get_memory(&self, session_id: Uuid) -> StoreResult<Option<MemoryRecord>> {
+        self.read(move |c| roaming::get_memory(c, session_id)).await
+    }
+
+    async fn put_memory(
+        &self,
+        session_id: Uuid,
+        schema_id: String,
+        payload: serde_json::Value,
+        now: Timestamp,
+    ) -> StoreResult<MemoryRecord> {
+        self.write(move |c| roaming::put_memory(c, session_id, &schema_id, &payload, &now))
+            .await
     }
 }

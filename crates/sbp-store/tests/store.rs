@@ -57,6 +57,13 @@ sqlite_cases!(
     concurrent_turns_across_sessions,
     concurrent_finish_one_session,
     concurrent_conflicts_are_isolated,
+    export_and_bundle_round_trip,
+    adopt_session_with_history,
+    adopt_consumes_once_concurrently,
+    adopt_is_all_or_nothing,
+    adopt_suspends_source_and_forks,
+    foreign_export_is_recorded_once,
+    memory_put_get,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,5 +108,5 @@ async fn open_creates_dirs_and_migrates() {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .expect("version");
-    assert_eq!(version, 1);
+    assert_eq!(version, 2);
 }

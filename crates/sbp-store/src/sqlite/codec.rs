@@ -62,30 +62,30 @@ pub(crate) fn idem_state(s: IdempotencyState) -> &'static str {
     }
 }
 
-fn bad(idx: usize, what: String) -> rusqlite::Error {
+pub(crate) fn bad(idx: usize, what: String) -> rusqlite::Error {
     rusqlite::Error::FromSqlConversionFailure(idx, Type::Text, what.into())
 }
 
-fn col_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Timestamp> {
+pub(crate) fn col_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Timestamp> {
     let s: String = row.get(idx)?;
     DateTime::parse_from_rfc3339(&s)
         .map(|d| d.with_timezone(&Utc))
         .map_err(|e| bad(idx, format!("timestamp {s:?}: {e}")))
 }
 
-fn col_opt_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Timestamp>> {
+pub(crate) fn col_opt_ts(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Timestamp>> {
     match row.get::<_, Option<String>>(idx)? {
         None => Ok(None),
         Some(_) => col_ts(row, idx).map(Some),
     }
 }
 
-fn col_uuid(row: &Row<'_>, idx: usize) -> rusqlite::Result<Uuid> {
+pub(crate) fn col_uuid(row: &Row<'_>, idx: usize) -> rusqlite::Result<Uuid> {
     let s: String = row.get(idx)?;
     Uuid::parse_str(&s).map_err(|e| bad(idx, format!("uuid {s:?}: {e}")))
 }
 
-fn col_json(row: &Row<'_>, idx: usize) -> rusqlite::Result<Value> {
+pub(crate) fn col_json(row: &Row<'_>, idx: usize) -> rusqlite::Result<Value> {
     let s: String = row.get(idx)?;
     serde_json::from_str(&s).map_err(|e| bad(idx, format!("json: {e}")))
 }
@@ -97,7 +97,7 @@ fn col_opt_json(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Value>> {
     }
 }
 
-fn col_u64(row: &Row<'_>, idx: usize) -> rusqlite::Result<u64> {
+pub(crate) fn col_u64(row: &Row<'_>, idx: usize) -> rusqlite::Result<u64> {
     let v: i64 = row.get(idx)?;
     u64::try_from(v).map_err(|_| rusqlite::Error::IntegralValueOutOfRange(idx, v))
 }

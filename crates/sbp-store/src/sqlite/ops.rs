@@ -79,14 +79,14 @@ pub(crate) fn latest_suspended_for_agent(
     .map_err(db_err)
 }
 
-fn current_status(conn: &Connection, sid: &str) -> StoreResult<SessionStatus> {
+pub(crate) fn current_status(conn: &Connection, sid: &str) -> StoreResult<SessionStatus> {
     conn.prepare_cached("SELECT status FROM sessions WHERE id = ?1")
         .and_then(|mut st| st.query_row([sid], |r| col_status(r, 0)).optional())
         .map_err(db_err)?
         .ok_or(StoreError::NotFound)
 }
 
-fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreResult<()> {
+pub(crate) fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreResult<()> {
     if from.can_transition(to) {
         Ok(())
     } else {
@@ -153,7 +153,7 @@ pub(crate) fn count_sessions_by_status(
 // ---- messages ----
 
 /// Inserts `messages` at seqs `start..`; the caller has already moved `message_count` past them.
-fn insert_messages(
+pub(crate) fn insert_messages(
     conn: &Connection,
     sid: &str,
     start: i64,
@@ -184,7 +184,7 @@ fn insert_messages(
     Ok(())
 }
 
-fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
+pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
     i64::try_from(messages.len()).map_err(|_| StoreError::Backend("too many messages".to_owned()))
 }
 

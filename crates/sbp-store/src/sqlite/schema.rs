@@ -96,6 +96,54 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX idempotency_turn ON idempotency (turn_id);
     "#,
+    // v2: L3 roaming.
+    r#"
+    -- Content-addressed: the bytes as sealed (exports) or as received (imports).
+    CREATE TABLE bundles (
+        cid        TEXT PRIMARY KEY NOT NULL,
+        body       BLOB NOT NULL,
+        created_at TEXT NOT NULL
+    );
+
+    -- No foreign key to sessions: a foreign export names a session of another gateway.
+    CREATE TABLE exports (
+        id                TEXT PRIMARY KEY NOT NULL,
+        session_id        TEXT NOT NULL,
+        bundle_cid        TEXT NOT NULL REFERENCES bundles (cid),
+        label             TEXT,
+        message_count     INTEGER NOT NULL,
+        created_at        TEXT NOT NULL,
+        expires_at        TEXT NOT NULL,
+        foreign_origin    INTEGER NOT NULL,
+        imported_at       TEXT,
+        import_session_id TEXT
+    );
+    CREATE INDEX exports_session ON exports (session_id, created_at);
+
+    CREATE TABLE lineage (
+        id           TEXT PRIMARY KEY NOT NULL,
+        kind         TEXT NOT NULL,
+        from_session TEXT,
+        to_session   TEXT NOT NULL,
+        from_agent   TEXT,
+        to_agent     TEXT,
+        export_id    TEXT,
+        label        TEXT,
+        reason       TEXT,
+        fork_point   INTEGER,
+        reused       INTEGER NOT NULL,
+        created_at   TEXT NOT NULL
+    );
+    CREATE INDEX lineage_from ON lineage (from_session, created_at);
+    CREATE INDEX lineage_to ON lineage (to_session, created_at);
+
+    CREATE TABLE session_memory (
+        session_id TEXT PRIMARY KEY NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        schema_id  TEXT NOT NULL,
+        payload    TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening

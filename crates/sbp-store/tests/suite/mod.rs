@@ -14,6 +14,9 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+mod roaming;
+pub use roaming::*;
+
 // ---- fixtures ----
 
 /// A fixed instant with microseconds, so round trips are compared exactly.

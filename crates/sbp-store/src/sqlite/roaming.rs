@@ -1,0 +1,330 @@
+//! L3 roaming on SQLite: bundles, exports, adopted sessions, lineage links and session memory. Like
+//! `ops`, plain synchronous functions; writes run inside the writer's per-job savepoint.
+
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use sbp_protocol::SessionStatus;
+use uuid::Uuid;
+
+use super::codec::{
+    SESSION_COLS, bad, col_json, col_opt_ts, col_ts, col_u64, col_uuid, db_err, int, json,
+    session_row, ts, uuid,
+};
+use super::ops::{check_transition, current_status, insert_messages, insert_session, len_i64};
+use crate::{
+    AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
+    NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Timestamp,
+};
+
+const EXPORT_COLS: &str = "id, session_id, bundle_cid, label, message_count, created_at, \
+    expires_at, foreign_origin, imported_at, import_session_id";
+
+fn col_opt_uuid(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Uuid>> {
+    match row.get::<_, Option<String>>(idx)? {
+        None => Ok(None),
+        Some(_) => col_uuid(row, idx).map(Some),
+    }
+}
+
+fn export_row(row: &Row<'_>) -> rusqlite::Result<ExportRecord> {
+    Ok(ExportRecord {
+        id: col_uuid(row, 0)?,
+        session_id: col_uuid(row, 1)?,
+        bundle_cid: row.get(2)?,
+        label: row.get(3)?,
+        message_count: col_u64(row, 4)?,
+        created_at: col_ts(row, 5)?,
+        expires_at: col_ts(row, 6)?,
+        foreign: row.get(7)?,
+        imported_at: col_opt_ts(row, 8)?,
+        import_session_id: col_opt_uuid(row, 9)?,
+    })
+}
+
+const LINK_COLS: &str = "id, kind, from_session, to_session, from_agent, to_agent, export_id, \
+    label, reason, fork_point, reused, created_at";
+
+fn link_row(row: &Row<'_>) -> rusqlite::Result<LinkRecord> {
+    let kind: String = row.get(1)?;
+    let fork_point = match row.get::<_, Option<i64>>(9)? {
+        None => None,
+        Some(_) => Some(col_u64(row, 9)?),
+    };
+    Ok(LinkRecord {
+        id: col_uuid(row, 0)?,
+        kind: LinkKind::parse(&kind).ok_or_else(|| bad(1, format!("link kind {kind:?}")))?,
+        from_session: col_opt_uuid(row, 2)?,
+        to_session: col_uuid(row, 3)?,
+        from_agent: row.get(4)?,
+        to_agent: row.get(5)?,
+        export_id: col_opt_uuid(row, 6)?,
+        label: row.get(7)?,
+        reason: row.get(8)?,
+        fork_point,
+        reused: row.get(10)?,
+        created_at: col_ts(row, 11)?,
+    })
+}
+
+fn insert_bundle(conn: &Connection, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
+    // Content-addressed: an equal CID means equal content, so an existing row is kept as it is.
+    conn.prepare_cached(
+        "INSERT INTO bundles (cid, body, created_at) VALUES (?1, ?2, ?3) \
+         ON CONFLICT (cid) DO NOTHING",
+    )
+    .and_then(|mut st| st.execute(params![bundle.cid, bundle.bytes, ts(now)]))
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// Inserts the export unless one with its id exists.
+fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<()> {
+    let message_count = int(e.message_count)?;
+    conn.prepare_cached(
+        "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, created_at, \
+         expires_at, foreign_origin) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+         ON CONFLICT (id) DO NOTHING",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            uuid(&e.id),
+            uuid(&e.session_id),
+            e.bundle_cid,
+            e.label,
+            message_count,
+            ts(&e.created_at),
+            ts(&e.expires_at),
+            e.foreign,
+        ])
+    })
+    .map_err(db_err)?;
+    Ok(())
+}
+
+pub(crate) fn create_export(
+    conn: &Connection,
+    export: &NewExport,
+    bundle: &NewBundle,
+) -> StoreResult<()> {
+    insert_bundle(conn, bundle, &export.created_at)?;
+    let exists = get_export(conn, export.id)?.is_some();
+    if exists {
+        return Err(StoreError::Conflict(format!("export {} exists", export.id)));
+    }
+    insert_export(conn, export)
+}
+
+pub(crate) fn get_export(conn: &Connection, id: Uuid) -> StoreResult<Option<ExportRecord>> {
+    conn.prepare_cached(&format!("SELECT {EXPORT_COLS} FROM exports WHERE id = ?1"))
+        .and_then(|mut st| st.query_row([uuid(&id)], export_row).optional())
+        .map_err(db_err)
+}
+
+pub(crate) fn get_bundle(conn: &Connection, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+    conn.prepare_cached("SELECT body FROM bundles WHERE cid = ?1")
+        .and_then(|mut st| st.query_row([cid], |r| r.get(0)).optional())
+        .map_err(db_err)
+}
+
+fn consume_export(conn: &Connection, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE exports SET imported_at = ?2, import_session_id = ?3 \
+             WHERE id = ?1 AND imported_at IS NULL",
+        )
+        .and_then(|mut st| st.execute(params![uuid(&export), ts(now), uuid(&by)]))
+        .map_err(db_err)?;
+    if changed == 1 {
+        return Ok(());
+    }
+    match get_export(conn, export)? {
+        Some(_) => Err(StoreError::Consumed),
+        None => Err(StoreError::NotFound),
+    }
+}
+
+fn insert_link(conn: &Connection, l: &LinkRecord) -> StoreResult<()> {
+    let fork_point = l.fork_point.map(int).transpose()?;
+    conn.prepare_cached(
+        "INSERT INTO lineage (id, kind, from_session, to_session, from_agent, to_agent, export_id, \
+         label, reason, fork_point, reused, created_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            uuid(&l.id),
+            l.kind.as_str(),
+            l.from_session.as_ref().map(uuid),
+            uuid(&l.to_session),
+            l.from_agent,
+            l.to_agent,
+            l.export_id.as_ref().map(uuid),
+            l.label,
+            l.reason,
+            fork_point,
+            l.reused,
+            ts(&l.created_at),
+        ])
+    })
+    .map_err(db_err)?;
+    Ok(())
+}
+
+fn insert_restored_snapshot(
+    conn: &Connection,
+    session: Uuid,
+    r: &RestoredSnapshot,
+) -> StoreResult<()> {
+    let s = &r.snapshot;
+    let (steps, messages, state) = (int(r.step_count)?, int(r.message_count)?, json(&s.state)?);
+    conn.prepare_cached(
+        "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, \
+         current_task, created_at, state) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            uuid(&s.id),
+            uuid(&session),
+            s.kind.as_str(),
+            steps,
+            messages,
+            s.model,
+            s.current_task,
+            ts(&s.created_at),
+            state,
+        ])
+    })
+    .map_err(db_err)?;
+    Ok(())
+}
+
+fn upsert_memory(
+    conn: &Connection,
+    session: Uuid,
+    schema_id: &str,
+    payload: &serde_json::Value,
+    now: &Timestamp,
+) -> StoreResult<()> {
+    let payload = json(payload)?;
+    conn.prepare_cached(
+        "INSERT INTO session_memory (session_id, schema_id, payload, updated_at) \
+         VALUES (?1, ?2, ?3, ?4) ON CONFLICT (session_id) DO UPDATE SET \
+         schema_id = excluded.schema_id, payload = excluded.payload, updated_at = excluded.updated_at",
+    )
+    .and_then(|mut st| {
+        st.execute(params![uuid(&session), schema_id, payload, ts(now)])
+    })
+    .map_err(db_err)?;
+    Ok(())
+}
+
+pub(crate) fn adopt_session(conn: &Connection, a: &AdoptSession) -> StoreResult<AdoptOutcome> {
+    let new_id = a.session.id;
+    let sid = uuid(&new_id);
+    if let Some(bundle) = &a.bundle {
+        insert_bundle(conn, bundle, &a.now)?;
+    }
+    if let Some(export) = &a.export {
+        insert_export(conn, export)?;
+    }
+    // First, so a losing import fails before writing thousands of messages.
+    if let Some(export) = a.consume_export {
+        consume_export(conn, export, new_id, &a.now)?;
+    }
+    if let Some(source) = a.suspend {
+        let current = current_status(conn, &uuid(&source))?;
+        check_transition(current, SessionStatus::Suspended)?;
+        conn.prepare_cached("UPDATE sessions SET status = ?2, updated_at = ?3 WHERE id = ?1")
+            .and_then(|mut st| {
+                st.execute(params![
+                    uuid(&source),
+                    SessionStatus::Suspended.as_str(),
+                    ts(&a.now)
+                ])
+            })
+            .map_err(db_err)?;
+    }
+    insert_session(conn, &a.session)?;
+    insert_messages(conn, &sid, 0, &a.messages)?;
+    let (steps, messages) = (int(a.step_count)?, len_i64(&a.messages)?);
+    let session = conn
+        .prepare_cached(&format!(
+            "UPDATE sessions SET status = ?2, step_count = ?3, message_count = ?4, last_task = ?5, \
+             model = ?6, updated_at = ?7 WHERE id = ?1 RETURNING {SESSION_COLS}"
+        ))
+        .and_then(|mut st| {
+            st.query_row(
+                params![
+                    sid,
+                    a.status.as_str(),
+                    steps,
+                    messages,
+                    a.last_task,
+                    a.model,
+                    ts(&a.now),
+                ],
+                session_row,
+            )
+        })
+        .map_err(db_err)?;
+    if let Some(snapshot) = &a.snapshot {
+        insert_restored_snapshot(conn, new_id, snapshot)?;
+    }
+    if let Some((schema_id, payload)) = &a.memory {
+        upsert_memory(conn, new_id, schema_id, payload, &a.now)?;
+    }
+    if let Some(link) = &a.link {
+        insert_link(conn, link)?;
+    }
+    Ok(session)
+}
+
+pub(crate) fn lineage(conn: &Connection, session: Uuid) -> StoreResult<Lineage> {
+    let sid = uuid(&session);
+    let exports = conn
+        .prepare_cached(&format!(
+            "SELECT {EXPORT_COLS} FROM exports WHERE session_id = ?1 ORDER BY created_at, id"
+        ))
+        .and_then(|mut st| st.query_map([&sid], export_row)?.collect())
+        .map_err(db_err)?;
+    let links = |col: &str| -> StoreResult<Vec<LinkRecord>> {
+        conn.prepare_cached(&format!(
+            "SELECT {LINK_COLS} FROM lineage WHERE {col} = ?1 ORDER BY created_at, id"
+        ))
+        .and_then(|mut st| st.query_map([&sid], link_row)?.collect())
+        .map_err(db_err)
+    };
+    Ok(Lineage {
+        exports,
+        outgoing: links("from_session")?,
+        incoming: links("to_session")?,
+    })
+}
+
+pub(crate) fn get_memory(conn: &Connection, session: Uuid) -> StoreResult<Option<MemoryRecord>> {
+    conn.prepare_cached(
+        "SELECT schema_id, payload, updated_at FROM session_memory WHERE session_id = ?1",
+    )
+    .and_then(|mut st| {
+        st.query_row([uuid(&session)], |r| {
+            Ok(MemoryRecord {
+                schema_id: r.get(0)?,
+                payload: col_json(r, 1)?,
+                updated_at: col_ts(r, 2)?,
+            })
+        })
+        .optional()
+    })
+    .map_err(db_err)
+}
+
+pub(crate) fn put_memory(
+    conn: &Connection,
+    session: Uuid,
+    schema_id: &str,
+    payload: &serde_json::Value,
+    now: &Timestamp,
+) -> StoreResult<MemoryRecord> {
+    current_status(conn, &uuid(&session))?;
+    upsert_memory(conn, session, schema_id, payload, now)?;
+    get_memory(conn, session)?.ok_or(StoreError::NotFound)
+}
