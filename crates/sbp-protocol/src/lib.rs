@@ -1,11 +1,15 @@
 //! SBP wire types shared by the gateway and its clients: WebSocket frames, the SurfaceContext,
-//! the `sbp` completion namespace, the error envelope and the session lifecycle. Pure: no IO.
+//! the `sbp` completion namespace, the error envelope, the session lifecycle, Python-compatible
+//! canonical JSON, roaming bundles (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
 
+pub mod bundle;
+pub mod canonical;
 pub mod completions;
 pub mod error;
 pub mod frames;
 pub mod lifecycle;
 pub mod surface;
+pub mod token;
 
 pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
