@@ -58,6 +58,10 @@ pub struct Metrics {
     pub tether_enqueued: AtomicU64,
     pub tether_delivered: AtomicU64,
     pub ws_connections: AtomicU64,
+    pub exports: AtomicU64,
+    pub imports: AtomicU64,
+    pub handoffs: AtomicU64,
+    pub forks: AtomicU64,
     pub upstream_latency: Histogram,
 }
 
@@ -138,6 +142,26 @@ impl Metrics {
             "WebSocket connections accepted.",
             &self.ws_connections,
         );
+        for (name, help, v) in [
+            (
+                "sbp_exports_total",
+                "Sessions exported to a roaming bundle.",
+                &self.exports,
+            ),
+            (
+                "sbp_imports_total",
+                "Sessions imported from a token or bundle.",
+                &self.imports,
+            ),
+            (
+                "sbp_handoffs_total",
+                "Sessions handed off to another agent.",
+                &self.handoffs,
+            ),
+            ("sbp_forks_total", "Sessions forked.", &self.forks),
+        ] {
+            counter(&mut out, name, help, v);
+        }
         self.upstream_latency.render(
             &mut out,
             "sbp_upstream_latency_seconds",

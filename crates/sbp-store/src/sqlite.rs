@@ -21,9 +21,9 @@ use uuid::Uuid;
 use self::codec::db_err;
 use self::writer::JobSender;
 use crate::{
-    AdoptOutcome, AdoptSession, ExportRecord, Lineage, MemoryRecord, NewBundle, NewExport,
-    RoamingStore, BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
-    IdempotencyStore, MessageRecord, MessageStore, NewSession, SessionRecord, SessionStore,
+    AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
+    FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
+    MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionRecord, SessionStore,
     SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
     TurnRecord, TurnStore,
 };

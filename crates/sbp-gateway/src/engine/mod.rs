@@ -7,10 +7,15 @@
 
 mod chat;
 pub mod hub;
+mod roaming;
 mod sessions;
 mod surface;
 
 pub use chat::{ChatInput, ChatOutcome, ChatReply, SseEvent};
+pub use roaming::{
+    ExportRequest, Exported, Forked, HandedOff, HandoffRequest, ImportRequest, Imported,
+    KNOWN_MEMORY_SCHEMAS, LineageView, MEMORY_SCHEMA_KV, TokenInfo, optional_label,
+};
 pub use sessions::{Caller, PushTurn, SessionView};
 pub use surface::{AttachError, Attached, Delivery};
 
@@ -52,6 +57,12 @@ impl Gateway {
         store: Arc<dyn Store>,
         provider: Arc<dyn Provider>,
     ) -> Result<Self, ApiError> {
+        if config.secret.len() < 32 {
+            return Err(ApiError::internal(
+                "starting the gateway",
+                "the signing secret must be at least 32 bytes",
+            ));
+        }
         let recovered = store.recover_interrupted_turns(Utc::now()).await?;
         for turn in &recovered {
             tracing::warn!(session_id = %turn.session_id, turn_id = %turn.id, "turn interrupted by restart marked failed");

@@ -3,6 +3,7 @@
 
 mod extract;
 mod http;
+mod roaming;
 mod ws;
 
 use axum::Router;
@@ -35,6 +36,17 @@ pub fn router(gateway: Gateway) -> Router {
             get(http::latest_snapshot),
         )
         .route("/v1/sbp/sessions/{id}/turns", post(http::push_turn))
+        .route("/v1/sbp/sessions/import", post(roaming::import))
+        .route("/v1/sbp/sessions/{id}/export", post(roaming::export))
+        .route("/v1/sbp/sessions/{id}/handoff", post(roaming::handoff))
+        .route("/v1/sbp/sessions/{id}/fork", post(roaming::fork))
+        .route("/v1/sbp/sessions/{id}/exports", get(roaming::exports))
+        .route("/v1/sbp/sessions/{id}/lineage", get(roaming::lineage))
+        .route(
+            "/v1/sbp/sessions/{id}/memory",
+            get(roaming::get_memory).put(roaming::put_memory),
+        )
+        .route("/v1/sbp/token/{token}", get(roaming::inspect_token))
         .route("/v1/sbp/ws/{id}", get(ws::upgrade));
     if gateway.config().enable_test_hooks {
         app = app.route(

@@ -1,7 +1,7 @@
 //! Runs the public conformance suite's vector files (read from ../shared/sbp-spec when present, never
-//! copied into the project) against the gateway, for the levels it implements: L1, L2, the L4
-//! handshake vectors and the L5 tether drain. The L3 vectors wait for roaming (issue 3) and the L5
-//! tool-call vector for the MCP bridge (issue 4).
+//! copied into the project) against the gateway, for the levels it implements: L1, L2, L3, the L4
+//! handshake vectors and the L5 tether drain. The L5 tool-call vector waits for the MCP bridge
+//! (issue 4).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -224,6 +224,11 @@ async fn public_conformance_vectors_pass() {
         "L1-stateful-proxy/03-sbp-namespace-not-forwarded.json",
         "L2-resume/01-suspended-returns-202.json",
         "L2-resume/02-force-new-session.json",
+        "L3-roaming/01-export-import.json",
+        "L3-roaming/02-single-use-token.json",
+        "L3-roaming/03-tampered-token-rejected.json",
+        "L3-roaming/04-handoff.json",
+        "L3-roaming/05-fork.json",
         "L4-surfaces/01-attach-session-handshake.json",
         "L4-surfaces/02-attach-first-frame-required.json",
         "L4-surfaces/03-unknown-surface-fields-tolerated.json",

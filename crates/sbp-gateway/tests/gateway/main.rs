@@ -5,5 +5,6 @@ mod support;
 mod conformance;
 mod http_l1;
 mod lifecycle;
+mod roaming;
 mod ws_handshake;
 mod ws_tether;

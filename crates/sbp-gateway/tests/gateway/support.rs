@@ -159,6 +159,28 @@ impl TestGateway {
         (s, v)
     }
 
+    pub async fn put(&self, path: &str, body: Value, headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut req = self.http.put(format!("{}{path}", self.url)).json(&body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let (s, _, v) = response(req.send().await.expect("request sent")).await;
+        (s, v)
+    }
+
+    /// Replaces a session's memory document; asserts success.
+    pub async fn put_memory(&self, id: &str, token: &str, body: Value) -> Value {
+        let (s, v) = self
+            .put(
+                &format!("/v1/sbp/sessions/{id}/memory"),
+                body,
+                &[("x-session-token", token)],
+            )
+            .await;
+        assert_eq!(s, 200, "{v}");
+        v
+    }
+
     /// A completion; returns status, headers, body.
     pub async fn chat(
         &self,

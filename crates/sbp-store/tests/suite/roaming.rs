@@ -92,11 +92,7 @@ async fn exported(store: &Arc<dyn Store>) -> (Uuid, NewExport) {
 
 pub async fn export_and_bundle_round_trip(store: Arc<dyn Store>) {
     let (source, e) = exported(&store).await;
-    let got = store
-        .get_export(e.id)
-        .await
-        .expect("get")
-        .expect("exists");
+    let got = store.get_export(e.id).await.expect("get").expect("exists");
     assert_eq!(
         (got.session_id, &got.bundle_cid, got.message_count),
         (source, &e.bundle_cid, 3)
@@ -203,7 +199,10 @@ pub async fn adopt_consumes_once_concurrently(store: Arc<dyn Store>) {
     }
     let rec = store.get_export(e.id).await.expect("get").expect("exists");
     assert_eq!(rec.import_session_id, Some(won[0]));
-    assert_eq!(store.lineage(source).await.expect("lineage").outgoing.len(), 1);
+    assert_eq!(
+        store.lineage(source).await.expect("lineage").outgoing.len(),
+        1
+    );
 }
 
 /// A failing part (suspending a completed source, consuming an unknown export) undoes everything.
@@ -224,7 +223,14 @@ pub async fn adopt_is_all_or_nothing(store: Arc<dyn Store>) {
     assert_eq!(store.get_bundle(&b.cid).await.expect("bundle"), None);
     let rec = store.get_export(e.id).await.expect("get").expect("exists");
     assert_eq!(rec.imported_at, None, "the export must not be consumed");
-    assert!(store.lineage(source).await.expect("lineage").outgoing.is_empty());
+    assert!(
+        store
+            .lineage(source)
+            .await
+            .expect("lineage")
+            .outgoing
+            .is_empty()
+    );
     assert_eq!(
         session(&store, source).await.status,
         SessionStatus::Completed
@@ -282,17 +288,21 @@ pub async fn foreign_export_is_recorded_once(store: Arc<dyn Store>) {
     first.bundle = Some(b.clone());
     first.export = Some(e.clone());
     let winner = store.adopt_session(first).await.expect("first import").id;
-    let rec = store.get_export(e.id).await.expect("get").expect("recorded");
+    let rec = store
+        .get_export(e.id)
+        .await
+        .expect("get")
+        .expect("recorded");
     assert!(rec.foreign);
     assert_eq!(rec.import_session_id, Some(winner));
-    assert_eq!(store.get_bundle(&b.cid).await.expect("bundle"), Some(b.bytes.clone()));
+    assert_eq!(
+        store.get_bundle(&b.cid).await.expect("bundle"),
+        Some(b.bytes.clone())
+    );
     let mut second = adopt(remote_session, Some(e.id));
     second.bundle = Some(b);
     second.export = Some(e);
-    assert_eq!(
-        store.adopt_session(second).await,
-        Err(StoreError::Consumed)
-    );
+    assert_eq!(store.adopt_session(second).await, Err(StoreError::Consumed));
 }
 
 pub async fn memory_put_get(store: Arc<dyn Store>) {

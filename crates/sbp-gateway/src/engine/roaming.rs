@@ -1,0 +1,1142 @@
+//! L3 roaming: export a session to a content-addressed bundle and a signed roaming token, import a
+//! token (or a raw bundle) into a new session, hand a session off to another agent, fork it, and
+//! report its lineage. Every operation that creates a session is one atomic store write
+//! (`adopt_session`), which also performs the single-use check of the token.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use chrono::{DateTime, Duration, Utc};
+use sbp_protocol::bundle::{self, BundleMessage, CidError, ParsedBundle};
+use sbp_protocol::token::{self, RoamingClaims, TokenError};
+use sbp_protocol::{ErrorCode, SessionStatus, SnapshotKind};
+use sbp_store::{
+    AdoptSession, ExportRecord, LinkKind, LinkRecord, MemoryRecord, MessageRecord, NewBundle,
+    NewExport, NewMessage, NewSession, NewSnapshot, RestoredSnapshot, SessionRecord,
+    SnapshotRecord, Timestamp,
+};
+use serde_json::{Map, Value, json};
+use uuid::Uuid;
+
+use super::sessions::new_agent_id;
+use super::{Gateway, iso};
+use crate::auth;
+use crate::error::ApiError;
+
+/// The memory format this gateway understands: `payload` is a JSON object of application-defined
+/// keys. Bundles whose memory names another schema import without their memory.
+pub const MEMORY_SCHEMA_KV: &str = "urn:sbp:memory:kv:v1";
+pub const KNOWN_MEMORY_SCHEMAS: &[&str] = &[MEMORY_SCHEMA_KV];
+
+pub const DEFAULT_EXPORT_TTL_SECS: i64 = 86_400;
+pub const MIN_EXPORT_TTL_SECS: i64 = 60;
+pub const MAX_LABEL_CHARS: usize = 120;
+pub const MAX_HANDOFF_MESSAGE_CHARS: usize = 2000;
+pub const MAX_REASON_CHARS: usize = 500;
+const MAX_AGENT_ID_CHARS: usize = 256;
+
+pub struct ExportRequest {
+    pub ttl_seconds: Option<i64>,
+    pub label: Option<String>,
+    /// Return the sealed bundle in the response too (for gateways that share no secret).
+    pub include_bundle: bool,
+}
+
+pub struct Exported {
+    pub export: ExportRecord,
+    pub roaming_token: String,
+    /// The sealed bundle, when asked for.
+    pub bundle: Option<Value>,
+}
+
+pub struct ImportRequest {
+    pub roaming_token: Option<String>,
+    pub bundle: Option<Map<String, Value>>,
+    pub target_agent_id: Option<String>,
+    pub allow_reuse: bool,
+}
+
+pub struct Imported {
+    pub session: SessionRecord,
+    pub session_token: String,
+    pub export_id: Option<Uuid>,
+    pub source_session_id: Option<String>,
+    pub bundle_cid: String,
+    pub messages_restored: u64,
+    pub memory_restored: bool,
+    /// Why the bundle's memory was not restored, when it was not.
+    pub memory_skipped: Option<String>,
+    pub snapshot_restored: bool,
+    pub allow_reuse: bool,
+    pub via_token: bool,
+}
+
+pub struct HandoffRequest {
+    pub to_agent_id: String,
+    pub handoff_message: Option<String>,
+    pub reason: Option<String>,
+}
+
+pub struct HandedOff {
+    pub handoff_id: Uuid,
+    pub source: SessionRecord,
+    pub session: SessionRecord,
+    pub session_token: String,
+    pub export: ExportRecord,
+}
+
+pub struct Forked {
+    pub fork_id: Uuid,
+    pub origin: SessionRecord,
+    pub session: SessionRecord,
+    pub session_token: String,
+    pub label: Option<String>,
+    pub fork_point_msg: u64,
+    pub fork_point_step: u64,
+}
+
+/// What `GET /v1/sbp/token/{token}` shows.
+pub struct TokenInfo {
+    pub claims: RoamingClaims,
+    pub export: ExportRecord,
+    pub expired: bool,
+}
+
+/// Lineage with the import links of each export resolved.
+pub struct LineageView {
+    pub session_id: Uuid,
+    pub exports: Vec<ExportRecord>,
+    pub outgoing: Vec<LinkRecord>,
+    pub incoming: Vec<LinkRecord>,
+}
+
+fn token_error(e: TokenError) -> ApiError {
+    match e {
+        TokenError::Expired { exp } => {
+            ApiError::new(ErrorCode::TokenExpired, "this roaming token has expired")
+                .with_detail(json!({ "expired_at": unix_iso(exp) }))
+        }
+        other => ApiError::new(
+            ErrorCode::TokenInvalid,
+            format!("roaming token rejected: {other}"),
+        ),
+    }
+}
+
+fn cid_error(e: CidError) -> ApiError {
+    let detail = match &e {
+        CidError::Mismatch { claimed, computed } => {
+            json!({ "claimed": claimed, "computed": computed })
+        }
+        _ => Value::Null,
+    };
+    let err = ApiError::new(
+        ErrorCode::TokenIntegrity,
+        format!("bundle integrity check failed: {e}"),
+    );
+    if detail.is_null() {
+        err
+    } else {
+        err.with_detail(detail)
+    }
+}
+
+fn unix_iso(secs: i64) -> Option<String> {
+    DateTime::<Utc>::from_timestamp(secs, 0).map(|t| iso(&t))
+}
+
+/// A string of at most `max` characters, or none.
+fn optional_text(
+    body: &Map<String, Value>,
+    key: &str,
+    max: usize,
+) -> Result<Option<String>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.chars().count() <= max => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "`{key}` must be a string of at most {max} characters"
+        ))),
+    }
+}
+
+fn check_agent_id(key: &str, s: &str) -> Result<(), ApiError> {
+    if s.is_empty() || s.chars().count() > MAX_AGENT_ID_CHARS {
+        return Err(ApiError::bad_request(format!(
+            "`{key}` must be a string of 1 to {MAX_AGENT_ID_CHARS} characters"
+        )));
+    }
+    Ok(())
+}
+
+/// The optional `label` of an export or fork.
+pub fn optional_label(body: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    optional_text(body, "label", MAX_LABEL_CHARS)
+}
+
+impl ExportRequest {
+    pub fn from_body(body: &Map<String, Value>) -> Result<Self, ApiError> {
+        let ttl_seconds = match body.get("ttl_seconds") {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_i64() {
+                Some(n) if (MIN_EXPORT_TTL_SECS..=token::MAX_TOKEN_TTL_SECS).contains(&n) => {
+                    Some(n)
+                }
+                _ => {
+                    return Err(ApiError::bad_request(format!(
+                        "`ttl_seconds` must be an integer in [{MIN_EXPORT_TTL_SECS}, {}]",
+                        token::MAX_TOKEN_TTL_SECS
+                    )));
+                }
+            },
+        };
+        let include_bundle = match body.get("include_bundle") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(ApiError::bad_request("`include_bundle` must be a boolean")),
+        };
+        Ok(Self {
+            ttl_seconds,
+            label: optional_label(body)?,
+            include_bundle,
+        })
+    }
+}
+
+impl ImportRequest {
+    pub fn from_body(body: &Map<String, Value>) -> Result<Self, ApiError> {
+        let roaming_token = match body.get("roaming_token").or_else(|| body.get("token")) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.trim().to_owned()),
+            Some(_) => return Err(ApiError::bad_request("`roaming_token` must be a string")),
+        };
+        let bundle = match body.get("bundle") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) => Some(m.clone()),
+            Some(_) => return Err(ApiError::bad_request("`bundle` must be an object")),
+        };
+        if roaming_token.is_none() && bundle.is_none() {
+            return Err(ApiError::bad_request(
+                "send a `roaming_token`, a raw `bundle`, or both",
+            ));
+        }
+        let target_agent_id = match body.get("target_agent_id").or_else(|| body.get("agent_id")) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => {
+                check_agent_id("target_agent_id", s)?;
+                Some(s.clone())
+            }
+            Some(_) => return Err(ApiError::bad_request("`target_agent_id` must be a string")),
+        };
+        let allow_reuse = match body.get("allow_reuse") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(ApiError::bad_request("`allow_reuse` must be a boolean")),
+        };
+        Ok(Self {
+            roaming_token,
+            bundle,
+            target_agent_id,
+            allow_reuse,
+        })
+    }
+}
+
+impl HandoffRequest {
+    pub fn from_body(body: &Map<String, Value>) -> Result<Self, ApiError> {
+        let to_agent_id = match body
+            .get("to_agent_id")
+            .or_else(|| body.get("target_agent_id"))
+        {
+            Some(Value::String(s)) => {
+                check_agent_id("to_agent_id", s)?;
+                s.clone()
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "`to_agent_id` (a string) is required",
+                ));
+            }
+        };
+        Ok(Self {
+            to_agent_id,
+            handoff_message: optional_text(body, "handoff_message", MAX_HANDOFF_MESSAGE_CHARS)?,
+            reason: optional_text(body, "reason", MAX_REASON_CHARS)?,
+        })
+    }
+}
+
+/// The parts of a session that go into a bundle.
+struct SessionState {
+    history: Vec<MessageRecord>,
+    snapshot: Option<SnapshotRecord>,
+    memory: Option<MemoryRecord>,
+}
+
+impl Gateway {
+    fn secret(&self) -> &[u8] {
+        &self.config().secret
+    }
+
+    async fn session_state(&self, session: &SessionRecord) -> Result<SessionState, ApiError> {
+        Ok(SessionState {
+            history: self.store().history(session.id).await?,
+            snapshot: self.recovery_snapshot(session.id).await?,
+            memory: self.store().get_memory(session.id).await?,
+        })
+    }
+
+    /// Builds and seals the bundle, signs the token and stores both (`POST .../export`).
+    pub async fn export_session(
+        &self,
+        session: &SessionRecord,
+        req: ExportRequest,
+    ) -> Result<Exported, ApiError> {
+        let state = self.session_state(session).await?;
+        let now = Utc::now();
+        let ttl = req.ttl_seconds.unwrap_or(DEFAULT_EXPORT_TTL_SECS);
+        let (export, bytes, sealed) =
+            seal_export(session, &state, req.label, now, ttl, req.include_bundle);
+        let roaming_token = self.sign_export(&export);
+        self.store()
+            .create_export(
+                export.clone(),
+                NewBundle {
+                    cid: export.bundle_cid.clone(),
+                    bytes,
+                },
+            )
+            .await?;
+        self.metrics().exports.fetch_add(1, Relaxed);
+        Ok(Exported {
+            export: record_of(export),
+            roaming_token,
+            bundle: sealed,
+        })
+    }
+
+    fn sign_export(&self, export: &NewExport) -> String {
+        token::sign(
+            &RoamingClaims {
+                sub: export.id.to_string(),
+                sid: export.session_id.to_string(),
+                iat: export.created_at.timestamp(),
+                exp: export.expires_at.timestamp(),
+            },
+            self.secret(),
+        )
+    }
+
+    /// `GET /v1/sbp/token/{token}`: the export behind a token, without consuming it. An expired token
+    /// is still described (with `expired: true`); a bad signature is not.
+    pub async fn inspect_token(&self, raw: &str) -> Result<TokenInfo, ApiError> {
+        // Verifying at the earliest instant checks the signature and claims but never expiry.
+        let claims = token::verify(raw, self.secret(), i64::MIN).map_err(token_error)?;
+        let export = self.token_export(&claims).await?.ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::NotFound,
+                "the export this token refers to is not stored on this gateway",
+            )
+        })?;
+        let expired = Utc::now().timestamp() >= claims.exp;
+        Ok(TokenInfo {
+            claims,
+            export,
+            expired,
+        })
+    }
+
+    /// The stored export a verified token refers to; a token whose claims disagree with the stored
+    /// export is invalid.
+    async fn token_export(&self, claims: &RoamingClaims) -> Result<Option<ExportRecord>, ApiError> {
+        let invalid = |why: &str| {
+            ApiError::new(
+                ErrorCode::TokenInvalid,
+                format!("roaming token rejected: {why}"),
+            )
+        };
+        let export_id = Uuid::parse_str(&claims.sub).map_err(|_| invalid("`sub` is not a UUID"))?;
+        let Some(export) = self.store().get_export(export_id).await? else {
+            return Ok(None);
+        };
+        if claims.sid != export.session_id.to_string()
+            && Uuid::parse_str(&claims.sid).ok() != Some(export.session_id)
+        {
+            return Err(invalid("`sid` does not match the export"));
+        }
+        Ok(Some(export))
+    }
+
+    /// `POST /v1/sbp/sessions/import`: a token (whose bundle is stored here, or sent along when it was
+    /// made by another gateway sharing the secret) or a raw bundle, verified by CID.
+    pub async fn import_session(&self, req: ImportRequest) -> Result<Imported, ApiError> {
+        let now = Utc::now();
+        let Some(raw_token) = req.roaming_token.as_deref() else {
+            // A raw bundle: integrity by CID only; nothing to consume.
+            let bundle = req.bundle.as_ref().ok_or_else(|| {
+                ApiError::bad_request("send a `roaming_token`, a raw `bundle`, or both")
+            })?;
+            let cid = bundle::verify_cid(bundle).map_err(cid_error)?;
+            let parsed = parse(bundle)?;
+            let bytes = sbp_protocol::canonical::to_canonical_bytes(&Value::Object(bundle.clone()));
+            let export_id = parsed
+                .export_id
+                .as_deref()
+                .and_then(|s| Uuid::parse_str(s).ok());
+            let plan = ImportPlan {
+                parsed: &parsed,
+                cid: &cid,
+                export_id,
+                source: parsed.session.id.clone(),
+                target_agent_id: req.target_agent_id.clone(),
+                allow_reuse: req.allow_reuse,
+                via_token: false,
+            };
+            let bundle = Some(NewBundle {
+                cid: cid.clone(),
+                bytes,
+            });
+            return self.adopt_import(plan, bundle, None, None, now).await;
+        };
+        let claims =
+            token::verify(raw_token, self.secret(), now.timestamp()).map_err(token_error)?;
+        let export_id = Uuid::parse_str(&claims.sub).map_err(|_| {
+            ApiError::new(
+                ErrorCode::TokenInvalid,
+                "roaming token rejected: `sub` is not a UUID",
+            )
+        })?;
+        match self.token_export(&claims).await? {
+            Some(export) => {
+                if export.imported_at.is_some() && !req.allow_reuse {
+                    return Err(sbp_store::StoreError::Consumed.into());
+                }
+                let stored = self
+                    .store()
+                    .get_bundle(&export.bundle_cid)
+                    .await?
+                    .ok_or_else(|| {
+                        ApiError::new(
+                            ErrorCode::TokenIntegrity,
+                            "the bundle of this export is missing from storage",
+                        )
+                    })?;
+                let bundle = match serde_json::from_slice::<Value>(&stored) {
+                    Ok(Value::Object(m)) => m,
+                    _ => {
+                        return Err(ApiError::new(
+                            ErrorCode::TokenIntegrity,
+                            "the stored bundle of this export is not a JSON object",
+                        ));
+                    }
+                };
+                let cid = bundle::verify_cid(&bundle).map_err(cid_error)?;
+                if cid != export.bundle_cid {
+                    return Err(cid_error(CidError::Mismatch {
+                        claimed: export.bundle_cid.clone(),
+                        computed: cid,
+                    }));
+                }
+                // A bundle sent along with a token this gateway holds must be that bundle.
+                if let Some(sent) = &req.bundle {
+                    let sent_cid = bundle::verify_cid(sent).map_err(cid_error)?;
+                    if sent_cid != cid {
+                        return Err(cid_error(CidError::Mismatch {
+                            claimed: cid,
+                            computed: sent_cid,
+                        }));
+                    }
+                }
+                let parsed = parse(&bundle)?;
+                let plan = ImportPlan {
+                    parsed: &parsed,
+                    cid: &cid,
+                    export_id: Some(export_id),
+                    source: Some(export.session_id.to_string()),
+                    target_agent_id: req.target_agent_id.clone(),
+                    allow_reuse: req.allow_reuse,
+                    via_token: true,
+                };
+                let consume = (!req.allow_reuse).then_some(export_id);
+                self.adopt_import(plan, None, None, consume, now).await
+            }
+            None => {
+                // Made by another gateway that shares the secret: its bundle must come along.
+                let bundle = req.bundle.as_ref().ok_or_else(|| {
+                    ApiError::new(
+                        ErrorCode::NotFound,
+                        "the export this token refers to is not stored on this gateway; send its \
+                         `bundle` along with the token",
+                    )
+                })?;
+                let cid = bundle::verify_cid(bundle).map_err(cid_error)?;
+                let parsed = parse(bundle)?;
+                if parsed.export_id.as_deref() != Some(claims.sub.as_str()) {
+                    return Err(ApiError::new(
+                        ErrorCode::TokenIntegrity,
+                        "the bundle's metadata.export_id is not the token's export",
+                    ));
+                }
+                if parsed.session.id.as_deref() != Some(claims.sid.as_str()) {
+                    return Err(ApiError::new(
+                        ErrorCode::TokenIntegrity,
+                        "the bundle's session.id is not the token's session",
+                    ));
+                }
+                let source_session = Uuid::parse_str(&claims.sid).map_err(|_| {
+                    ApiError::new(
+                        ErrorCode::TokenInvalid,
+                        "roaming token rejected: `sid` is not a UUID",
+                    )
+                })?;
+                let export = NewExport {
+                    id: export_id,
+                    session_id: source_session,
+                    bundle_cid: cid.clone(),
+                    label: parsed.label.clone(),
+                    message_count: parsed.messages.len() as u64,
+                    created_at: DateTime::from_timestamp(claims.iat, 0).unwrap_or(now),
+                    expires_at: DateTime::from_timestamp(claims.exp, 0).unwrap_or(now),
+                    foreign: true,
+                };
+                let bytes =
+                    sbp_protocol::canonical::to_canonical_bytes(&Value::Object(bundle.clone()));
+                let plan = ImportPlan {
+                    parsed: &parsed,
+                    cid: &cid,
+                    export_id: Some(export_id),
+                    source: Some(claims.sid.clone()),
+                    target_agent_id: req.target_agent_id.clone(),
+                    allow_reuse: req.allow_reuse,
+                    via_token: true,
+                };
+                let consume = (!req.allow_reuse).then_some(export_id);
+                let bundle = Some(NewBundle {
+                    cid: cid.clone(),
+                    bytes,
+                });
+                self.adopt_import(plan, bundle, Some(export), consume, now)
+                    .await
+            }
+        }
+    }
+
+    async fn adopt_import(
+        &self,
+        plan: ImportPlan<'_>,
+        bundle: Option<NewBundle>,
+        export: Option<NewExport>,
+        consume: Option<Uuid>,
+        now: Timestamp,
+    ) -> Result<Imported, ApiError> {
+        let parsed = plan.parsed;
+        let session_token = auth::new_session_token();
+        let agent_id = plan
+            .target_agent_id
+            .clone()
+            .or_else(|| parsed.session.agent_id.clone().filter(|a| !a.is_empty()))
+            .unwrap_or_else(new_agent_id);
+        let new_id = Uuid::now_v7();
+        let mut messages: Vec<NewMessage> = parsed
+            .messages
+            .iter()
+            .map(|m| restored_message(m, now))
+            .collect();
+        let restored = messages.len() as u64;
+        let source_text = plan.source.as_deref().unwrap_or("an unknown session");
+        let export_text = plan
+            .export_id
+            .map(|e| format!(", export {e}"))
+            .unwrap_or_default();
+        messages.push(system_message(
+            format!(
+                "This session was imported from {source_text} (bundle {}{export_text}) on {}. \
+                 The conversation above is its history.",
+                plan.cid,
+                iso(&now)
+            ),
+            now,
+        ));
+        let (memory, memory_skipped) = restorable_memory(parsed);
+        let snapshot = restored_snapshot(parsed.state_snapshot.as_ref(), restored, 0, now);
+        let step_count = parsed
+            .session
+            .step_count
+            .or_else(|| snapshot.as_ref().map(|s| s.step_count))
+            .unwrap_or_else(|| {
+                parsed
+                    .messages
+                    .iter()
+                    .filter(|m| m.role == "assistant")
+                    .count() as u64
+            });
+        let link = LinkRecord {
+            id: Uuid::now_v7(),
+            kind: LinkKind::Import,
+            from_session: plan.source.as_deref().and_then(|s| Uuid::parse_str(s).ok()),
+            to_session: new_id,
+            from_agent: parsed.session.agent_id.clone(),
+            to_agent: Some(agent_id.clone()),
+            export_id: plan.export_id,
+            label: parsed.label.clone(),
+            reason: None,
+            fork_point: Some(restored),
+            reused: plan.allow_reuse,
+            created_at: now,
+        };
+        let snapshot_restored = snapshot.is_some();
+        let memory_restored = memory.is_some();
+        let session = self
+            .store()
+            .adopt_session(AdoptSession {
+                session: NewSession {
+                    id: new_id,
+                    agent_id,
+                    token_hash: auth::hash_token(&session_token),
+                    created_at: now,
+                    metadata: json!({}),
+                },
+                status: SessionStatus::Idle,
+                step_count,
+                last_task: parsed.session.last_task.clone(),
+                model: parsed.session.model.clone(),
+                messages,
+                snapshot,
+                memory,
+                bundle,
+                export,
+                consume_export: consume,
+                link: Some(link),
+                suspend: None,
+                now,
+            })
+            .await?;
+        self.metrics().imports.fetch_add(1, Relaxed);
+        self.metrics().sessions_created.fetch_add(1, Relaxed);
+        Ok(Imported {
+            session,
+            session_token,
+            export_id: plan.export_id,
+            source_session_id: plan.source,
+            bundle_cid: plan.cid.to_owned(),
+            messages_restored: restored,
+            memory_restored,
+            memory_skipped,
+            snapshot_restored,
+            allow_reuse: plan.allow_reuse,
+            via_token: plan.via_token,
+        })
+    }
+
+    /// `POST .../handoff`: export, import under `to_agent_id` with a bridge message first, and suspend
+    /// the source: one store write, so a crash leaves either all of it or none.
+    pub async fn handoff(
+        &self,
+        source: &SessionRecord,
+        req: HandoffRequest,
+    ) -> Result<HandedOff, ApiError> {
+        if source.status.is_terminal() {
+            return Err(ApiError::conflict(format!(
+                "a {} session cannot be handed off",
+                source.status
+            )));
+        }
+        let state = self.session_state(source).await?;
+        let now = Utc::now();
+        let label = Some(format!("handoff to {}", req.to_agent_id))
+            .filter(|l| l.chars().count() <= MAX_LABEL_CHARS);
+        let (export, bytes, _) =
+            seal_export(source, &state, label, now, DEFAULT_EXPORT_TTL_SECS, false);
+        let new_id = Uuid::now_v7();
+        let session_token = auth::new_session_token();
+        let reason = req
+            .reason
+            .as_deref()
+            .map(|r| format!(" Reason: {r}."))
+            .unwrap_or_default();
+        let note = req
+            .handoff_message
+            .as_deref()
+            .map(|m| format!("\n\n{m}"))
+            .unwrap_or_default();
+        let mut messages = vec![system_message(
+            format!(
+                "Handoff: agent '{}' handed this conversation (session {}) to agent '{}'.{reason}{note}",
+                source.agent_id, source.id, req.to_agent_id
+            ),
+            now,
+        )];
+        messages.extend(state.history.iter().map(copied_message));
+        let snapshot = state
+            .snapshot
+            .as_ref()
+            .map(|s| copied_snapshot(s, s.step_count, s.message_count + 1, now));
+        let handoff_id = Uuid::now_v7();
+        let link = LinkRecord {
+            id: handoff_id,
+            kind: LinkKind::Handoff,
+            from_session: Some(source.id),
+            to_session: new_id,
+            from_agent: Some(source.agent_id.clone()),
+            to_agent: Some(req.to_agent_id.clone()),
+            export_id: Some(export.id),
+            label: export.label.clone(),
+            reason: req.reason.clone(),
+            fork_point: Some(state.history.len() as u64),
+            reused: false,
+            created_at: now,
+        };
+        let session = self
+            .store()
+            .adopt_session(AdoptSession {
+                session: NewSession {
+                    id: new_id,
+                    agent_id: req.to_agent_id.clone(),
+                    token_hash: auth::hash_token(&session_token),
+                    created_at: now,
+                    metadata: json!({}),
+                },
+                status: SessionStatus::Idle,
+                step_count: source.step_count,
+                last_task: source.last_task.clone(),
+                model: source.model.clone(),
+                messages,
+                snapshot,
+                memory: state.memory.map(|m| (m.schema_id, m.payload)),
+                bundle: Some(NewBundle {
+                    cid: export.bundle_cid.clone(),
+                    bytes,
+                }),
+                export: Some(export.clone()),
+                consume_export: Some(export.id),
+                link: Some(link),
+                suspend: Some(source.id),
+                now,
+            })
+            .await
+            .map_err(|e| match e {
+                sbp_store::StoreError::Conflict(_) => ApiError::conflict(
+                    "the source session's status changed; it cannot be handed off now",
+                ),
+                other => other.into(),
+            })?;
+        self.metrics().handoffs.fetch_add(1, Relaxed);
+        self.metrics().sessions_created.fetch_add(1, Relaxed);
+        let source = self
+            .store()
+            .get_session(source.id)
+            .await?
+            .ok_or_else(|| ApiError::session_not_found(source.id))?;
+        let mut export = record_of(export);
+        export.imported_at = Some(now);
+        export.import_session_id = Some(new_id);
+        Ok(HandedOff {
+            handoff_id,
+            source,
+            session,
+            session_token,
+            export,
+        })
+    }
+
+    /// `POST .../fork`: an independent copy of the session at its latest consistent point: all of it,
+    /// or, while a turn is in flight, the last completed turn.
+    pub async fn fork(
+        &self,
+        origin: &SessionRecord,
+        label: Option<String>,
+    ) -> Result<Forked, ApiError> {
+        if origin.status.is_terminal() {
+            return Err(ApiError::conflict(format!(
+                "a {} session cannot be forked",
+                origin.status
+            )));
+        }
+        let state = self.session_state(origin).await?;
+        let in_flight = matches!(
+            self.store().latest_snapshot(origin.id, None).await?,
+            Some(ref s) if s.kind == SnapshotKind::PreAction
+        );
+        let (point_msg, point_step) = match (&state.snapshot, in_flight) {
+            (Some(s), true) => (s.message_count, s.step_count),
+            (None, true) => (0, 0),
+            (_, false) => (state.history.len() as u64, origin.step_count),
+        };
+        let point = usize::try_from(point_msg).unwrap_or(usize::MAX);
+        let now = Utc::now();
+        let new_id = Uuid::now_v7();
+        let session_token = auth::new_session_token();
+        let messages: Vec<NewMessage> = state
+            .history
+            .iter()
+            .take(point)
+            .map(copied_message)
+            .collect();
+        let snapshot = state
+            .snapshot
+            .as_ref()
+            .filter(|s| s.message_count <= point_msg)
+            .map(|s| copied_snapshot(s, s.step_count, s.message_count, now));
+        let fork_id = Uuid::now_v7();
+        let link = LinkRecord {
+            id: fork_id,
+            kind: LinkKind::Fork,
+            from_session: Some(origin.id),
+            to_session: new_id,
+            from_agent: Some(origin.agent_id.clone()),
+            to_agent: Some(origin.agent_id.clone()),
+            export_id: None,
+            label: label.clone(),
+            reason: None,
+            fork_point: Some(point_msg),
+            reused: false,
+            created_at: now,
+        };
+        let session = self
+            .store()
+            .adopt_session(AdoptSession {
+                session: NewSession {
+                    id: new_id,
+                    agent_id: origin.agent_id.clone(),
+                    token_hash: auth::hash_token(&session_token),
+                    created_at: now,
+                    metadata: json!({}),
+                },
+                status: SessionStatus::Idle,
+                step_count: point_step,
+                last_task: origin.last_task.clone(),
+                model: origin.model.clone(),
+                messages,
+                snapshot,
+                memory: state.memory.map(|m| (m.schema_id, m.payload)),
+                bundle: None,
+                export: None,
+                consume_export: None,
+                link: Some(link),
+                suspend: None,
+                now,
+            })
+            .await?;
+        self.metrics().forks.fetch_add(1, Relaxed);
+        self.metrics().sessions_created.fetch_add(1, Relaxed);
+        Ok(Forked {
+            fork_id,
+            origin: origin.clone(),
+            session,
+            session_token,
+            label,
+            fork_point_msg: point_msg,
+            fork_point_step: point_step,
+        })
+    }
+
+    pub async fn lineage(&self, session: &SessionRecord) -> Result<LineageView, ApiError> {
+        let l = self.store().lineage(session.id).await?;
+        Ok(LineageView {
+            session_id: session.id,
+            exports: l.exports,
+            outgoing: l.outgoing,
+            incoming: l.incoming,
+        })
+    }
+
+    /// The session's memory document (an empty one of the built-in schema when none was stored).
+    pub async fn memory(&self, session: &SessionRecord) -> Result<MemoryRecord, ApiError> {
+        Ok(self
+            .store()
+            .get_memory(session.id)
+            .await?
+            .unwrap_or_else(|| MemoryRecord {
+                schema_id: MEMORY_SCHEMA_KV.to_owned(),
+                payload: json!({}),
+                updated_at: session.created_at,
+            }))
+    }
+
+    pub async fn put_memory(
+        &self,
+        session: &SessionRecord,
+        schema_id: Option<String>,
+        payload: Value,
+    ) -> Result<MemoryRecord, ApiError> {
+        let schema_id = schema_id.unwrap_or_else(|| MEMORY_SCHEMA_KV.to_owned());
+        if !KNOWN_MEMORY_SCHEMAS.contains(&schema_id.as_str()) {
+            return Err(ApiError::bad_request(format!(
+                "unknown memory schema_id '{schema_id}'; this gateway knows {KNOWN_MEMORY_SCHEMAS:?}"
+            )));
+        }
+        if !payload.is_object() {
+            return Err(ApiError::bad_request("`payload` must be a JSON object"));
+        }
+        Ok(self
+            .store()
+            .put_memory(session.id, schema_id, payload, Utc::now())
+            .await?)
+    }
+}
+
+struct ImportPlan<'a> {
+    parsed: &'a ParsedBundle,
+    cid: &'a str,
+    export_id: Option<Uuid>,
+    /// The source session id as the token or bundle names it.
+    source: Option<String>,
+    target_agent_id: Option<String>,
+    allow_reuse: bool,
+    via_token: bool,
+}
+
+fn parse(bundle: &Map<String, Value>) -> Result<ParsedBundle, ApiError> {
+    bundle::parse_bundle(&Value::Object(bundle.clone()))
+        .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("malformed bundle: {e}")))
+}
+
+fn record_of(e: NewExport) -> ExportRecord {
+    ExportRecord {
+        id: e.id,
+        session_id: e.session_id,
+        bundle_cid: e.bundle_cid,
+        label: e.label,
+        message_count: e.message_count,
+        created_at: e.created_at,
+        expires_at: e.expires_at,
+        foreign: e.foreign,
+        imported_at: None,
+        import_session_id: None,
+    }
+}
+
+/// The bundle of `session` as of `now`, sealed: the export row, the canonical bytes to store, and the
+/// sealed bundle as JSON when `want_json`.
+fn seal_export(
+    session: &SessionRecord,
+    state: &SessionState,
+    label: Option<String>,
+    now: Timestamp,
+    ttl_secs: i64,
+    want_json: bool,
+) -> (NewExport, Vec<u8>, Option<Value>) {
+    let export_id = Uuid::now_v7();
+    let mut b = bundle_of(session, state, export_id, label.as_deref(), now);
+    let (cid, bytes) = bundle::seal(&mut b);
+    let export = NewExport {
+        id: export_id,
+        session_id: session.id,
+        bundle_cid: cid,
+        label,
+        message_count: state.history.len() as u64,
+        created_at: now,
+        expires_at: now + Duration::seconds(ttl_secs),
+        foreign: false,
+    };
+    (export, bytes, want_json.then_some(Value::Object(b)))
+}
+
+/// The bundle envelope (SPEC 8.2 and the seeds), with the names of spec, docs and reference server.
+fn bundle_of(
+    session: &SessionRecord,
+    state: &SessionState,
+    export_id: Uuid,
+    label: Option<&str>,
+    now: Timestamp,
+) -> Map<String, Value> {
+    let messages: Vec<Value> = state.history.iter().map(bundle_message).collect();
+    let costs: Vec<f64> = state.history.iter().filter_map(|m| m.cost_usd).collect();
+    let total_cost = (!costs.is_empty()).then(|| costs.iter().sum::<f64>());
+    let memory = match &state.memory {
+        Some(m) => json!({ "schema_id": m.schema_id, "payload": m.payload }),
+        None => json!({ "schema_id": MEMORY_SCHEMA_KV, "payload": {} }),
+    };
+    let snapshot = state.snapshot.as_ref().map_or(Value::Null, |s| {
+        json!({
+            "snapshot_id": s.id,
+            "kind": s.kind.as_str(),
+            "step": s.step_count,
+            "step_count": s.step_count,
+            "message_count": s.message_count,
+            "model": s.model,
+            "current_task": s.current_task,
+            "created_at": iso(&s.created_at),
+            "state": s.state,
+        })
+    });
+    let body = json!({
+        "sbp_version": bundle::BUNDLE_FORMAT_VERSION,
+        "exported_at": iso(&now),
+        "label": label,
+        "session": {
+            "id": session.id,
+            "agent_id": session.agent_id,
+            "agent_external_id": session.agent_id,
+            "status": session.status.as_str(),
+            "last_task": session.last_task,
+            "created_at": iso(&session.created_at),
+            "step_count": session.step_count,
+            "message_count": state.history.len(),
+            "model": session.model,
+        },
+        "messages": messages,
+        "memory": memory,
+        "state_snapshot": snapshot,
+        "metadata": {
+            "export_id": export_id,
+            "message_count": state.history.len(),
+            "total_cost_usd": total_cost,
+            "exported_by": concat!("sbp-gateway/", env!("CARGO_PKG_VERSION")),
+        },
+    });
+    match body {
+        Value::Object(m) => m,
+        // `json!` of an object literal is always an object.
+        _ => Map::new(),
+    }
+}
+
+/// A stored message as a bundle entry: the chat message object plus the gateway's per-message facts.
+fn bundle_message(m: &MessageRecord) -> Value {
+    let mut entry = match &m.body {
+        Value::Object(o) => o.clone(),
+        other => {
+            let mut o = Map::new();
+            o.insert("content".to_owned(), other.clone());
+            o
+        }
+    };
+    entry.insert("role".to_owned(), Value::String(m.role.clone()));
+    entry.insert("model_used".to_owned(), json!(m.model_used));
+    entry.insert("cost_usd".to_owned(), json!(m.cost_usd));
+    entry.insert("created_at".to_owned(), json!(iso(&m.created_at)));
+    Value::Object(entry)
+}
+
+fn restored_message(m: &BundleMessage, now: Timestamp) -> NewMessage {
+    let created_at = m
+        .created_at
+        .as_deref()
+        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+        .map_or(now, |t| t.with_timezone(&Utc));
+    NewMessage {
+        role: m.role.clone(),
+        body: m.body.clone(),
+        model_used: m.model_used.clone(),
+        cost_usd: m.cost_usd,
+        created_at,
+    }
+}
+
+fn copied_message(m: &MessageRecord) -> NewMessage {
+    NewMessage {
+        role: m.role.clone(),
+        body: m.body.clone(),
+        model_used: m.model_used.clone(),
+        cost_usd: m.cost_usd,
+        created_at: m.created_at,
+    }
+}
+
+fn system_message(content: String, now: Timestamp) -> NewMessage {
+    NewMessage {
+        role: "system".to_owned(),
+        body: json!({ "role": "system", "content": content }),
+        model_used: None,
+        cost_usd: None,
+        created_at: now,
+    }
+}
+
+fn copied_snapshot(
+    s: &SnapshotRecord,
+    step_count: u64,
+    message_count: u64,
+    now: Timestamp,
+) -> RestoredSnapshot {
+    RestoredSnapshot {
+        snapshot: NewSnapshot {
+            id: Uuid::now_v7(),
+            kind: s.kind,
+            model: s.model.clone(),
+            current_task: s.current_task.clone(),
+            created_at: now,
+            state: s.state.clone(),
+        },
+        step_count,
+        message_count,
+    }
+}
+
+/// The bundle's `state_snapshot` as a snapshot of the new session, whose first `offset` messages
+/// were added in front of the `restored` ones. Ours carry `step_count`/`message_count`; the reference
+/// server's carry `step` and a copy of the `messages`.
+fn restored_snapshot(
+    snap: Option<&Value>,
+    restored: u64,
+    offset: u64,
+    now: Timestamp,
+) -> Option<RestoredSnapshot> {
+    let s = snap?.as_object()?;
+    let step_count = s
+        .get("step_count")
+        .or_else(|| s.get("step"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let message_count = s
+        .get("message_count")
+        .and_then(Value::as_u64)
+        .or_else(|| {
+            s.get("messages")
+                .and_then(Value::as_array)
+                .map(|m| m.len() as u64)
+        })
+        .unwrap_or(restored)
+        .min(restored);
+    let kind = s
+        .get("kind")
+        .and_then(Value::as_str)
+        .and_then(SnapshotKind::parse)
+        .unwrap_or(SnapshotKind::Checkpoint);
+    let state = match s.get("state") {
+        Some(v @ Value::Object(_)) => v.clone(),
+        _ => {
+            // A foreign snapshot: keep what it says about itself, minus the copy of the transcript.
+            let mut rest = s.clone();
+            rest.remove("messages");
+            Value::Object(rest)
+        }
+    };
+    Some(RestoredSnapshot {
+        snapshot: NewSnapshot {
+            id: Uuid::now_v7(),
+            kind,
+            model: s.get("model").and_then(Value::as_str).map(str::to_owned),
+            current_task: s
+                .get("current_task")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            created_at: now,
+            state,
+        },
+        step_count,
+        message_count: message_count + offset,
+    })
+}
+
+/// The bundle's memory when its schema is one this gateway knows; otherwise why it is skipped.
+fn restorable_memory(parsed: &ParsedBundle) -> (Option<(String, Value)>, Option<String>) {
+    match &parsed.memory {
+        None => (
+            None,
+            Some("the bundle carries no memory schema_id".to_owned()),
+        ),
+        Some(m) if !KNOWN_MEMORY_SCHEMAS.contains(&m.schema_id.as_str()) => (
+            None,
+            Some(format!("unknown memory schema_id '{}'", m.schema_id)),
+        ),
+        Some(m) if !m.payload.is_object() => (
+            None,
+            Some(format!(
+                "memory payload of '{}' is not an object",
+                m.schema_id
+            )),
+        ),
+        Some(m) => (Some((m.schema_id.clone(), m.payload.clone())), None),
+    }
+}
