@@ -20,4 +20,4 @@ pub use surface::SurfaceContext;
 /// The wire protocol version advertised in SESSION_ATTACHED unless configured otherwise (the seeds' v1.2).
 pub const DEFAULT_SBP_VERSION: &str = "1.2";
 /// The conformance level this implementation advertises.
-pub const SBP_LEVEL: &str = "L2";
+pub const SBP_LEVEL: &str = "L3";
