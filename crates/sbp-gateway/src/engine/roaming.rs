@@ -50,7 +50,8 @@ pub struct Exported {
 
 pub struct ImportRequest {
     pub roaming_token: Option<String>,
-    pub bundle: Option<Map<String, Value>>,
+    /// A JSON object.
+    pub bundle: Option<Value>,
     pub target_agent_id: Option<String>,
     pub allow_reuse: bool,
 }
@@ -203,15 +204,16 @@ impl ExportRequest {
 }
 
 impl ImportRequest {
-    pub fn from_body(body: &Map<String, Value>) -> Result<Self, ApiError> {
+    /// Takes the body by value: a raw bundle can be megabytes, and is moved rather than copied.
+    pub fn from_body(mut body: Map<String, Value>) -> Result<Self, ApiError> {
         let roaming_token = match body.get("roaming_token").or_else(|| body.get("token")) {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.trim().to_owned()),
             Some(_) => return Err(ApiError::bad_request("`roaming_token` must be a string")),
         };
-        let bundle = match body.get("bundle") {
+        let bundle = match body.remove("bundle") {
             None | Some(Value::Null) => None,
-            Some(Value::Object(m)) => Some(m.clone()),
+            Some(v @ Value::Object(_)) => Some(v),
             Some(_) => return Err(ApiError::bad_request("`bundle` must be an object")),
         };
         if roaming_token.is_none() && bundle.is_none() {
@@ -375,9 +377,9 @@ impl Gateway {
             let bundle = req.bundle.as_ref().ok_or_else(|| {
                 ApiError::bad_request("send a `roaming_token`, a raw `bundle`, or both")
             })?;
-            let cid = bundle::verify_cid(bundle).map_err(cid_error)?;
+            let cid = verify(bundle)?;
             let parsed = parse(bundle)?;
-            let bytes = sbp_protocol::canonical::to_canonical_bytes(&Value::Object(bundle.clone()));
+            let bytes = sbp_protocol::canonical::to_canonical_bytes(bundle);
             let export_id = parsed
                 .export_id
                 .as_deref()
@@ -421,7 +423,7 @@ impl Gateway {
                         )
                     })?;
                 let bundle = match serde_json::from_slice::<Value>(&stored) {
-                    Ok(Value::Object(m)) => m,
+                    Ok(v @ Value::Object(_)) => v,
                     _ => {
                         return Err(ApiError::new(
                             ErrorCode::TokenIntegrity,
@@ -429,7 +431,7 @@ impl Gateway {
                         ));
                     }
                 };
-                let cid = bundle::verify_cid(&bundle).map_err(cid_error)?;
+                let cid = verify(&bundle)?;
                 if cid != export.bundle_cid {
                     return Err(cid_error(CidError::Mismatch {
                         claimed: export.bundle_cid.clone(),
@@ -438,7 +440,7 @@ impl Gateway {
                 }
                 // A bundle sent along with a token this gateway holds must be that bundle.
                 if let Some(sent) = &req.bundle {
-                    let sent_cid = bundle::verify_cid(sent).map_err(cid_error)?;
+                    let sent_cid = verify(sent)?;
                     if sent_cid != cid {
                         return Err(cid_error(CidError::Mismatch {
                             claimed: cid,
@@ -468,7 +470,7 @@ impl Gateway {
                          `bundle` along with the token",
                     )
                 })?;
-                let cid = bundle::verify_cid(bundle).map_err(cid_error)?;
+                let cid = verify(bundle)?;
                 let parsed = parse(bundle)?;
                 if parsed.export_id.as_deref() != Some(claims.sub.as_str()) {
                     return Err(ApiError::new(
@@ -498,8 +500,7 @@ impl Gateway {
                     expires_at: DateTime::from_timestamp(claims.exp, 0).unwrap_or(now),
                     foreign: true,
                 };
-                let bytes =
-                    sbp_protocol::canonical::to_canonical_bytes(&Value::Object(bundle.clone()));
+                let bytes = sbp_protocol::canonical::to_canonical_bytes(bundle);
                 let plan = ImportPlan {
                     parsed: &parsed,
                     cid: &cid,
@@ -885,8 +886,16 @@ struct ImportPlan<'a> {
     via_token: bool,
 }
 
-fn parse(bundle: &Map<String, Value>) -> Result<ParsedBundle, ApiError> {
-    bundle::parse_bundle(&Value::Object(bundle.clone()))
+/// The CID of a bundle (a JSON object), checked against the digest it carries.
+fn verify(bundle: &Value) -> Result<String, ApiError> {
+    let map = bundle
+        .as_object()
+        .ok_or_else(|| ApiError::bad_request("a bundle must be a JSON object"))?;
+    bundle::verify_cid(map).map_err(cid_error)
+}
+
+fn parse(bundle: &Value) -> Result<ParsedBundle, ApiError> {
+    bundle::parse_bundle(bundle)
         .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("malformed bundle: {e}")))
 }
 

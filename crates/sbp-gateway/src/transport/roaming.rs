@@ -74,7 +74,7 @@ pub async fn export(
 }
 
 pub async fn import(State(gw): State<Gateway>, JsonObject(body): JsonObject) -> ApiResult {
-    let req = ImportRequest::from_body(&body)?;
+    let req = ImportRequest::from_body(body)?;
     let out = gw.import_session(req).await?;
     let s = &out.session;
     let body = json!({
