@@ -589,13 +589,7 @@ impl Gateway {
         let session = self
             .store()
             .adopt_session(AdoptSession {
-                session: NewSession {
-                    id: new_id,
-                    agent_id,
-                    token_hash: auth::hash_token(&session_token),
-                    created_at: now,
-                    metadata: json!({}),
-                },
+                session: new_session(new_id, agent_id, &session_token, now),
                 status: SessionStatus::Idle,
                 step_count,
                 last_task: parsed.session.last_task.clone(),
@@ -689,13 +683,7 @@ impl Gateway {
         let session = self
             .store()
             .adopt_session(AdoptSession {
-                session: NewSession {
-                    id: new_id,
-                    agent_id: req.to_agent_id.clone(),
-                    token_hash: auth::hash_token(&session_token),
-                    created_at: now,
-                    metadata: json!({}),
-                },
+                session: new_session(new_id, req.to_agent_id.clone(), &session_token, now),
                 status: SessionStatus::Idle,
                 step_count: source.step_count,
                 last_task: source.last_task.clone(),
@@ -795,13 +783,7 @@ impl Gateway {
         let session = self
             .store()
             .adopt_session(AdoptSession {
-                session: NewSession {
-                    id: new_id,
-                    agent_id: origin.agent_id.clone(),
-                    token_hash: auth::hash_token(&session_token),
-                    created_at: now,
-                    metadata: json!({}),
-                },
+                session: new_session(new_id, origin.agent_id.clone(), &session_token, now),
                 status: SessionStatus::Idle,
                 step_count: point_step,
                 last_task: origin.last_task.clone(),
@@ -897,6 +879,17 @@ fn verify(bundle: &Value) -> Result<String, ApiError> {
 fn parse(bundle: &Value) -> Result<ParsedBundle, ApiError> {
     bundle::parse_bundle(bundle)
         .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("malformed bundle: {e}")))
+}
+
+/// The record of a session created by roaming; its token is returned once and stored as a hash.
+fn new_session(id: Uuid, agent_id: String, token: &str, now: Timestamp) -> NewSession {
+    NewSession {
+        id,
+        agent_id,
+        token_hash: auth::hash_token(token),
+        created_at: now,
+        metadata: json!({}),
+    }
 }
 
 fn record_of(e: NewExport) -> ExportRecord {
