@@ -1,12 +1,13 @@
 //! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
-//! (throughput, added latency at a fixed rate, tether drain, idle surfaces), prints a summary and
-//! writes `bench-out/results.json`. See BENCHMARKS.md.
+//! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming), prints a
+//! summary and writes `bench-out/results.json`. See BENCHMARKS.md.
 
 mod client;
 mod http;
 mod idle;
 mod latency;
 mod procs;
+mod roaming;
 mod stats;
 mod tether;
 mod throughput;
@@ -44,6 +45,9 @@ enum Command {
     Tether,
     /// Attach --surfaces idle WebSockets and measure the gateway's memory.
     Idle,
+    /// L3 roaming: import a sealed bundle of --roaming-messages messages, then --iterations times
+    /// export the session and import the fresh roaming token.
+    Roaming,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -88,6 +92,12 @@ struct Opts {
     /// Idle WebSocket surfaces.
     #[arg(long, global = true, default_value_t = 10_000)]
     surfaces: usize,
+    /// Export + import pairs of the roaming scenario.
+    #[arg(long, global = true, default_value_t = 20)]
+    iterations: usize,
+    /// Messages in the roaming scenario's session (as imported from a bundle built by the bench).
+    #[arg(long, global = true, default_value_t = 10_000)]
+    roaming_messages: usize,
     /// SQLite durability of the gateway (`--sqlite-synchronous`); a list (`full,normal`) runs the
     /// throughput scenario once per mode, the others with the first.
     #[arg(
@@ -190,6 +200,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "rate": o.rate,
             "tether_turns": o.tether_turns,
             "surfaces": o.surfaces,
+            "iterations": o.iterations,
+            "roaming_messages": o.roaming_messages,
             "sync": o.sync,
             "fd_limit": fd_limit,
         }),
@@ -197,6 +209,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         latency: None,
         tether: None,
         idle: None,
+        roaming: None,
         errors: Vec::new(),
         targets: Vec::new(),
         load_at_end: [0.0; 3],
@@ -297,6 +310,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Err(e) => results.fail(&label, &e),
         }
     }
+    if all || matches!(cli.command, Command::Roaming) {
+        let label = format!("roaming-{}", primary.as_str());
+        println!(
+            "\n== {label}: {} x export + import of a {}-message session",
+            o.iterations, o.roaming_messages
+        );
+        let p = roaming::Params {
+            messages: o.roaming_messages,
+            iterations: o.iterations,
+            sync: primary,
+        };
+        match roaming::run(&env, &label, &p).await {
+            Ok(r) => {
+                print_roaming(&r);
+                results.roaming = Some(r);
+            }
+            Err(e) => results.fail(&label, &e),
+        }
+    }
 
     results.load_at_end = procs::loadavg();
     results.targets = targets(&results);
@@ -339,6 +371,7 @@ struct Results {
     latency: Option<latency::Report>,
     tether: Option<tether::Report>,
     idle: Option<idle::Report>,
+    roaming: Option<roaming::Report>,
     errors: Vec<Value>,
     targets: Vec<Target>,
 }
@@ -438,6 +471,26 @@ fn targets(r: &Results) -> Vec<Target> {
                 i.attached
             ),
             met: i.rss_after_kib <= 100 * 1024 && i.attached == i.surfaces,
+        });
+    }
+    if let Some(r) = &r.roaming {
+        out.push(Target {
+            name: format!(
+                "roaming export + import, {}-message session",
+                r.session_messages
+            ),
+            target: "<= 200 ms".into(),
+            measured: format!(
+                "p50 {:.1} ms, p95 {:.1} ms, max {:.1} ms (export p50 {:.1}, import p50 {:.1}; n={})",
+                r.pair.p50_ms,
+                r.pair.p95_ms,
+                r.pair.max_ms,
+                r.export.p50_ms,
+                r.import.p50_ms,
+                r.iterations
+            ),
+            // Held to p95: nearly every roam must fit, not just the typical one.
+            met: r.pair.p95_ms <= 200.0,
         });
     }
     out
@@ -570,6 +623,38 @@ fn print_idle(r: &idle::Report) {
         mib(r.rss_delta_kib),
         r.per_surface_kib
     );
+}
+
+fn print_roaming(r: &roaming::Report) {
+    println!(
+        "  seed: raw bundle of {} messages, {} bytes canonical, imported in {:.1} ms; session holds {}",
+        r.bundle_messages, r.bundle_bytes, r.seed_import_ms, r.session_messages
+    );
+    println!(
+        "  {:<14} {:>9} {:>9} {:>9}",
+        "", "p50 ms", "p95 ms", "max ms"
+    );
+    for (name, e) in [
+        ("export", &r.export),
+        ("import", &r.import),
+        ("export+import", &r.pair),
+    ] {
+        println!(
+            "  {name:<14} {:>9.1} {:>9.1} {:>9.1}",
+            e.p50_ms, e.p95_ms, e.max_ms
+        );
+    }
+    println!(
+        "  gateway CPU per pair {:.1} ms; RSS peak {:.1} MiB (VmHWM); data {}",
+        r.gateway_cpu_ms_per_pair,
+        mib(r.gateway_mem_end.hwm_kib),
+        data_files(&r.data_files)
+    );
+    println!(
+        "  exported bundle {} bytes canonical (CID verified); consumed token re-imported: {}",
+        r.export_bundle_bytes, r.reimport_refused
+    );
+    print_cpu(&r.cpu);
 }
 
 fn print_targets(targets: &[Target]) {

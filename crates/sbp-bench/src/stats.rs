@@ -1,4 +1,5 @@
-//! Latency histograms (HdrHistogram, microseconds) and their summaries.
+//! Latency histograms (HdrHistogram, microseconds) and their summaries; exact percentiles of a few
+//! samples.
 
 use std::time::Duration;
 
@@ -75,6 +76,49 @@ impl std::fmt::Display for Summary {
     }
 }
 
+/// Exact (nearest-rank) percentiles of a few samples, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Exact {
+    pub count: usize,
+    pub min_ms: f64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Exact {
+    pub fn of(samples_ms: &[f64]) -> Self {
+        let mut v = samples_ms.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n == 0 {
+            return Self::default();
+        }
+        // Nearest rank: the smallest sample with at least q of the samples at or below it.
+        let rank = |q: f64| v[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let round = |x: f64| (x * 1000.0).round() / 1000.0;
+        Self {
+            count: n,
+            min_ms: v[0],
+            mean_ms: round(v.iter().sum::<f64>() / n as f64),
+            p50_ms: rank(0.50),
+            p95_ms: rank(0.95),
+            max_ms: v[n - 1],
+        }
+    }
+}
+
+impl std::fmt::Display for Exact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "p50 {:.1} ms  p95 {:.1} ms  max {:.1} ms  (min {:.1}, mean {:.1}, n={})",
+            self.p50_ms, self.p95_ms, self.max_ms, self.min_ms, self.mean_ms, self.count
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,5 +134,19 @@ mod tests {
         assert!((s.p50_ms - 5.0).abs() < 0.01, "{s:?}");
         assert!((s.p99_ms - 9.9).abs() < 0.02, "{s:?}");
         assert!((s.max_ms - 10.0).abs() < 0.02, "{s:?}");
+    }
+
+    #[test]
+    fn exact_percentiles_are_nearest_rank() {
+        let samples: Vec<f64> = (1..=20).rev().map(f64::from).collect();
+        let e = Exact::of(&samples);
+        assert_eq!(e.count, 20);
+        assert_eq!(e.p50_ms, 10.0);
+        assert_eq!(e.p95_ms, 19.0);
+        assert_eq!(e.max_ms, 20.0);
+        assert_eq!(e.min_ms, 1.0);
+        assert_eq!(e.mean_ms, 10.5);
+        assert_eq!(Exact::of(&[7.0]).p95_ms, 7.0);
+        assert_eq!(Exact::of(&[]).count, 0);
     }
 }
