@@ -50,21 +50,60 @@ pub fn compute_cid(bundle: &Map<String, Value>) -> String {
 /// The bundle is serialised once: the `bundle_cid` entry is spliced into the digest's input at its
 /// sorted position, which gives exactly the canonical form of the sealed map.
 pub fn seal(bundle: &mut Map<String, Value>) -> (String, Vec<u8>) {
+    seal_entries(bundle, None)
+}
+
+/// Like [`seal`], for a bundle whose `raw_key` entry (e.g. the messages of a long session) is given
+/// as bytes already in canonical form, so they can be produced in pieces and in parallel. The
+/// returned bytes hold that entry; the map is sealed without it.
+pub fn seal_with_raw(
+    bundle: &mut Map<String, Value>,
+    raw_key: &str,
+    raw_canonical: &[u8],
+) -> (String, Vec<u8>) {
+    seal_entries(bundle, Some((raw_key, raw_canonical)))
+}
+
+enum Slot<'a> {
+    Value(&'a Value),
+    Raw(&'a [u8]),
+}
+
+fn seal_entries(bundle: &mut Map<String, Value>, raw: Option<(&str, &[u8])>) -> (String, Vec<u8>) {
     const KEY: &str = "bundle_cid";
-    let mut out = Vec::with_capacity(4096);
+    let raw_len = raw.map_or(0, |(_, r)| r.len());
+    let mut out = Vec::with_capacity(4096 + raw_len + raw_len / 8);
     let (insert_at, others) = {
-        let entries = sorted_entries(bundle, &CID_FIELDS);
+        let mut skip = CID_FIELDS.to_vec();
+        if let Some((key, _)) = raw {
+            skip.push(key);
+        }
+        let mut entries: Vec<(&str, Slot<'_>)> = sorted_entries(bundle, &skip)
+            .into_iter()
+            .map(|(k, v)| (k, Slot::Value(v)))
+            .collect();
+        if let Some((key, bytes)) = raw {
+            let at = entries.partition_point(|(k, _)| *k < key);
+            entries.insert(at, (key, Slot::Raw(bytes)));
+        }
         let index = entries.partition_point(|(k, _)| *k < KEY);
         let mut insert_at = None;
         out.push(b'{');
-        for (i, (key, value)) in entries.iter().enumerate() {
+        for (i, (key, slot)) in entries.iter().enumerate() {
             if i > 0 {
                 out.extend_from_slice(b", ");
             }
             if i == index {
                 insert_at = Some(out.len());
             }
-            write_entry(key, value, &mut out);
+            match slot {
+                Slot::Value(value) => write_entry(key, value, &mut out),
+                Slot::Raw(bytes) => {
+                    crate::canonical::write_string(key, &mut out);
+                    out.extend_from_slice(b": ");
+                    out.extend_from_slice(bytes);
+                }
+            }
         }
         out.push(b'}');
         (insert_at, entries.len())
@@ -187,20 +226,36 @@ pub struct BundleMemory {
     pub payload: Value,
 }
 
-/// Gateway bookkeeping keys kept out of [`BundleMessage::body`].
-const MESSAGE_GATEWAY_KEYS: [&str; 3] = ["model_used", "cost_usd", "created_at"];
-
 fn opt_str(map: &Map<String, Value>, key: &str) -> Option<String> {
     map.get(key).and_then(Value::as_str).map(str::to_owned)
 }
 
 /// Reads a bundle leniently: the structure the import needs is checked, unknown keys are ignored and
-/// optional scalars of the wrong type read as `None`.
-pub fn parse_bundle(value: &Value) -> Result<ParsedBundle, BundleError> {
-    let top = value
-        .as_object()
-        .ok_or_else(|| BundleError::new("$", "must be an object"))?;
+/// optional scalars of the wrong type read as `None`. Takes the bundle by value and moves the
+/// messages out of it: a bundle can hold megabytes of them.
+pub fn parse_bundle(value: Value) -> Result<ParsedBundle, BundleError> {
+    let Value::Object(mut top) = value else {
+        return Err(BundleError::new("$", "must be an object"));
+    };
+    let raw_messages = match top.remove("messages") {
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(BundleError::new("messages", "must be an array")),
+        None => return Err(BundleError::new("messages", "is missing")),
+    };
+    let messages = raw_messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect::<Result<Vec<_>, _>>()?;
+    parse_envelope(top, messages)
+}
 
+/// The rest of [`parse_bundle`], for a caller that parsed the messages itself (e.g. in parallel,
+/// with [`parse_message`]): `top` is the bundle without its `messages`.
+pub fn parse_envelope(
+    mut top: Map<String, Value>,
+    messages: Vec<BundleMessage>,
+) -> Result<ParsedBundle, BundleError> {
     let session = match top.get("session") {
         Some(Value::Object(s)) => BundleSession {
             id: opt_str(s, "id"),
@@ -215,26 +270,20 @@ pub fn parse_bundle(value: &Value) -> Result<ParsedBundle, BundleError> {
         None => return Err(BundleError::new("session", "is missing")),
     };
 
-    let raw_messages = match top.get("messages") {
-        Some(Value::Array(items)) => items,
-        Some(_) => return Err(BundleError::new("messages", "must be an array")),
-        None => return Err(BundleError::new("messages", "is missing")),
+    let memory = match top.remove("memory") {
+        Some(Value::Object(mut m)) => match m.remove("schema_id") {
+            Some(Value::String(schema_id)) => Some(BundleMemory {
+                schema_id,
+                payload: m.remove("payload").unwrap_or(Value::Null),
+            }),
+            _ => None,
+        },
+        _ => None,
     };
-    let messages = raw_messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| parse_message(i, m))
-        .collect::<Result<Vec<_>, _>>()?;
 
-    let memory = top.get("memory").and_then(Value::as_object).and_then(|m| {
-        let schema_id = opt_str(m, "schema_id")?;
-        let payload = m.get("payload").cloned().unwrap_or(Value::Null);
-        Some(BundleMemory { schema_id, payload })
-    });
-
-    let state_snapshot = match top.get("state_snapshot") {
+    let state_snapshot = match top.remove("state_snapshot") {
         None | Some(Value::Null) => None,
-        Some(v @ Value::Object(_)) => Some(v.clone()),
+        Some(v @ Value::Object(_)) => Some(v),
         Some(_) => {
             return Err(BundleError::new(
                 "state_snapshot",
@@ -245,9 +294,9 @@ pub fn parse_bundle(value: &Value) -> Result<ParsedBundle, BundleError> {
 
     let metadata = top.get("metadata").and_then(Value::as_object);
     Ok(ParsedBundle {
-        sbp_version: opt_str(top, "sbp_version"),
-        exported_at: opt_str(top, "exported_at"),
-        label: opt_str(top, "label"),
+        sbp_version: opt_str(&top, "sbp_version"),
+        exported_at: opt_str(&top, "exported_at"),
+        label: opt_str(&top, "label"),
         session,
         messages,
         memory,
@@ -262,7 +311,8 @@ pub fn parse_bundle(value: &Value) -> Result<ParsedBundle, BundleError> {
     })
 }
 
-fn parse_message(index: usize, value: &Value) -> Result<BundleMessage, BundleError> {
+/// One entry of `messages` (at `index`, for error paths).
+pub fn parse_message(index: usize, value: Value) -> Result<BundleMessage, BundleError> {
     let path = |field: &str| {
         if field.is_empty() {
             format!("messages[{index}]")
@@ -270,9 +320,9 @@ fn parse_message(index: usize, value: &Value) -> Result<BundleMessage, BundleErr
             format!("messages[{index}].{field}")
         }
     };
-    let map = value
-        .as_object()
-        .ok_or_else(|| BundleError::new(path(""), "must be an object"))?;
+    let Value::Object(mut map) = value else {
+        return Err(BundleError::new(path(""), "must be an object"));
+    };
     let role = match map.get("role") {
         Some(Value::String(r)) if !r.is_empty() => r.clone(),
         Some(_) => return Err(BundleError::new(path("role"), "must be a non-empty string")),
@@ -287,18 +337,106 @@ fn parse_message(index: usize, value: &Value) -> Result<BundleMessage, BundleErr
             ));
         }
     }
-    let body: Map<String, Value> = map
-        .iter()
-        .filter(|(k, _)| !MESSAGE_GATEWAY_KEYS.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let model_used = match map.remove("model_used") {
+        Some(Value::String(s)) => Some(s),
+        _ => None,
+    };
+    let cost_usd = map.remove("cost_usd").as_ref().and_then(Value::as_f64);
+    let created_at = match map.remove("created_at") {
+        Some(Value::String(s)) => Some(s),
+        _ => None,
+    };
     Ok(BundleMessage {
         role,
-        body: Value::Object(body),
-        model_used: opt_str(map, "model_used"),
-        cost_usd: map.get("cost_usd").and_then(Value::as_f64),
-        created_at: opt_str(map, "created_at"),
+        body: Value::Object(map),
+        model_used,
+        cost_usd,
+        created_at,
     })
+}
+
+/// A bundle's text split for parsing in pieces (see [`delimit_messages`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delimited {
+    /// Everything but `messages`, parsed.
+    pub envelope: Map<String, Value>,
+    /// The byte range of each message within the text, not parsed.
+    pub messages: Vec<std::ops::Range<usize>>,
+}
+
+/// Splits a bundle's text for parsing in pieces, in one pass over the text.
+pub fn delimit_messages(text: &str) -> Result<Delimited, BundleError> {
+    let skeleton: Skeleton<'_> = serde_json::from_str(text)
+        .map_err(|e| BundleError::new("$", format!("is not a bundle object: {e}")))?;
+    let items = skeleton
+        .messages
+        .ok_or_else(|| BundleError::new("messages", "is missing"))?;
+    let base = text.as_ptr() as usize;
+    let ranges = items
+        .iter()
+        .map(|raw| {
+            // `raw` borrows from `text`, so its address lies within it.
+            let start = raw.get().as_ptr() as usize - base;
+            start..start + raw.get().len()
+        })
+        .collect();
+    Ok(Delimited {
+        envelope: skeleton.envelope,
+        messages: ranges,
+    })
+}
+
+struct Skeleton<'a> {
+    envelope: Map<String, Value>,
+    messages: Option<Vec<&'a serde_json::value::RawValue>>,
+}
+
+impl<'de> serde::Deserialize<'de> for Skeleton<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = Skeleton<'de>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a bundle object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut envelope = Map::new();
+                let mut messages = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "messages" {
+                        messages = Some(map.next_value()?);
+                    } else {
+                        envelope.insert(key, map.next_value()?);
+                    }
+                }
+                Ok(Skeleton { envelope, messages })
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// Whether `bytes` are a bundle as [`seal`] wrote it (`{"bundle_cid": "<cid>", ...}`, canonical) whose
+/// digest is `cid`. Checks the bytes as they are, without parsing: what a store kept from a seal
+/// verifies in one pass of SHA-256. `false` means "not proven": verify the parsed bundle instead.
+pub fn sealed_bytes_match(bytes: &[u8], cid: &str) -> bool {
+    let head = format!("{{\"bundle_cid\": \"{cid}\"");
+    let Some(rest) = bytes.strip_prefix(head.as_bytes()) else {
+        return false;
+    };
+    let mut hasher = Sha256::new();
+    hasher.update(b"{");
+    match rest.strip_prefix(b", ") {
+        Some(others) => hasher.update(others),
+        // The digest was the only entry.
+        None => hasher.update(rest),
+    }
+    hex::encode(hasher.finalize()) == cid
 }
 
 #[cfg(test)]
@@ -392,7 +530,7 @@ mod tests {
     #[test]
     fn golden_bundle_parses() {
         let Some(bundle) = golden() else { return };
-        let parsed = parse_bundle(&Value::Object(bundle)).unwrap();
+        let parsed = parse_bundle(Value::Object(bundle)).unwrap();
         assert_eq!(parsed.sbp_version.as_deref(), Some("1.0"));
         assert_eq!(
             parsed.session.id.as_deref(),
@@ -473,6 +611,93 @@ mod tests {
     }
 
     #[test]
+    fn seal_with_raw_equals_seal() {
+        let mut whole = rich_bundle();
+        let messages = whole["messages"].clone();
+        let mut rest = whole.clone();
+        rest.remove("messages");
+        let raw = to_canonical_bytes(&messages);
+        let (cid, bytes) = seal(&mut whole);
+        let (raw_cid, raw_bytes) = seal_with_raw(&mut rest, "messages", &raw);
+        assert_eq!((raw_cid, raw_bytes), (cid.clone(), bytes.clone()));
+        assert!(sealed_bytes_match(&bytes, &cid));
+        // The raw entry may sort anywhere, including before `bundle_cid` and last.
+        for key in ["a", "zz"] {
+            let mut with = rich_bundle();
+            with.insert(key.to_owned(), messages.clone());
+            let (cid, bytes) = seal(&mut with);
+            let mut without = rich_bundle();
+            assert_eq!(seal_with_raw(&mut without, key, &raw), (cid, bytes));
+        }
+    }
+
+    #[test]
+    fn write_object_with_merges_sorted() {
+        let map = obj(json!({"role": "user", "content": "é", "b": 1}));
+        let (model, role) = (json!("m"), json!("assistant"));
+        let mut out = Vec::new();
+        crate::canonical::write_object_with(
+            &map,
+            &[("model_used", &model), ("role", &role)],
+            &mut out,
+        );
+        let mut merged = map.clone();
+        merged.insert("model_used".into(), model);
+        merged.insert("role".into(), role);
+        assert_eq!(out, to_canonical_bytes(&Value::Object(merged)));
+    }
+
+    #[test]
+    fn delimited_messages_parse_like_the_whole() {
+        let mut bundle = rich_bundle();
+        let (_, bytes) = seal(&mut bundle);
+        let text = std::str::from_utf8(&bytes).unwrap();
+        let Delimited {
+            envelope,
+            messages: ranges,
+        } = delimit_messages(text).unwrap();
+        let messages: Vec<BundleMessage> = ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                parse_message(i, serde_json::from_str(&text[r.clone()]).unwrap()).unwrap()
+            })
+            .collect();
+        let pieces = parse_envelope(envelope, messages).unwrap();
+        let whole = parse_bundle(Value::Object(bundle)).unwrap();
+        assert_eq!(pieces, whole);
+        assert!(delimit_messages("[1]").is_err());
+        assert_eq!(
+            delimit_messages(r#"{"session": {}}"#).unwrap_err().path,
+            "messages"
+        );
+        assert!(delimit_messages(r#"{"messages": 3}"#).is_err());
+    }
+
+    #[test]
+    fn sealed_bytes_verify_without_parsing() {
+        let mut bundle = rich_bundle();
+        let (cid, bytes) = seal(&mut bundle);
+        assert!(sealed_bytes_match(&bytes, &cid));
+        // One changed byte anywhere, or another CID, is not proven.
+        for at in [1, bytes.len() / 2, bytes.len() - 2] {
+            let mut tampered = bytes.clone();
+            tampered[at] ^= 0x01;
+            assert!(!sealed_bytes_match(&tampered, &cid), "byte {at}");
+        }
+        assert!(!sealed_bytes_match(&bytes, &"0".repeat(64)));
+        // Bytes in another layout (pretty-printed) are not proven either, though the bundle verifies.
+        let pretty = serde_json::to_vec_pretty(&Value::Object(bundle.clone())).unwrap();
+        assert!(!sealed_bytes_match(&pretty, &cid));
+        assert_eq!(verify_cid(&bundle).unwrap(), cid);
+        // A bundle whose digest is its only entry.
+        let mut empty = Map::new();
+        let (cid, bytes) = seal(&mut empty);
+        assert_eq!(bytes, format!("{{\"bundle_cid\": \"{cid}\"}}").into_bytes());
+        assert!(sealed_bytes_match(&bytes, &cid));
+    }
+
+    #[test]
     fn seal_splices_at_every_position() {
         for value in [
             json!({}),
@@ -494,7 +719,7 @@ mod tests {
 
     #[test]
     fn rich_bundle_parses() {
-        let parsed = parse_bundle(&Value::Object(rich_bundle())).unwrap();
+        let parsed = parse_bundle(Value::Object(rich_bundle())).unwrap();
         assert_eq!(parsed.label.as_deref(), Some("Tokyo — 東京 ✈ 😀"));
         assert_eq!(parsed.session.agent_id.as_deref(), Some("agent-1"));
         assert_eq!(parsed.session.step_count, Some(12));
@@ -517,7 +742,7 @@ mod tests {
     #[test]
     fn parse_errors_name_the_path() {
         let base = json!({"session": {}, "messages": [{"role": "user", "content": "hi"}]});
-        assert!(parse_bundle(&base).is_ok());
+        assert!(parse_bundle(base.clone()).is_ok());
         let cases = [
             (json!([]), "$"),
             (json!({"messages": []}), "session"),
@@ -550,7 +775,7 @@ mod tests {
             ),
         ];
         for (value, path) in cases {
-            let err = parse_bundle(&value).unwrap_err();
+            let err = parse_bundle(value.clone()).unwrap_err();
             assert_eq!(err.path, path, "{value}");
             assert!(err.to_string().contains(path));
         }
@@ -567,13 +792,13 @@ mod tests {
         ] {
             let value =
                 json!({"session": {}, "messages": [], "memory": memory, "state_snapshot": null});
-            let parsed = parse_bundle(&value).unwrap();
+            let parsed = parse_bundle(value.clone()).unwrap();
             assert_eq!(parsed.memory, None);
             assert_eq!(parsed.state_snapshot, None);
         }
         let value =
             json!({"session": {}, "messages": [], "memory": {"schema_id": "urn:x"}, "extra": 1});
-        let memory = parse_bundle(&value).unwrap().memory.unwrap();
+        let memory = parse_bundle(value.clone()).unwrap().memory.unwrap();
         assert_eq!(
             memory,
             BundleMemory {

@@ -40,6 +40,16 @@ pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     }
 }
 
+/// Appends the canonical form of the object `map` with the `extra` entries added (an extra entry
+/// replaces an entry of `map` with the same key), without building the merged map.
+pub fn write_object_with(map: &Map<String, Value>, extra: &[(&str, &Value)], out: &mut Vec<u8>) {
+    let skip: Vec<&str> = extra.iter().map(|(k, _)| *k).collect();
+    let mut entries = sorted_entries(map, &skip);
+    entries.extend_from_slice(extra);
+    entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    write_entries(&entries, out);
+}
+
 /// The entries of `map` except the keys in `skip`, sorted as Python's `sort_keys` sorts them.
 pub(crate) fn sorted_entries<'a>(
     map: &'a Map<String, Value>,

@@ -36,6 +36,9 @@ const STATEMENT_CACHE: usize = 64;
 /// time-ordered keys, small enough for the gateway's memory budget.
 const WRITER_CACHE_KIB: i64 = -16384;
 
+/// Histories at least this long are encoded in parallel before `adopt_session`'s write.
+const PARALLEL_ENCODE_AT: usize = 512;
+
 /// `PRAGMA synchronous` for the connections that write (the writer and the checkpointer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Synchronous {
@@ -430,7 +433,30 @@ impl RoamingStore for SqliteStore {
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
-        self.write(move |c| roaming::adopt_session(c, &adopt)).await
+        // A long history is encoded to JSON in parallel before the write, so the single writer
+        // thread (which every other write waits for) only inserts.
+        if adopt.messages.len() < PARALLEL_ENCODE_AT {
+            return self
+                .write(move |c| roaming::adopt_session(c, &adopt, None))
+                .await;
+        }
+        let adopt = Arc::new(adopt);
+        let half = adopt.messages.len().div_ceil(2);
+        let encode = |range: std::ops::Range<usize>| {
+            let adopt = Arc::clone(&adopt);
+            tokio::task::spawn_blocking(move || {
+                adopt.messages[range]
+                    .iter()
+                    .map(|m| codec::json(&m.body))
+                    .collect::<StoreResult<Vec<String>>>()
+            })
+        };
+        let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
+        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
+        let mut bodies = first.map_err(failed)??;
+        bodies.extend(second.map_err(failed)??);
+        self.write(move |c| roaming::adopt_session(c, &adopt, Some(&bodies)))
+            .await
     }
 
     async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage> {

@@ -64,6 +64,7 @@ sqlite_cases!(
     adopt_suspends_source_and_forks,
     foreign_export_is_recorded_once,
     memory_put_get,
+    adopt_long_history_in_order,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

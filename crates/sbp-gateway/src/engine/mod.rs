@@ -110,6 +110,15 @@ impl Gateway {
         self.inner.tasks.spawn(fut)
     }
 
+    /// Runs `f` as a tracked task on the blocking pool.
+    pub fn blocking<F, R>(&self, f: F) -> tokio::task::JoinHandle<R>
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        self.inner.tasks.spawn_blocking(f)
+    }
+
     /// Tracks a future that is already running on its own task (e.g. an upgraded WebSocket).
     pub fn track<F: std::future::Future>(
         &self,

@@ -3,10 +3,13 @@
 //! report its lineage. Every operation that creates a session is one atomic store write
 //! (`adopt_session`), which also performs the single-use check of the token.
 
+use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::{DateTime, Duration, Utc};
-use sbp_protocol::bundle::{self, BundleMessage, CidError, ParsedBundle};
+use sbp_protocol::bundle::{self, BundleMemory, BundleMessage, CidError, ParsedBundle};
+use sbp_protocol::canonical;
 use sbp_protocol::token::{self, RoamingClaims, TokenError};
 use sbp_protocol::{ErrorCode, SessionStatus, SnapshotKind};
 use sbp_store::{
@@ -267,11 +270,25 @@ impl HandoffRequest {
     }
 }
 
+/// Transcripts longer than this are read and canonicalised in two halves at once.
+const SPLIT_HISTORY_AT: u64 = 512;
+
 /// The parts of a session that go into a bundle.
 struct SessionState {
-    history: Vec<MessageRecord>,
+    /// The transcript as consecutive pieces, oldest first (read concurrently when long).
+    pieces: Vec<Vec<MessageRecord>>,
     snapshot: Option<SnapshotRecord>,
     memory: Option<MemoryRecord>,
+}
+
+impl SessionState {
+    fn messages(&self) -> impl Iterator<Item = &MessageRecord> {
+        self.pieces.iter().flatten()
+    }
+
+    fn message_count(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len() as u64).sum()
+    }
 }
 
 impl Gateway {
@@ -279,12 +296,112 @@ impl Gateway {
         &self.config().secret
     }
 
+    /// The transcript, snapshot and memory of a session, read concurrently. A long transcript is read
+    /// as two ranges on two pooled connections: the transcript is append-only, so the second range
+    /// (open-ended) still joins the first exactly.
     async fn session_state(&self, session: &SessionRecord) -> Result<SessionState, ApiError> {
+        let store = self.store();
+        let half = session.message_count.div_ceil(2);
+        let pieces = async {
+            if session.message_count < SPLIT_HISTORY_AT {
+                return Ok::<_, ApiError>(vec![store.history(session.id).await?]);
+            }
+            let limit = u32::try_from(half).unwrap_or(u32::MAX);
+            let (first, rest) = tokio::try_join!(
+                store.list_messages(session.id, None, limit),
+                store.list_messages(session.id, Some(half - 1), u32::MAX),
+            )?;
+            Ok(vec![first, rest])
+        };
+        let (pieces, snapshot, memory) =
+            tokio::try_join!(pieces, self.recovery_snapshot(session.id), async {
+                Ok(store.get_memory(session.id).await?)
+            },)?;
         Ok(SessionState {
-            history: self.store().history(session.id).await?,
-            snapshot: self.recovery_snapshot(session.id).await?,
-            memory: self.store().get_memory(session.id).await?,
+            pieces,
+            snapshot,
+            memory,
         })
+    }
+
+    /// The sealed canonical bytes of the session's bundle and its CID. The messages, nearly all of
+    /// the bytes, are canonicalised piece by piece in parallel on the blocking pool.
+    async fn seal_bundle(
+        &self,
+        session: &SessionRecord,
+        state: SessionState,
+        export_id: Uuid,
+        label: Option<&str>,
+        now: Timestamp,
+    ) -> Result<(String, Vec<u8>), ApiError> {
+        let count = state.message_count();
+        let SessionState {
+            pieces,
+            snapshot,
+            memory,
+        } = state;
+        let rendering: Vec<_> = pieces
+            .into_iter()
+            .map(|piece| self.blocking(move || canonical_messages(piece)))
+            .collect();
+        let mut raw = Vec::new();
+        let mut total_cost: Option<f64> = None;
+        for piece in rendering {
+            let (bytes, cost) = piece
+                .await
+                .map_err(|e| ApiError::internal("rendering a bundle", e))?;
+            raw.push(bytes);
+            if let Some(c) = cost {
+                total_cost = Some(total_cost.unwrap_or(0.0) + c);
+            }
+        }
+        let mut messages = Vec::with_capacity(raw.iter().map(Vec::len).sum::<usize>() + 8);
+        messages.push(b'[');
+        for piece in raw.iter().filter(|p| !p.is_empty()) {
+            if messages.len() > 1 {
+                messages.extend_from_slice(b", ");
+            }
+            messages.extend_from_slice(piece);
+        }
+        messages.push(b']');
+        let mut envelope = bundle_envelope(
+            session,
+            snapshot.as_ref(),
+            memory.as_ref(),
+            count,
+            total_cost,
+            export_id,
+            label,
+            now,
+        );
+        Ok(bundle::seal_with_raw(&mut envelope, "messages", &messages))
+    }
+
+    /// A new export of `session` as of `now`: the export row and the sealed bundle's bytes.
+    async fn new_export(
+        &self,
+        session: &SessionRecord,
+        state: SessionState,
+        label: Option<String>,
+        now: Timestamp,
+        ttl_secs: i64,
+    ) -> Result<(NewExport, Vec<u8>), ApiError> {
+        let export_id = Uuid::now_v7();
+        let message_count = state.message_count();
+        let (cid, bytes) = self
+            .seal_bundle(session, state, export_id, label.as_deref(), now)
+            .await?;
+        let export = NewExport {
+            id: export_id,
+            session_id: session.id,
+            bundle_cid: cid,
+            label,
+            message_count,
+            created_at: now,
+            expires_at: now + Duration::seconds(ttl_secs),
+            foreign: false,
+        };
+        Ok((export, bytes))
     }
 
     /// Builds and seals the bundle, signs the token and stores both (`POST .../export`).
@@ -296,8 +413,15 @@ impl Gateway {
         let state = self.session_state(session).await?;
         let now = Utc::now();
         let ttl = req.ttl_seconds.unwrap_or(DEFAULT_EXPORT_TTL_SECS);
-        let (export, bytes, sealed) =
-            seal_export(session, &state, req.label, now, ttl, req.include_bundle);
+        let (export, bytes) = self.new_export(session, state, req.label, now, ttl).await?;
+        let sealed = if req.include_bundle {
+            Some(
+                serde_json::from_slice::<Value>(&bytes)
+                    .map_err(|e| ApiError::internal("re-reading a sealed bundle", e))?,
+            )
+        } else {
+            None
+        };
         let roaming_token = self.sign_export(&export);
         self.store()
             .create_export(
@@ -372,105 +496,83 @@ impl Gateway {
     /// made by another gateway sharing the secret) or a raw bundle, verified by CID.
     pub async fn import_session(&self, req: ImportRequest) -> Result<Imported, ApiError> {
         let now = Utc::now();
-        let Some(raw_token) = req.roaming_token.as_deref() else {
+        let ImportRequest {
+            roaming_token,
+            bundle: sent,
+            target_agent_id,
+            allow_reuse,
+        } = req;
+        let mut plan = ImportPlan {
+            cid: String::new(),
+            export_id: None,
+            source: None,
+            target_agent_id,
+            allow_reuse,
+            via_token: roaming_token.is_some(),
+            bundle: None,
+            export: None,
+            consume: None,
+        };
+        let Some(raw_token) = roaming_token else {
             // A raw bundle: integrity by CID only; nothing to consume.
-            let bundle = req.bundle.as_ref().ok_or_else(|| {
+            let bundle = sent.ok_or_else(|| {
                 ApiError::bad_request("send a `roaming_token`, a raw `bundle`, or both")
             })?;
-            let cid = verify(bundle)?;
+            plan.cid = verify(&bundle)?;
+            let bytes = sbp_protocol::canonical::to_canonical_bytes(&bundle);
+            plan.bundle = Some(NewBundle {
+                cid: plan.cid.clone(),
+                bytes,
+            });
             let parsed = parse(bundle)?;
-            let bytes = sbp_protocol::canonical::to_canonical_bytes(bundle);
-            let export_id = parsed
+            plan.export_id = parsed
                 .export_id
                 .as_deref()
                 .and_then(|s| Uuid::parse_str(s).ok());
-            let plan = ImportPlan {
-                parsed: &parsed,
-                cid: &cid,
-                export_id,
-                source: parsed.session.id.clone(),
-                target_agent_id: req.target_agent_id.clone(),
-                allow_reuse: req.allow_reuse,
-                via_token: false,
-            };
-            let bundle = Some(NewBundle {
-                cid: cid.clone(),
-                bytes,
-            });
-            return self.adopt_import(plan, bundle, None, None, now).await;
+            plan.source = parsed.session.id.clone();
+            return self.adopt_import(plan, parsed, now).await;
         };
         let claims =
-            token::verify(raw_token, self.secret(), now.timestamp()).map_err(token_error)?;
+            token::verify(&raw_token, self.secret(), now.timestamp()).map_err(token_error)?;
         let export_id = Uuid::parse_str(&claims.sub).map_err(|_| {
             ApiError::new(
                 ErrorCode::TokenInvalid,
                 "roaming token rejected: `sub` is not a UUID",
             )
         })?;
-        match self.token_export(&claims).await? {
+        plan.export_id = Some(export_id);
+        plan.consume = (!allow_reuse).then_some(export_id);
+        plan.source = Some(claims.sid.clone());
+        let parsed = match self.token_export(&claims).await? {
             Some(export) => {
-                if export.imported_at.is_some() && !req.allow_reuse {
+                if export.imported_at.is_some() && !allow_reuse {
                     return Err(sbp_store::StoreError::Consumed.into());
                 }
-                let stored = self
-                    .store()
-                    .get_bundle(&export.bundle_cid)
-                    .await?
-                    .ok_or_else(|| {
-                        ApiError::new(
-                            ErrorCode::TokenIntegrity,
-                            "the bundle of this export is missing from storage",
-                        )
-                    })?;
-                let bundle = match serde_json::from_slice::<Value>(&stored) {
-                    Ok(v @ Value::Object(_)) => v,
-                    _ => {
-                        return Err(ApiError::new(
-                            ErrorCode::TokenIntegrity,
-                            "the stored bundle of this export is not a JSON object",
-                        ));
-                    }
-                };
-                let cid = verify(&bundle)?;
-                if cid != export.bundle_cid {
-                    return Err(cid_error(CidError::Mismatch {
-                        claimed: export.bundle_cid.clone(),
-                        computed: cid,
-                    }));
-                }
+                let parsed = self.stored_bundle(&export).await?;
                 // A bundle sent along with a token this gateway holds must be that bundle.
-                if let Some(sent) = &req.bundle {
+                if let Some(sent) = &sent {
                     let sent_cid = verify(sent)?;
-                    if sent_cid != cid {
+                    if sent_cid != export.bundle_cid {
                         return Err(cid_error(CidError::Mismatch {
-                            claimed: cid,
+                            claimed: export.bundle_cid.clone(),
                             computed: sent_cid,
                         }));
                     }
                 }
-                let parsed = parse(&bundle)?;
-                let plan = ImportPlan {
-                    parsed: &parsed,
-                    cid: &cid,
-                    export_id: Some(export_id),
-                    source: Some(export.session_id.to_string()),
-                    target_agent_id: req.target_agent_id.clone(),
-                    allow_reuse: req.allow_reuse,
-                    via_token: true,
-                };
-                let consume = (!req.allow_reuse).then_some(export_id);
-                self.adopt_import(plan, None, None, consume, now).await
+                plan.cid = export.bundle_cid;
+                parsed
             }
             None => {
                 // Made by another gateway that shares the secret: its bundle must come along.
-                let bundle = req.bundle.as_ref().ok_or_else(|| {
+                let bundle = sent.ok_or_else(|| {
                     ApiError::new(
                         ErrorCode::NotFound,
                         "the export this token refers to is not stored on this gateway; send its \
                          `bundle` along with the token",
                     )
                 })?;
-                let cid = verify(bundle)?;
+                plan.cid = verify(&bundle)?;
+                let bytes = sbp_protocol::canonical::to_canonical_bytes(&bundle);
                 let parsed = parse(bundle)?;
                 if parsed.export_id.as_deref() != Some(claims.sub.as_str()) {
                     return Err(ApiError::new(
@@ -490,56 +592,156 @@ impl Gateway {
                         "roaming token rejected: `sid` is not a UUID",
                     )
                 })?;
-                let export = NewExport {
+                plan.export = Some(NewExport {
                     id: export_id,
                     session_id: source_session,
-                    bundle_cid: cid.clone(),
+                    bundle_cid: plan.cid.clone(),
                     label: parsed.label.clone(),
                     message_count: parsed.messages.len() as u64,
                     created_at: DateTime::from_timestamp(claims.iat, 0).unwrap_or(now),
                     expires_at: DateTime::from_timestamp(claims.exp, 0).unwrap_or(now),
                     foreign: true,
-                };
-                let bytes = sbp_protocol::canonical::to_canonical_bytes(bundle);
-                let plan = ImportPlan {
-                    parsed: &parsed,
-                    cid: &cid,
-                    export_id: Some(export_id),
-                    source: Some(claims.sid.clone()),
-                    target_agent_id: req.target_agent_id.clone(),
-                    allow_reuse: req.allow_reuse,
-                    via_token: true,
-                };
-                let consume = (!req.allow_reuse).then_some(export_id);
-                let bundle = Some(NewBundle {
-                    cid: cid.clone(),
+                });
+                plan.bundle = Some(NewBundle {
+                    cid: plan.cid.clone(),
                     bytes,
                 });
-                self.adopt_import(plan, bundle, Some(export), consume, now)
-                    .await
+                parsed
             }
+        };
+        self.adopt_import(plan, parsed, now).await
+    }
+
+    /// The stored bundle of an export, its integrity verified, parsed. What an export stored (the
+    /// sealed canonical form) is verified by hashing the bytes as they are, while its messages are
+    /// delimited (both passes read the whole bundle, so they run at once), and then parsed in two
+    /// halves at once. Any other stored form is verified by recomputing the CID of the parsed bundle.
+    async fn stored_bundle(&self, export: &ExportRecord) -> Result<ParsedBundle, ApiError> {
+        let stored = self
+            .store()
+            .get_bundle(&export.bundle_cid)
+            .await?
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::TokenIntegrity,
+                    "the bundle of this export is missing from storage",
+                )
+            })?;
+        let stored = Arc::new(stored);
+        let (hashed, delimited) = {
+            let (a, b, cid) = (
+                Arc::clone(&stored),
+                Arc::clone(&stored),
+                export.bundle_cid.clone(),
+            );
+            tokio::join!(
+                self.blocking(move || bundle::sealed_bytes_match(&a, &cid)),
+                self.blocking(move || {
+                    std::str::from_utf8(&b)
+                        .map_err(|e| e.to_string())
+                        .and_then(|text| bundle::delimit_messages(text).map_err(|e| e.to_string()))
+                }),
+            )
+        };
+        let joined = |e: tokio::task::JoinError| ApiError::internal("reading a bundle", e);
+        if hashed.map_err(joined)? {
+            let parts = delimited.map_err(joined)?.map_err(malformed)?;
+            return self
+                .parse_messages(stored, parts.envelope, parts.messages)
+                .await;
         }
+        let bundle = match serde_json::from_slice::<Value>(&stored) {
+            Ok(v @ Value::Object(_)) => v,
+            _ => {
+                return Err(ApiError::new(
+                    ErrorCode::TokenIntegrity,
+                    "the stored bundle of this export is not a JSON object",
+                ));
+            }
+        };
+        let cid = verify(&bundle)?;
+        if cid != export.bundle_cid {
+            return Err(cid_error(CidError::Mismatch {
+                claimed: export.bundle_cid.clone(),
+                computed: cid,
+            }));
+        }
+        parse(bundle)
+    }
+
+    /// Parses the delimited messages of `bytes` (in two halves at once when there are many) and
+    /// assembles the bundle.
+    async fn parse_messages(
+        &self,
+        bytes: Arc<Vec<u8>>,
+        envelope: Map<String, Value>,
+        ranges: Vec<Range<usize>>,
+    ) -> Result<ParsedBundle, ApiError> {
+        let half = if ranges.len() as u64 >= SPLIT_HISTORY_AT {
+            ranges.len().div_ceil(2)
+        } else {
+            ranges.len().max(1)
+        };
+        let parsing: Vec<_> = ranges
+            .chunks(half)
+            .enumerate()
+            .map(|(n, chunk)| {
+                let (bytes, chunk, first) = (Arc::clone(&bytes), chunk.to_vec(), n * half);
+                self.blocking(move || {
+                    chunk
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, range)| {
+                            let value = serde_json::from_slice(&bytes[range]).map_err(|e| {
+                                bundle::BundleError {
+                                    path: format!("messages[{}]", first + j),
+                                    reason: e.to_string(),
+                                }
+                            })?;
+                            bundle::parse_message(first + j, value)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        let mut messages = Vec::with_capacity(ranges.len());
+        for piece in parsing {
+            let piece = piece
+                .await
+                .map_err(|e| ApiError::internal("parsing a bundle", e))?
+                .map_err(|e| malformed(e.to_string()))?;
+            messages.extend(piece);
+        }
+        bundle::parse_envelope(envelope, messages).map_err(|e| malformed(e.to_string()))
     }
 
     async fn adopt_import(
         &self,
-        plan: ImportPlan<'_>,
-        bundle: Option<NewBundle>,
-        export: Option<NewExport>,
-        consume: Option<Uuid>,
+        plan: ImportPlan,
+        parsed: ParsedBundle,
         now: Timestamp,
     ) -> Result<Imported, ApiError> {
-        let parsed = plan.parsed;
+        let ParsedBundle {
+            session: origin,
+            messages: bundle_messages,
+            memory,
+            state_snapshot,
+            label,
+            ..
+        } = parsed;
         let session_token = auth::new_session_token();
         let agent_id = plan
             .target_agent_id
             .clone()
-            .or_else(|| parsed.session.agent_id.clone().filter(|a| !a.is_empty()))
+            .or_else(|| origin.agent_id.clone().filter(|a| !a.is_empty()))
             .unwrap_or_else(new_agent_id);
         let new_id = Uuid::now_v7();
-        let mut messages: Vec<NewMessage> = parsed
-            .messages
+        let assistant_turns = bundle_messages
             .iter()
+            .filter(|m| m.role == "assistant")
+            .count() as u64;
+        let mut messages: Vec<NewMessage> = bundle_messages
+            .into_iter()
             .map(|m| restored_message(m, now))
             .collect();
         let restored = messages.len() as u64;
@@ -557,28 +759,21 @@ impl Gateway {
             ),
             now,
         ));
-        let (memory, memory_skipped) = restorable_memory(parsed);
-        let snapshot = restored_snapshot(parsed.state_snapshot.as_ref(), restored, 0, now);
-        let step_count = parsed
-            .session
+        let (memory, memory_skipped) = restorable_memory(memory);
+        let snapshot = restored_snapshot(state_snapshot.as_ref(), restored, 0, now);
+        let step_count = origin
             .step_count
             .or_else(|| snapshot.as_ref().map(|s| s.step_count))
-            .unwrap_or_else(|| {
-                parsed
-                    .messages
-                    .iter()
-                    .filter(|m| m.role == "assistant")
-                    .count() as u64
-            });
+            .unwrap_or(assistant_turns);
         let link = LinkRecord {
             id: Uuid::now_v7(),
             kind: LinkKind::Import,
             from_session: plan.source.as_deref().and_then(|s| Uuid::parse_str(s).ok()),
             to_session: new_id,
-            from_agent: parsed.session.agent_id.clone(),
+            from_agent: origin.agent_id.clone(),
             to_agent: Some(agent_id.clone()),
             export_id: plan.export_id,
-            label: parsed.label.clone(),
+            label,
             reason: None,
             fork_point: Some(restored),
             reused: plan.allow_reuse,
@@ -592,14 +787,14 @@ impl Gateway {
                 session: new_session(new_id, agent_id, &session_token, now),
                 status: SessionStatus::Idle,
                 step_count,
-                last_task: parsed.session.last_task.clone(),
-                model: parsed.session.model.clone(),
+                last_task: origin.last_task,
+                model: origin.model,
                 messages,
                 snapshot,
                 memory,
-                bundle,
-                export,
-                consume_export: consume,
+                bundle: plan.bundle,
+                export: plan.export,
+                consume_export: plan.consume,
                 link: Some(link),
                 suspend: None,
                 now,
@@ -612,7 +807,7 @@ impl Gateway {
             session_token,
             export_id: plan.export_id,
             source_session_id: plan.source,
-            bundle_cid: plan.cid.to_owned(),
+            bundle_cid: plan.cid,
             messages_restored: restored,
             memory_restored,
             memory_skipped,
@@ -639,8 +834,16 @@ impl Gateway {
         let now = Utc::now();
         let label = Some(format!("handoff to {}", req.to_agent_id))
             .filter(|l| l.chars().count() <= MAX_LABEL_CHARS);
-        let (export, bytes, _) =
-            seal_export(source, &state, label, now, DEFAULT_EXPORT_TTL_SECS, false);
+        let copied: Vec<NewMessage> = state.messages().map(copied_message).collect();
+        let history_len = copied.len() as u64;
+        let snapshot = state
+            .snapshot
+            .as_ref()
+            .map(|s| copied_snapshot(s, s.step_count, s.message_count + 1, now));
+        let memory = state.memory.clone().map(|m| (m.schema_id, m.payload));
+        let (export, bytes) = self
+            .new_export(source, state, label, now, DEFAULT_EXPORT_TTL_SECS)
+            .await?;
         let new_id = Uuid::now_v7();
         let session_token = auth::new_session_token();
         let reason = req
@@ -660,11 +863,7 @@ impl Gateway {
             ),
             now,
         )];
-        messages.extend(state.history.iter().map(copied_message));
-        let snapshot = state
-            .snapshot
-            .as_ref()
-            .map(|s| copied_snapshot(s, s.step_count, s.message_count + 1, now));
+        messages.extend(copied);
         let handoff_id = Uuid::now_v7();
         let link = LinkRecord {
             id: handoff_id,
@@ -676,7 +875,7 @@ impl Gateway {
             export_id: Some(export.id),
             label: export.label.clone(),
             reason: req.reason.clone(),
-            fork_point: Some(state.history.len() as u64),
+            fork_point: Some(history_len),
             reused: false,
             created_at: now,
         };
@@ -690,7 +889,7 @@ impl Gateway {
                 model: source.model.clone(),
                 messages,
                 snapshot,
-                memory: state.memory.map(|m| (m.schema_id, m.payload)),
+                memory,
                 bundle: Some(NewBundle {
                     cid: export.bundle_cid.clone(),
                     bytes,
@@ -748,18 +947,13 @@ impl Gateway {
         let (point_msg, point_step) = match (&state.snapshot, in_flight) {
             (Some(s), true) => (s.message_count, s.step_count),
             (None, true) => (0, 0),
-            (_, false) => (state.history.len() as u64, origin.step_count),
+            (_, false) => (state.message_count(), origin.step_count),
         };
         let point = usize::try_from(point_msg).unwrap_or(usize::MAX);
         let now = Utc::now();
         let new_id = Uuid::now_v7();
         let session_token = auth::new_session_token();
-        let messages: Vec<NewMessage> = state
-            .history
-            .iter()
-            .take(point)
-            .map(copied_message)
-            .collect();
+        let messages: Vec<NewMessage> = state.messages().take(point).map(copied_message).collect();
         let snapshot = state
             .snapshot
             .as_ref()
@@ -857,15 +1051,22 @@ impl Gateway {
     }
 }
 
-struct ImportPlan<'a> {
-    parsed: &'a ParsedBundle,
-    cid: &'a str,
+/// What an import writes besides the bundle's content.
+struct ImportPlan {
+    /// The verified CID of the bundle.
+    cid: String,
     export_id: Option<Uuid>,
     /// The source session id as the token or bundle names it.
     source: Option<String>,
     target_agent_id: Option<String>,
     allow_reuse: bool,
     via_token: bool,
+    /// To store (raw and foreign bundles).
+    bundle: Option<NewBundle>,
+    /// A foreign export to record.
+    export: Option<NewExport>,
+    /// The export this import consumes.
+    consume: Option<Uuid>,
 }
 
 /// The CID of a bundle (a JSON object), checked against the digest it carries.
@@ -876,9 +1077,12 @@ fn verify(bundle: &Value) -> Result<String, ApiError> {
     bundle::verify_cid(map).map_err(cid_error)
 }
 
-fn parse(bundle: &Value) -> Result<ParsedBundle, ApiError> {
-    bundle::parse_bundle(bundle)
-        .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("malformed bundle: {e}")))
+fn malformed(reason: String) -> ApiError {
+    ApiError::new(ErrorCode::BadRequest, format!("malformed bundle: {reason}"))
+}
+
+fn parse(bundle: Value) -> Result<ParsedBundle, ApiError> {
+    bundle::parse_bundle(bundle).map_err(|e| malformed(e.to_string()))
 }
 
 /// The record of a session created by roaming; its token is returned once and stored as a hash.
@@ -907,48 +1111,64 @@ fn record_of(e: NewExport) -> ExportRecord {
     }
 }
 
-/// The bundle of `session` as of `now`, sealed: the export row, the canonical bytes to store, and the
-/// sealed bundle as JSON when `want_json`.
-fn seal_export(
-    session: &SessionRecord,
-    state: &SessionState,
-    label: Option<String>,
-    now: Timestamp,
-    ttl_secs: i64,
-    want_json: bool,
-) -> (NewExport, Vec<u8>, Option<Value>) {
-    let export_id = Uuid::now_v7();
-    let mut b = bundle_of(session, state, export_id, label.as_deref(), now);
-    let (cid, bytes) = bundle::seal(&mut b);
-    let export = NewExport {
-        id: export_id,
-        session_id: session.id,
-        bundle_cid: cid,
-        label,
-        message_count: state.history.len() as u64,
-        created_at: now,
-        expires_at: now + Duration::seconds(ttl_secs),
-        foreign: false,
-    };
-    (export, bytes, want_json.then_some(Value::Object(b)))
+/// The canonical bytes of a run of bundle messages (`m1, m2, ...`, no brackets) and their summed
+/// cost when any message has one. Frees the records where it runs (off the request path).
+fn canonical_messages(records: Vec<MessageRecord>) -> (Vec<u8>, Option<f64>) {
+    let mut out = Vec::with_capacity(records.len() * 512);
+    let mut cost: Option<f64> = None;
+    for (i, m) in records.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        write_bundle_message(m, &mut out);
+        if let Some(c) = m.cost_usd {
+            cost = Some(cost.unwrap_or(0.0) + c);
+        }
+    }
+    (out, cost)
 }
 
-/// The bundle envelope (SPEC 8.2 and the seeds), with the names of spec, docs and reference server.
-fn bundle_of(
+/// A stored message as a bundle entry: the chat message object plus the gateway's per-message facts
+/// (`role`, `model_used`, `cost_usd`, `created_at`), written without building the merged object.
+fn write_bundle_message(m: &MessageRecord, out: &mut Vec<u8>) {
+    let role = Value::String(m.role.clone());
+    let model_used = json!(m.model_used);
+    let cost_usd = json!(m.cost_usd);
+    let created_at = Value::String(iso(&m.created_at));
+    let extra = [
+        ("cost_usd", &cost_usd),
+        ("created_at", &created_at),
+        ("model_used", &model_used),
+        ("role", &role),
+    ];
+    match &m.body {
+        Value::Object(body) => canonical::write_object_with(body, &extra, out),
+        other => {
+            let mut body = Map::new();
+            body.insert("content".to_owned(), other.clone());
+            canonical::write_object_with(&body, &extra, out);
+        }
+    }
+}
+
+/// The bundle envelope (SPEC 8.2 and the seeds) without its messages, with the names of spec, docs
+/// and reference server.
+#[allow(clippy::too_many_arguments)] // One value per envelope field; a struct would only rename them.
+fn bundle_envelope(
     session: &SessionRecord,
-    state: &SessionState,
+    snapshot: Option<&SnapshotRecord>,
+    memory: Option<&MemoryRecord>,
+    message_count: u64,
+    total_cost: Option<f64>,
     export_id: Uuid,
     label: Option<&str>,
     now: Timestamp,
 ) -> Map<String, Value> {
-    let messages: Vec<Value> = state.history.iter().map(bundle_message).collect();
-    let costs: Vec<f64> = state.history.iter().filter_map(|m| m.cost_usd).collect();
-    let total_cost = (!costs.is_empty()).then(|| costs.iter().sum::<f64>());
-    let memory = match &state.memory {
+    let memory = match memory {
         Some(m) => json!({ "schema_id": m.schema_id, "payload": m.payload }),
         None => json!({ "schema_id": MEMORY_SCHEMA_KV, "payload": {} }),
     };
-    let snapshot = state.snapshot.as_ref().map_or(Value::Null, |s| {
+    let snapshot = snapshot.map_or(Value::Null, |s| {
         json!({
             "snapshot_id": s.id,
             "kind": s.kind.as_str(),
@@ -973,15 +1193,14 @@ fn bundle_of(
             "last_task": session.last_task,
             "created_at": iso(&session.created_at),
             "step_count": session.step_count,
-            "message_count": state.history.len(),
+            "message_count": message_count,
             "model": session.model,
         },
-        "messages": messages,
         "memory": memory,
         "state_snapshot": snapshot,
         "metadata": {
             "export_id": export_id,
-            "message_count": state.history.len(),
+            "message_count": message_count,
             "total_cost_usd": total_cost,
             "exported_by": concat!("sbp-gateway/", env!("CARGO_PKG_VERSION")),
         },
@@ -993,33 +1212,16 @@ fn bundle_of(
     }
 }
 
-/// A stored message as a bundle entry: the chat message object plus the gateway's per-message facts.
-fn bundle_message(m: &MessageRecord) -> Value {
-    let mut entry = match &m.body {
-        Value::Object(o) => o.clone(),
-        other => {
-            let mut o = Map::new();
-            o.insert("content".to_owned(), other.clone());
-            o
-        }
-    };
-    entry.insert("role".to_owned(), Value::String(m.role.clone()));
-    entry.insert("model_used".to_owned(), json!(m.model_used));
-    entry.insert("cost_usd".to_owned(), json!(m.cost_usd));
-    entry.insert("created_at".to_owned(), json!(iso(&m.created_at)));
-    Value::Object(entry)
-}
-
-fn restored_message(m: &BundleMessage, now: Timestamp) -> NewMessage {
+fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
     let created_at = m
         .created_at
         .as_deref()
         .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
         .map_or(now, |t| t.with_timezone(&Utc));
     NewMessage {
-        role: m.role.clone(),
-        body: m.body.clone(),
-        model_used: m.model_used.clone(),
+        role: m.role,
+        body: m.body,
+        model_used: m.model_used,
         cost_usd: m.cost_usd,
         created_at,
     }
@@ -1122,8 +1324,8 @@ fn restored_snapshot(
 }
 
 /// The bundle's memory when its schema is one this gateway knows; otherwise why it is skipped.
-fn restorable_memory(parsed: &ParsedBundle) -> (Option<(String, Value)>, Option<String>) {
-    match &parsed.memory {
+fn restorable_memory(memory: Option<BundleMemory>) -> (Option<(String, Value)>, Option<String>) {
+    match memory {
         None => (
             None,
             Some("the bundle carries no memory schema_id".to_owned()),
@@ -1139,6 +1341,6 @@ fn restorable_memory(parsed: &ParsedBundle) -> (Option<(String, Value)>, Option<
                 m.schema_id
             )),
         ),
-        Some(m) => (Some((m.schema_id.clone(), m.payload.clone())), None),
+        Some(m) => (Some((m.schema_id, m.payload)), None),
     }
 }

@@ -1047,3 +1047,58 @@ async fn roaming_survives_restart() {
     let (s, v) = import(&gw, json!({"roaming_token": ex["roaming_token"]})).await;
     assert_eq!((s, code(&v)), (410, "SBP_TOKEN_CONSUMED"), "{v}");
 }
+
+/// A transcript long enough to be read and canonicalised in two pieces exports to the same bundle
+/// a whole-tree serialisation gives, in order, and imports back complete.
+#[tokio::test]
+async fn long_session_exports_in_pieces_and_imports_complete() {
+    let gw = TestGateway::start().await;
+    let messages: Vec<Value> = (0..1301u32)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            json!({"role": role, "content": format!("message {i} — 東京 {}", "x".repeat(i as usize % 7)),
+                   "x": {"n": i, "f": f64::from(i) / 8.0}})
+        })
+        .collect();
+    let mut seed = json!({
+        "sbp_version": "1.0", "exported_at": "2026-01-01T00:00:00Z", "label": null,
+        "session": {"id": Uuid::new_v4(), "agent_id": "long", "status": "idle",
+                    "created_at": "2026-01-01T00:00:00Z", "step_count": 650},
+        "messages": messages, "memory": {}, "state_snapshot": null,
+        "metadata": {"export_id": Uuid::new_v4(), "message_count": 1301},
+    })
+    .as_object()
+    .expect("object")
+    .clone();
+    bundle::seal(&mut seed);
+    let (s, im) = import(&gw, json!({"bundle": seed})).await;
+    assert_eq!(s, 201, "{im}");
+    let id = im["session_id"].as_str().expect("id").to_owned();
+    let t = im["session_token"].as_str().expect("token").to_owned();
+
+    let ex = export(&gw, &id, &t, json!({"include_bundle": true})).await;
+    assert_eq!(ex["message_count"], 1302);
+    let sealed = ex["bundle"].as_object().expect("bundle");
+    assert_eq!(
+        bundle::verify_cid(sealed).expect("verifies"),
+        ex["bundle_cid"].as_str().expect("cid")
+    );
+    let out = sealed["messages"].as_array().expect("messages");
+    assert_eq!(out.len(), 1302);
+    for (i, (a, b)) in messages.iter().zip(out).enumerate() {
+        assert_eq!(
+            (&a["role"], &a["content"], &a["x"]),
+            (&b["role"], &b["content"], &b["x"]),
+            "{i}"
+        );
+    }
+    assert_eq!(out[1301]["role"], "system");
+    let (s, im) = import(&gw, json!({"roaming_token": ex["roaming_token"]})).await;
+    assert_eq!(s, 201, "{im}");
+    assert_eq!(im["messages_restored"], 1302);
+    let nid = im["session_id"].as_str().expect("id");
+    let nt = im["session_token"].as_str().expect("token");
+    let h = history(&gw, nid, nt).await;
+    assert_eq!(h.len(), 1000, "first page");
+    assert_eq!(h[700]["content"], messages[700]["content"]);
+}

@@ -159,8 +159,25 @@ pub(crate) fn insert_messages(
     start: i64,
     messages: &[NewMessage],
 ) -> StoreResult<()> {
+    insert_encoded_messages(conn, sid, start, messages, None)
+}
+
+/// [`insert_messages`] with the bodies already encoded as JSON text (`bodies[i]` is the body of
+/// `messages[i]`), e.g. by the caller in parallel before the write.
+pub(crate) fn insert_encoded_messages(
+    conn: &Connection,
+    sid: &str,
+    start: i64,
+    messages: &[NewMessage],
+    bodies: Option<&[String]>,
+) -> StoreResult<()> {
     if messages.is_empty() {
         return Ok(());
+    }
+    if bodies.is_some_and(|b| b.len() != messages.len()) {
+        return Err(StoreError::Backend(
+            "encoded bodies do not match the messages".to_owned(),
+        ));
     }
     let mut insert = conn
         .prepare_cached(
@@ -168,13 +185,17 @@ pub(crate) fn insert_messages(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )
         .map_err(db_err)?;
-    for (seq, m) in (start..).zip(messages) {
+    for (i, (seq, m)) in (start..).zip(messages).enumerate() {
+        let body = match bodies {
+            Some(b) => std::borrow::Cow::Borrowed(b[i].as_str()),
+            None => std::borrow::Cow::Owned(json(&m.body)?),
+        };
         insert
             .execute(params![
                 sid,
                 seq,
                 m.role,
-                json(&m.body)?,
+                body,
                 m.model_used,
                 m.cost_usd,
                 ts(&m.created_at)

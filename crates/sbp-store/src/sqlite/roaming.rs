@@ -9,7 +9,9 @@ use super::codec::{
     SESSION_COLS, bad, col_json, col_opt_ts, col_ts, col_u64, col_uuid, db_err, int, json,
     session_row, ts, uuid,
 };
-use super::ops::{check_transition, current_status, insert_messages, insert_session, len_i64};
+use super::ops::{
+    check_transition, current_status, insert_encoded_messages, insert_session, len_i64,
+};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
     NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Timestamp,
@@ -217,7 +219,12 @@ fn upsert_memory(
     Ok(())
 }
 
-pub(crate) fn adopt_session(conn: &Connection, a: &AdoptSession) -> StoreResult<AdoptOutcome> {
+/// `bodies`: the messages' bodies encoded as JSON text ahead of the write, or `None`.
+pub(crate) fn adopt_session(
+    conn: &Connection,
+    a: &AdoptSession,
+    bodies: Option<&[String]>,
+) -> StoreResult<AdoptOutcome> {
     let new_id = a.session.id;
     let sid = uuid(&new_id);
     if let Some(bundle) = &a.bundle {
@@ -244,7 +251,7 @@ pub(crate) fn adopt_session(conn: &Connection, a: &AdoptSession) -> StoreResult<
             .map_err(db_err)?;
     }
     insert_session(conn, &a.session)?;
-    insert_messages(conn, &sid, 0, &a.messages)?;
+    insert_encoded_messages(conn, &sid, 0, &a.messages, bodies)?;
     let (steps, messages) = (int(a.step_count)?, len_i64(&a.messages)?);
     let session = conn
         .prepare_cached(&format!(

@@ -330,3 +330,26 @@ pub async fn memory_put_get(store: Arc<dyn Store>) {
         ("urn:y", t(3))
     );
 }
+
+/// A long history (encoded in pieces by backends that do so) is stored complete and in order.
+pub async fn adopt_long_history_in_order(store: Arc<dyn Store>) {
+    let source = created(&store, "agent-a").await.id;
+    let mut a = adopt(source, None);
+    a.messages = (0..1500)
+        .map(|i| {
+            let mut m = msg(if i % 2 == 0 { "user" } else { "assistant" }, "x");
+            m.body = json!({"role": m.role, "content": format!("m{i} 東京"), "n": i});
+            m
+        })
+        .collect();
+    let id = a.session.id;
+    let rec = store.adopt_session(a).await.expect("adopt");
+    assert_eq!(rec.message_count, 1500);
+    let history = store.history(id).await.expect("history");
+    assert_eq!(history.len(), 1500);
+    for (i, m) in history.iter().enumerate() {
+        assert_eq!(m.seq, i as u64);
+        assert_eq!(m.body["n"], json!(i), "message {i}");
+        assert_eq!(m.body["content"], json!(format!("m{i} 東京")));
+    }
+}
