@@ -1102,3 +1102,64 @@ async fn long_session_exports_in_pieces_and_imports_complete() {
     assert_eq!(h.len(), 1000, "first page");
     assert_eq!(h[700]["content"], messages[700]["content"]);
 }
+
+/// A session without messages exports and imports too; the exports list shows every import of an
+/// export, reuse imports included.
+#[tokio::test]
+async fn empty_session_roams_and_exports_list_its_imports() {
+    let gw = TestGateway::start().await;
+    let (s, _, created) = gw
+        .post("/v1/sessions", json!({"agent_id": "quiet"}), &[])
+        .await;
+    assert_eq!(s, 201, "{created}");
+    let id = created["session_id"].as_str().expect("id").to_owned();
+    let t = created["session_token"].as_str().expect("token").to_owned();
+    let ex = export(&gw, &id, &t, json!({"include_bundle": true})).await;
+    assert_eq!(ex["message_count"], 0);
+    assert_eq!(ex["bundle"]["messages"], json!([]));
+    let rt = ex["roaming_token"].as_str().expect("token");
+    let (s, reuse) = import(&gw, json!({"roaming_token": rt, "allow_reuse": true})).await;
+    assert_eq!(s, 201, "{reuse}");
+    let (s, im) = import(&gw, json!({"roaming_token": rt, "target_agent_id": "loud"})).await;
+    assert_eq!(s, 201, "{im}");
+    assert_eq!(
+        (im["messages_restored"].as_u64(), im["agent_id"].as_str()),
+        (Some(0), Some("loud"))
+    );
+
+    let (s, list) = gw
+        .get(&format!("/v1/sbp/sessions/{id}/exports"), &tok(&t))
+        .await;
+    assert_eq!(s, 200, "{list}");
+    let e = &list["exports"][0];
+    assert_eq!(e["export_id"], ex["export_id"]);
+    assert_eq!(e["import_session_id"], im["session_id"]);
+    let imports: Vec<_> = e["imports"]
+        .as_array()
+        .expect("imports")
+        .iter()
+        .map(|i| (i["session_id"].clone(), i["allow_reuse"].clone()))
+        .collect();
+    assert_eq!(
+        imports,
+        vec![
+            (reuse["session_id"].clone(), json!(true)),
+            (im["session_id"].clone(), json!(false))
+        ]
+    );
+    let (_, lineage) = gw
+        .get(&format!("/v1/sbp/sessions/{id}/lineage"), &tok(&t))
+        .await;
+    assert_eq!(lineage["imports"][0]["import_session_id"], im["session_id"]);
+    let nid = im["session_id"].as_str().expect("id");
+    let nt = im["session_token"].as_str().expect("token");
+    let (_, mine) = gw
+        .get(&format!("/v1/sbp/sessions/{nid}/lineage"), &tok(nt))
+        .await;
+    assert_eq!(
+        mine["imported_from"]["source_session_id"],
+        id.as_str(),
+        "{mine}"
+    );
+    assert!(mine["origin"].is_null());
+}
