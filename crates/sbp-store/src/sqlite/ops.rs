@@ -179,23 +179,67 @@ pub(crate) fn insert_encoded_messages(
             "encoded bodies do not match the messages".to_owned(),
         ));
     }
+    let body_of = |i: usize, m: &NewMessage| -> StoreResult<std::borrow::Cow<'_, str>> {
+        Ok(match bodies {
+            Some(b) => std::borrow::Cow::Borrowed(b[i].as_str()),
+            None => std::borrow::Cow::Owned(json(&m.body)?),
+        })
+    };
+    // Long histories go in statements of many rows: a statement's fixed cost (reset, bind, VDBE
+    // start) is most of a small row's insert.
+    let bulk = if messages.len() >= ROWS_PER_INSERT {
+        messages.len() / ROWS_PER_INSERT * ROWS_PER_INSERT
+    } else {
+        0
+    };
+    if bulk > 0 {
+        let sql = format!(
+            "INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
+             VALUES {}",
+            vec!["(?, ?, ?, ?, ?, ?, ?)"; ROWS_PER_INSERT].join(", ")
+        );
+        let mut insert = conn.prepare_cached(&sql).map_err(db_err)?;
+        for (c, chunk) in messages[..bulk].chunks(ROWS_PER_INSERT).enumerate() {
+            let first = c * ROWS_PER_INSERT;
+            let rows = chunk
+                .iter()
+                .enumerate()
+                .map(|(j, m)| {
+                    let seq = start + i64::try_from(first + j).map_err(|_| too_many())?;
+                    Ok((seq, body_of(first + j, m)?, ts(&m.created_at)))
+                })
+                .collect::<StoreResult<Vec<_>>>()?;
+            let mut values: Vec<&dyn rusqlite::ToSql> = Vec::with_capacity(7 * ROWS_PER_INSERT);
+            for (m, (seq, body, created)) in chunk.iter().zip(&rows) {
+                values.extend_from_slice(&[
+                    &sid as &dyn rusqlite::ToSql,
+                    seq,
+                    &m.role,
+                    body,
+                    &m.model_used,
+                    &m.cost_usd,
+                    created,
+                ]);
+            }
+            insert
+                .execute(rusqlite::params_from_iter(values))
+                .map_err(db_err)?;
+        }
+    }
     let mut insert = conn
         .prepare_cached(
             "INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )
         .map_err(db_err)?;
-    for (i, (seq, m)) in (start..).zip(messages).enumerate() {
-        let body = match bodies {
-            Some(b) => std::borrow::Cow::Borrowed(b[i].as_str()),
-            None => std::borrow::Cow::Owned(json(&m.body)?),
-        };
+    for (i, m) in messages.iter().enumerate().skip(bulk) {
+        let seq = start + i64::try_from(i).map_err(|_| too_many())?;
         insert
             .execute(params![
                 sid,
                 seq,
                 m.role,
-                body,
+                body_of(i, m)?,
                 m.model_used,
                 m.cost_usd,
                 ts(&m.created_at)
@@ -203,6 +247,13 @@ pub(crate) fn insert_encoded_messages(
             .map_err(db_err)?;
     }
     Ok(())
+}
+
+/// Rows per multi-row `INSERT` of a long history (7 parameters each, far below SQLite's limit).
+const ROWS_PER_INSERT: usize = 64;
+
+fn too_many() -> StoreError {
+    StoreError::Backend("too many messages".to_owned())
 }
 
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
