@@ -135,6 +135,21 @@ fn seal_entries(bundle: &mut Map<String, Value>, raw: Option<(&str, &[u8])>) -> 
 /// Checks the claimed digest (`bundle_cid` or `hash`; if both are present they must agree) against a
 /// recomputation. Hex is compared case-insensitively. Returns the computed CID (lowercase hex).
 pub fn verify_cid(bundle: &Map<String, Value>) -> Result<String, CidError> {
+    let claimed = claimed_cid(bundle)?;
+    matching(claimed, compute_cid(bundle))
+}
+
+/// [`verify_cid`] and [`seal`] in one serialisation, for a received bundle that is to be stored:
+/// returns the CID and the canonical bytes of the bundle sealed under `bundle_cid` (a `hash` field is
+/// replaced by it). On a mismatch the bundle is left sealed with the computed CID; discard it.
+pub fn verify_and_seal(bundle: &mut Map<String, Value>) -> Result<(String, Vec<u8>), CidError> {
+    let claimed = claimed_cid(bundle)?;
+    let (cid, bytes) = seal(bundle);
+    matching(claimed, cid).map(|cid| (cid, bytes))
+}
+
+/// The digest a bundle claims, lowercase.
+fn claimed_cid(bundle: &Map<String, Value>) -> Result<String, CidError> {
     let claimed_field = |name: &str| -> Result<Option<String>, CidError> {
         match bundle.get(name) {
             None => Ok(None),
@@ -142,15 +157,17 @@ pub fn verify_cid(bundle: &Map<String, Value>) -> Result<String, CidError> {
             Some(_) => Err(CidError::NotAString),
         }
     };
-    let claimed = match (claimed_field(CID_FIELDS[0])?, claimed_field(CID_FIELDS[1])?) {
-        (None, None) => return Err(CidError::Missing),
-        (Some(cid), None) | (None, Some(cid)) => cid,
+    match (claimed_field(CID_FIELDS[0])?, claimed_field(CID_FIELDS[1])?) {
+        (None, None) => Err(CidError::Missing),
+        (Some(cid), None) | (None, Some(cid)) => Ok(cid),
         (Some(bundle_cid), Some(hash)) if bundle_cid != hash => {
-            return Err(CidError::Conflicting { bundle_cid, hash });
+            Err(CidError::Conflicting { bundle_cid, hash })
         }
-        (Some(cid), Some(_)) => cid,
-    };
-    let computed = compute_cid(bundle);
+        (Some(cid), Some(_)) => Ok(cid),
+    }
+}
+
+fn matching(claimed: String, computed: String) -> Result<String, CidError> {
     if claimed == computed {
         Ok(computed)
     } else {
@@ -672,6 +689,27 @@ mod tests {
             "messages"
         );
         assert!(delimit_messages(r#"{"messages": 3}"#).is_err());
+    }
+
+    #[test]
+    fn verify_and_seal_agrees_with_verify_cid() {
+        let mut golden = match golden() {
+            Some(g) => g,
+            None => rich_bundle(),
+        };
+        let expected = verify_cid(&golden);
+        let (cid, bytes) = verify_and_seal(&mut golden).unwrap();
+        assert_eq!(Ok(cid.clone()), expected);
+        assert!(sealed_bytes_match(&bytes, &cid));
+        assert!(!golden.contains_key("hash"));
+        let mut tampered = rich_bundle();
+        seal(&mut tampered);
+        tampered.insert("label".into(), json!("changed"));
+        assert!(matches!(
+            verify_and_seal(&mut tampered),
+            Err(CidError::Mismatch { .. })
+        ));
+        assert_eq!(verify_and_seal(&mut Map::new()), Err(CidError::Missing));
     }
 
     #[test]

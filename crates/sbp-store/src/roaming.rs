@@ -8,7 +8,7 @@ use uuid::Uuid;
 use crate::{NewMessage, NewSession, NewSnapshot, SessionRecord, Timestamp};
 use sbp_protocol::SessionStatus;
 
-/// A bundle as stored: addressed by its CID, kept as the exact bytes it was sealed or received as.
+/// A bundle as stored: addressed by its CID, as the canonical bytes of the sealed bundle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewBundle {
     pub cid: String,

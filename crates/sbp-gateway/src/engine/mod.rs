@@ -14,7 +14,7 @@ mod surface;
 pub use chat::{ChatInput, ChatOutcome, ChatReply, SseEvent};
 pub use roaming::{
     ExportRequest, Exported, Forked, HandedOff, HandoffRequest, ImportRequest, Imported,
-    KNOWN_MEMORY_SCHEMAS, LineageView, MEMORY_SCHEMA_KV, TokenInfo, optional_label,
+    KNOWN_MEMORY_SCHEMAS, MEMORY_SCHEMA_KV, TokenInfo, optional_label, unix_iso,
 };
 pub use sessions::{Caller, PushTurn, SessionView};
 pub use surface::{AttachError, Attached, Delivery};

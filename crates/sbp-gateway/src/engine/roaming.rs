@@ -13,8 +13,8 @@ use sbp_protocol::canonical;
 use sbp_protocol::token::{self, RoamingClaims, TokenError};
 use sbp_protocol::{ErrorCode, SessionStatus, SnapshotKind};
 use sbp_store::{
-    AdoptSession, ExportRecord, LinkKind, LinkRecord, MemoryRecord, MessageRecord, NewBundle,
-    NewExport, NewMessage, NewSession, NewSnapshot, RestoredSnapshot, SessionRecord,
+    AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord, MessageRecord,
+    NewBundle, NewExport, NewMessage, NewSession, NewSnapshot, RestoredSnapshot, SessionRecord,
     SnapshotRecord, Timestamp,
 };
 use serde_json::{Map, Value, json};
@@ -102,15 +102,6 @@ pub struct Forked {
 pub struct TokenInfo {
     pub claims: RoamingClaims,
     pub export: ExportRecord,
-    pub expired: bool,
-}
-
-/// Lineage with the import links of each export resolved.
-pub struct LineageView {
-    pub session_id: Uuid,
-    pub exports: Vec<ExportRecord>,
-    pub outgoing: Vec<LinkRecord>,
-    pub incoming: Vec<LinkRecord>,
 }
 
 fn token_error(e: TokenError) -> ApiError {
@@ -144,7 +135,8 @@ fn cid_error(e: CidError) -> ApiError {
     }
 }
 
-fn unix_iso(secs: i64) -> Option<String> {
+/// A Unix time (a token claim) in the timestamp form of responses.
+pub fn unix_iso(secs: i64) -> Option<String> {
     DateTime::<Utc>::from_timestamp(secs, 0).map(|t| iso(&t))
 }
 
@@ -457,23 +449,21 @@ impl Gateway {
     pub async fn inspect_token(&self, raw: &str) -> Result<TokenInfo, ApiError> {
         // Verifying at the earliest instant checks the signature and claims but never expiry.
         let claims = token::verify(raw, self.secret(), i64::MIN).map_err(token_error)?;
-        let export = self.token_export(&claims).await?.ok_or_else(|| {
+        let export = self.token_export(&claims).await?.1.ok_or_else(|| {
             ApiError::new(
                 ErrorCode::NotFound,
                 "the export this token refers to is not stored on this gateway",
             )
         })?;
-        let expired = Utc::now().timestamp() >= claims.exp;
-        Ok(TokenInfo {
-            claims,
-            export,
-            expired,
-        })
+        Ok(TokenInfo { claims, export })
     }
 
     /// The stored export a verified token refers to; a token whose claims disagree with the stored
     /// export is invalid.
-    async fn token_export(&self, claims: &RoamingClaims) -> Result<Option<ExportRecord>, ApiError> {
+    async fn token_export(
+        &self,
+        claims: &RoamingClaims,
+    ) -> Result<(Uuid, Option<ExportRecord>), ApiError> {
         let invalid = |why: &str| {
             ApiError::new(
                 ErrorCode::TokenInvalid,
@@ -482,14 +472,14 @@ impl Gateway {
         };
         let export_id = Uuid::parse_str(&claims.sub).map_err(|_| invalid("`sub` is not a UUID"))?;
         let Some(export) = self.store().get_export(export_id).await? else {
-            return Ok(None);
+            return Ok((export_id, None));
         };
         if claims.sid != export.session_id.to_string()
             && Uuid::parse_str(&claims.sid).ok() != Some(export.session_id)
         {
             return Err(invalid("`sid` does not match the export"));
         }
-        Ok(Some(export))
+        Ok((export_id, Some(export)))
     }
 
     /// `POST /v1/sbp/sessions/import`: a token (whose bundle is stored here, or sent along when it was
@@ -518,13 +508,9 @@ impl Gateway {
             let bundle = sent.ok_or_else(|| {
                 ApiError::bad_request("send a `roaming_token`, a raw `bundle`, or both")
             })?;
-            plan.cid = verify(&bundle)?;
-            let bytes = sbp_protocol::canonical::to_canonical_bytes(&bundle);
-            plan.bundle = Some(NewBundle {
-                cid: plan.cid.clone(),
-                bytes,
-            });
-            let parsed = parse(bundle)?;
+            let (stored, parsed) = received(bundle)?;
+            plan.cid = stored.cid.clone();
+            plan.bundle = Some(stored);
             plan.export_id = parsed
                 .export_id
                 .as_deref()
@@ -534,16 +520,11 @@ impl Gateway {
         };
         let claims =
             token::verify(&raw_token, self.secret(), now.timestamp()).map_err(token_error)?;
-        let export_id = Uuid::parse_str(&claims.sub).map_err(|_| {
-            ApiError::new(
-                ErrorCode::TokenInvalid,
-                "roaming token rejected: `sub` is not a UUID",
-            )
-        })?;
+        let (export_id, export) = self.token_export(&claims).await?;
         plan.export_id = Some(export_id);
         plan.consume = (!allow_reuse).then_some(export_id);
         plan.source = Some(claims.sid.clone());
-        let parsed = match self.token_export(&claims).await? {
+        let parsed = match export {
             Some(export) => {
                 if export.imported_at.is_some() && !allow_reuse {
                     return Err(sbp_store::StoreError::Consumed.into());
@@ -551,13 +532,7 @@ impl Gateway {
                 let parsed = self.stored_bundle(&export).await?;
                 // A bundle sent along with a token this gateway holds must be that bundle.
                 if let Some(sent) = &sent {
-                    let sent_cid = verify(sent)?;
-                    if sent_cid != export.bundle_cid {
-                        return Err(cid_error(CidError::Mismatch {
-                            claimed: export.bundle_cid.clone(),
-                            computed: sent_cid,
-                        }));
-                    }
+                    verify_as(sent, &export.bundle_cid)?;
                 }
                 plan.cid = export.bundle_cid;
                 parsed
@@ -571,9 +546,8 @@ impl Gateway {
                          `bundle` along with the token",
                     )
                 })?;
-                plan.cid = verify(&bundle)?;
-                let bytes = sbp_protocol::canonical::to_canonical_bytes(&bundle);
-                let parsed = parse(bundle)?;
+                let (stored, parsed) = received(bundle)?;
+                plan.cid = stored.cid.clone();
                 if parsed.export_id.as_deref() != Some(claims.sub.as_str()) {
                     return Err(ApiError::new(
                         ErrorCode::TokenIntegrity,
@@ -602,10 +576,7 @@ impl Gateway {
                     expires_at: DateTime::from_timestamp(claims.exp, 0).unwrap_or(now),
                     foreign: true,
                 });
-                plan.bundle = Some(NewBundle {
-                    cid: plan.cid.clone(),
-                    bytes,
-                });
+                plan.bundle = Some(stored);
                 parsed
             }
         };
@@ -659,13 +630,7 @@ impl Gateway {
                 ));
             }
         };
-        let cid = verify(&bundle)?;
-        if cid != export.bundle_cid {
-            return Err(cid_error(CidError::Mismatch {
-                claimed: export.bundle_cid.clone(),
-                computed: cid,
-            }));
-        }
+        verify_as(&bundle, &export.bundle_cid)?;
         parse(bundle)
     }
 
@@ -760,7 +725,7 @@ impl Gateway {
             now,
         ));
         let (memory, memory_skipped) = restorable_memory(memory);
-        let snapshot = restored_snapshot(state_snapshot.as_ref(), restored, 0, now);
+        let snapshot = restored_snapshot(state_snapshot.as_ref(), restored, now);
         let step_count = origin
             .step_count
             .or_else(|| snapshot.as_ref().map(|s| s.step_count))
@@ -836,10 +801,7 @@ impl Gateway {
             .filter(|l| l.chars().count() <= MAX_LABEL_CHARS);
         let copied: Vec<NewMessage> = state.messages().map(copied_message).collect();
         let history_len = copied.len() as u64;
-        let snapshot = state
-            .snapshot
-            .as_ref()
-            .map(|s| copied_snapshot(s, s.step_count, s.message_count + 1, now));
+        let snapshot = state.snapshot.as_ref().map(|s| copied_snapshot(s, 1, now));
         let memory = state.memory.clone().map(|m| (m.schema_id, m.payload));
         let (export, bytes) = self
             .new_export(source, state, label, now, DEFAULT_EXPORT_TTL_SECS)
@@ -958,7 +920,7 @@ impl Gateway {
             .snapshot
             .as_ref()
             .filter(|s| s.message_count <= point_msg)
-            .map(|s| copied_snapshot(s, s.step_count, s.message_count, now));
+            .map(|s| copied_snapshot(s, 0, now));
         let fork_id = Uuid::now_v7();
         let link = LinkRecord {
             id: fork_id,
@@ -1006,14 +968,8 @@ impl Gateway {
         })
     }
 
-    pub async fn lineage(&self, session: &SessionRecord) -> Result<LineageView, ApiError> {
-        let l = self.store().lineage(session.id).await?;
-        Ok(LineageView {
-            session_id: session.id,
-            exports: l.exports,
-            outgoing: l.outgoing,
-            incoming: l.incoming,
-        })
+    pub async fn lineage(&self, session: &SessionRecord) -> Result<Lineage, ApiError> {
+        Ok(self.store().lineage(session.id).await?)
     }
 
     /// The session's memory document (an empty one of the built-in schema when none was stored).
@@ -1075,6 +1031,28 @@ fn verify(bundle: &Value) -> Result<String, ApiError> {
         .as_object()
         .ok_or_else(|| ApiError::bad_request("a bundle must be a JSON object"))?;
     bundle::verify_cid(map).map_err(cid_error)
+}
+
+/// [`verify`], and the CID must be `expected` (the one an export recorded).
+fn verify_as(bundle: &Value, expected: &str) -> Result<(), ApiError> {
+    let cid = verify(bundle)?;
+    if cid == expected {
+        return Ok(());
+    }
+    Err(cid_error(CidError::Mismatch {
+        claimed: expected.to_owned(),
+        computed: cid,
+    }))
+}
+
+/// A bundle received in a request: verified by its CID and sealed for storage in one serialisation,
+/// then parsed.
+fn received(mut bundle: Value) -> Result<(NewBundle, ParsedBundle), ApiError> {
+    let map = bundle
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("a bundle must be a JSON object"))?;
+    let (cid, bytes) = bundle::verify_and_seal(map).map_err(cid_error)?;
+    Ok((NewBundle { cid, bytes }, parse(bundle)?))
 }
 
 fn malformed(reason: String) -> ApiError {
@@ -1247,12 +1225,8 @@ fn system_message(content: String, now: Timestamp) -> NewMessage {
     }
 }
 
-fn copied_snapshot(
-    s: &SnapshotRecord,
-    step_count: u64,
-    message_count: u64,
-    now: Timestamp,
-) -> RestoredSnapshot {
+/// `s` copied into a new session whose transcript has `in_front` more messages before the copied ones.
+fn copied_snapshot(s: &SnapshotRecord, in_front: u64, now: Timestamp) -> RestoredSnapshot {
     RestoredSnapshot {
         snapshot: NewSnapshot {
             id: Uuid::now_v7(),
@@ -1262,18 +1236,17 @@ fn copied_snapshot(
             created_at: now,
             state: s.state.clone(),
         },
-        step_count,
-        message_count,
+        step_count: s.step_count,
+        message_count: s.message_count + in_front,
     }
 }
 
-/// The bundle's `state_snapshot` as a snapshot of the new session, whose first `offset` messages
-/// were added in front of the `restored` ones. Ours carry `step_count`/`message_count`; the reference
+/// The bundle's `state_snapshot` as a snapshot of the new session, whose first `restored` messages
+/// are the bundle's. Ours carry `step_count`/`message_count`; the reference
 /// server's carry `step` and a copy of the `messages`.
 fn restored_snapshot(
     snap: Option<&Value>,
     restored: u64,
-    offset: u64,
     now: Timestamp,
 ) -> Option<RestoredSnapshot> {
     let s = snap?.as_object()?;
@@ -1319,7 +1292,7 @@ fn restored_snapshot(
             state,
         },
         step_count,
-        message_count: message_count + offset,
+        message_count,
     })
 }
 

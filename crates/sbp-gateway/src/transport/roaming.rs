@@ -5,11 +5,11 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use sbp_store::{ExportRecord, LinkKind, LinkRecord};
+use sbp_store::{ExportRecord, Lineage, LinkKind, LinkRecord};
 use serde_json::{Value, json};
 
 use super::extract::{JsonObject, add_headers};
-use crate::engine::{Caller, ExportRequest, HandoffRequest, ImportRequest, LineageView, iso};
+use crate::engine::{Caller, ExportRequest, HandoffRequest, ImportRequest, iso, unix_iso};
 use crate::{ApiError, Gateway};
 
 type ApiResult = Result<Response, ApiError>;
@@ -113,10 +113,9 @@ pub async fn import(State(gw): State<Gateway>, JsonObject(body): JsonObject) -> 
 
 pub async fn inspect_token(State(gw): State<Gateway>, Path(token): Path<String>) -> ApiResult {
     let info = gw.inspect_token(&token).await?;
+    // `expired` comes with the export (its expiry is the token's `exp`).
     let mut body = export_json(&info.export, chrono::Utc::now());
-    body["expired"] = json!(info.expired);
-    body["issued_at"] =
-        json!(chrono::DateTime::<chrono::Utc>::from_timestamp(info.claims.iat, 0).map(|t| iso(&t)));
+    body["issued_at"] = json!(unix_iso(info.claims.iat));
     Ok(Json(body).into_response())
 }
 
@@ -207,7 +206,7 @@ fn imports_of(export: &ExportRecord, outgoing: &[LinkRecord]) -> Vec<Value> {
         .collect()
 }
 
-fn exports_json(view: &LineageView) -> Vec<Value> {
+fn exports_json(view: &Lineage) -> Vec<Value> {
     let now = chrono::Utc::now();
     view.exports
         .iter()

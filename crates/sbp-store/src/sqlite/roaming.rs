@@ -78,8 +78,8 @@ fn insert_bundle(conn: &Connection, bundle: &NewBundle, now: &Timestamp) -> Stor
     Ok(())
 }
 
-/// Inserts the export unless one with its id exists.
-fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<()> {
+/// Inserts the export unless one with its id exists; returns whether it inserted.
+fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<bool> {
     let message_count = int(e.message_count)?;
     conn.prepare_cached(
         "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, created_at, \
@@ -98,8 +98,8 @@ fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<()> {
             e.foreign,
         ])
     })
-    .map_err(db_err)?;
-    Ok(())
+    .map(|inserted| inserted == 1)
+    .map_err(db_err)
 }
 
 pub(crate) fn create_export(
@@ -108,11 +108,11 @@ pub(crate) fn create_export(
     bundle: &NewBundle,
 ) -> StoreResult<()> {
     insert_bundle(conn, bundle, &export.created_at)?;
-    let exists = get_export(conn, export.id)?.is_some();
-    if exists {
-        return Err(StoreError::Conflict(format!("export {} exists", export.id)));
+    if insert_export(conn, export)? {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("export {} exists", export.id)))
     }
-    insert_export(conn, export)
 }
 
 pub(crate) fn get_export(conn: &Connection, id: Uuid) -> StoreResult<Option<ExportRecord>> {
@@ -231,6 +231,7 @@ pub(crate) fn adopt_session(
         insert_bundle(conn, bundle, &a.now)?;
     }
     if let Some(export) = &a.export {
+        // A foreign export already recorded by an earlier import stays as it is.
         insert_export(conn, export)?;
     }
     // First, so a losing import fails before writing thousands of messages.

@@ -98,7 +98,7 @@ const MIGRATIONS: &[&str] = &[
     "#,
     // v2: L3 roaming.
     r#"
-    -- Content-addressed: the bytes as sealed (exports) or as received (imports).
+    -- Content-addressed: the canonical bytes of the sealed bundle (`bundle_cid` included).
     CREATE TABLE bundles (
         cid        TEXT PRIMARY KEY NOT NULL,
         body       BLOB NOT NULL,
