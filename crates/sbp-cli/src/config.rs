@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use sbp_gateway::CtpRule;
 use serde::Deserialize;
 
 #[derive(Debug, Args, Default)]
@@ -53,6 +54,36 @@ pub struct ServeArgs {
     /// Milliseconds a surface has to answer a TOOL_CALL. [default: 30000]
     #[arg(long, env = "SBP_TOOL_TIMEOUT_MS")]
     pub tool_timeout_ms: Option<u64>,
+    /// Surface tools that may be called (repeatable; env: comma-separated). Without it, any tool a
+    /// surface declares may be called.
+    #[arg(long = "tool-allow", env = "SBP_TOOL_ALLOWLIST", value_delimiter = ',')]
+    pub tool_allowlist: Vec<String>,
+    /// Tool rounds one turn may run before the model must answer. [default: 8]
+    #[arg(long, env = "SBP_MAX_TOOL_ROUNDS")]
+    pub max_tool_rounds: Option<u32>,
+    /// Contextual Translation Pipeline rule DEVICE_TYPE=MODEL (repeatable; env: comma-separated):
+    /// replies to surfaces of that device type ("*" for any that needs adaptation) are rewritten
+    /// by a second pass of MODEL, streamed. Without a rule, the deterministic adaptation applies.
+    #[arg(long = "ctp", env = "SBP_CTP", value_delimiter = ',')]
+    pub ctp: Vec<String>,
+    /// Seconds a CTP pass may take before the deterministic adaptation is used. [default: 20]
+    #[arg(long, env = "SBP_CTP_TIMEOUT")]
+    pub ctp_timeout: Option<f64>,
+    /// Anthropic Messages API base URL; models matching --anthropic-models go there.
+    /// [default: https://api.anthropic.com/v1 when --anthropic-api-key is set]
+    #[arg(long, env = "SBP_ANTHROPIC_BASE_URL")]
+    pub anthropic_base_url: Option<String>,
+    /// Anthropic API key.
+    #[arg(long, env = "ANTHROPIC_API_KEY", hide_env_values = true)]
+    pub anthropic_api_key: Option<String>,
+    /// Model-name prefixes routed to Anthropic (comma-separated); an `anthropic/` prefix is
+    /// stripped before sending. [default: claude,anthropic/]
+    #[arg(long, env = "SBP_ANTHROPIC_MODELS", value_delimiter = ',')]
+    pub anthropic_models: Vec<String>,
+    /// Southbound MCP server whose tools the LLM may use, called by the gateway (repeatable;
+    /// env: separated by `;`): `NAME=stdio:COMMAND ARGS...` or `NAME=http://host/mcp`.
+    #[arg(long = "mcp-server", env = "SBP_MCP_SERVERS", value_delimiter = ';')]
+    pub mcp_servers: Vec<String>,
     /// Protocol version advertised in SESSION_ATTACHED. [default: 1.2]
     #[arg(long, env = "SBP_SBP_VERSION")]
     pub sbp_version: Option<String>,
@@ -110,6 +141,14 @@ struct FileConfig {
     pong_timeout: Option<f64>,
     attach_timeout: Option<f64>,
     tool_timeout_ms: Option<u64>,
+    tool_allowlist: Option<Vec<String>>,
+    max_tool_rounds: Option<u32>,
+    ctp: Option<Vec<String>>,
+    ctp_timeout: Option<f64>,
+    anthropic_base_url: Option<String>,
+    anthropic_api_key: Option<String>,
+    anthropic_models: Option<Vec<String>>,
+    mcp_servers: Option<Vec<String>>,
     sbp_version: Option<String>,
     upstream_connect_timeout: Option<f64>,
     upstream_timeout: Option<f64>,
@@ -142,6 +181,13 @@ pub struct Settings {
     pub pong_timeout: Duration,
     pub attach_timeout: Duration,
     pub tool_timeout: Duration,
+    pub tool_allowlist: Option<Vec<String>>,
+    pub max_tool_rounds: u32,
+    pub ctp: Vec<CtpRule>,
+    pub ctp_timeout: Duration,
+    /// (base URL, API key, model prefixes) when Anthropic routing is configured.
+    pub anthropic: Option<(String, Option<String>, Vec<String>)>,
+    pub mcp_servers: Vec<String>,
     pub sbp_version: Option<String>,
     pub upstream_connect_timeout: Duration,
     pub upstream_timeout: Duration,
@@ -222,7 +268,55 @@ impl Settings {
         if max_frame_bytes < 1024 || max_body_bytes < 1024 {
             bail!("--max-frame-bytes and --max-body-bytes must be at least 1024");
         }
+        let list = |flag: Vec<String>, file: Option<Vec<String>>| -> Vec<String> {
+            let mut v: Vec<String> = flag
+                .into_iter()
+                .chain(file.unwrap_or_default())
+                .map(|s| s.trim().to_owned())
+                .collect();
+            v.retain(|s| !s.is_empty());
+            v
+        };
+        let allow = list(args.tool_allowlist, file.tool_allowlist);
+        let ctp = list(args.ctp, file.ctp)
+            .iter()
+            .map(|r| {
+                r.parse::<CtpRule>()
+                    .map_err(|e| anyhow::anyhow!("--ctp: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let anthropic_key = args
+            .anthropic_api_key
+            .or(file.anthropic_api_key)
+            .filter(|s| !s.is_empty());
+        let anthropic_url = args
+            .anthropic_base_url
+            .or(file.anthropic_base_url)
+            .filter(|s| !s.is_empty());
+        let mut anthropic_models = list(args.anthropic_models, file.anthropic_models);
+        if anthropic_models.is_empty() {
+            anthropic_models = vec!["claude".into(), "anthropic/".into()];
+        }
+        let anthropic = match (anthropic_url, &anthropic_key) {
+            (Some(url), _) => Some((url, anthropic_key.clone(), anthropic_models)),
+            (None, Some(_)) => Some((
+                "https://api.anthropic.com/v1".to_owned(),
+                anthropic_key.clone(),
+                anthropic_models,
+            )),
+            (None, None) => None,
+        };
+        let max_tool_rounds = args.max_tool_rounds.or(file.max_tool_rounds).unwrap_or(8);
+        if max_tool_rounds > 64 {
+            bail!("--max-tool-rounds must be at most 64");
+        }
         Ok(Self {
+            tool_allowlist: (!allow.is_empty()).then_some(allow),
+            max_tool_rounds,
+            ctp,
+            ctp_timeout: seconds("ctp-timeout", args.ctp_timeout.or(file.ctp_timeout), 20.0)?,
+            anthropic,
+            mcp_servers: list(args.mcp_servers, file.mcp_servers),
             listen,
             data_dir,
             database,

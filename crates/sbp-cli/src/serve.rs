@@ -5,10 +5,16 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use sbp_gateway::{Gateway, GatewayConfig};
-use sbp_llm::{EchoProvider, OpenAiOptions, OpenAiProvider, Provider};
+use sbp_llm::{
+    AnthropicOptions, AnthropicProvider, EchoProvider, ModelMatch, OpenAiOptions, OpenAiProvider,
+    Provider, Router,
+};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 
 use crate::config::{Database, Settings, load_secret};
+
+/// How long a southbound MCP server may take to start and list its tools.
+const MCP_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 pub async fn run(s: Settings) -> anyhow::Result<()> {
     let secret = load_secret(s.jwt_secret.as_deref(), &s.data_dir)?;
@@ -48,6 +54,36 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
             format!("built-in offline model {}", sbp_llm::ECHO_MODEL),
         ),
     };
+    let (provider, upstream_label) = match &s.anthropic {
+        None => (provider, upstream_label),
+        Some((url, key, prefixes)) => {
+            let anthropic = AnthropicProvider::new(AnthropicOptions {
+                base_url: url.clone(),
+                api_key: key.clone(),
+                connect_timeout: s.upstream_connect_timeout,
+                request_timeout: s.upstream_timeout,
+                stream_idle_timeout: s.upstream_idle_timeout,
+                ..AnthropicOptions::default()
+            })
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let anthropic: Arc<dyn Provider> = Arc::new(anthropic);
+            let mut router = Router::new(provider);
+            for prefix in prefixes {
+                let mut matcher = ModelMatch::prefix(prefix.clone());
+                if prefix.ends_with('/') {
+                    matcher = matcher.stripping_prefix();
+                }
+                router.push(matcher, anthropic.clone());
+            }
+            (
+                Arc::new(router) as Arc<dyn Provider>,
+                format!(
+                    "{upstream_label}; models {} via Anthropic {url}",
+                    prefixes.join(", ")
+                ),
+            )
+        }
+    };
     let defaults = GatewayConfig::default();
     let config = GatewayConfig {
         sbp_version: s.sbp_version.clone().unwrap_or(defaults.sbp_version),
@@ -56,6 +92,10 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         pong_timeout: s.pong_timeout,
         attach_timeout: s.attach_timeout,
         tool_timeout: s.tool_timeout,
+        tool_allowlist: s.tool_allowlist.clone(),
+        max_tool_rounds: s.max_tool_rounds,
+        ctp: s.ctp.clone(),
+        ctp_timeout: s.ctp_timeout,
         max_frame_bytes: s.max_frame_bytes,
         max_body_bytes: s.max_body_bytes,
         api_keys: s.api_keys.clone(),
@@ -70,7 +110,22 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
             "--insecure-no-session-auth: session endpoints accept calls without the session token"
         );
     }
-    let gateway = Gateway::start(config, store, provider)
+    let servers = s
+        .mcp_servers
+        .iter()
+        .map(|line| {
+            line.parse::<sbp_mcp::ServerConfig>()
+                .map_err(|e| anyhow::anyhow!("--mcp-server '{line}': {e}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let southbound = if servers.is_empty() {
+        sbp_mcp::Southbound::empty()
+    } else {
+        let sb = sbp_mcp::Southbound::connect(servers, MCP_CONNECT_TIMEOUT).await;
+        tracing::info!(servers = ?sb.servers(), tools = sb.tools().len(), "southbound MCP servers connected");
+        sb
+    };
+    let gateway = Gateway::start_with_tools(config, store, provider, Arc::new(southbound.clone()))
         .await
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
     let listener = tokio::net::TcpListener::bind(s.listen)
@@ -87,6 +142,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     );
     std::io::stdout().flush()?;
     sbp_gateway::serve(listener, gateway, shutdown_signal()).await?;
+    southbound.shutdown().await;
     tracing::info!("gateway stopped");
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! A scripted fake OpenAI-compatible LLM upstream, served over real HTTP on loopback, for the
-//! gateway's integration tests and benchmarks.
+//! A scripted fake LLM upstream speaking OpenAI chat completions and Anthropic Messages, served
+//! over real HTTP on loopback, for the gateway's integration tests and benchmarks.
 //!
 //! `POST /v1/chat/completions` (or `/chat/completions`) answers `echo: <last user text>`, or
 //! `tool result: <content>` when the last message is a tool result. The last user message can
@@ -21,6 +21,31 @@
 //! typo in a test fails loudly. `GET /_fake/requests` lists the recorded bodies (`DELETE`
 //! clears them), `GET /healthz` answers 200.
 //!
+//! ## Anthropic Messages
+//!
+//! `POST /v1/messages` (or `/messages`) takes the same directives and model names and answers
+//! in Anthropic's shapes; its requests go into the same record, in arrival order with the
+//! OpenAI ones. The directives are read from the text of the last user message that has text
+//! (a string `content`, or its `text` blocks), so a tool loop keeps its prompt's directives as
+//! on the OpenAI side. The answer is, in order of precedence: the scripted error, as
+//! `{"type":"error","error":{"type":...,"message":"fake error"}}` with the type the real API
+//! uses for that status; `tool result: <text>` when the last user message carries
+//! `tool_result` blocks (the last one's text), unless `reply=` is given; `tool_use` blocks
+//! (ids `toolu_...`, `input` from the directive's JSON object or `{}`, `stop_reason`
+//! `tool_use`) for `tool=` directives; else the reply or `echo: <text>`. Streaming sends the
+//! real API's events: `message_start`, per block `content_block_start` / `content_block_delta`s
+//! (`chunks=N` text deltas, or the tool input JSON in `input_json_delta` pieces) /
+//! `content_block_stop`, a `ping` after the first block start, `message_delta` (stop reason and
+//! usage), `message_stop`. `drop=1` cuts the stream after two events as on the OpenAI side.
+//!
+//! Like the real API, the endpoint refuses with a 400 `invalid_request_error` a request without
+//! the `anthropic-version` header or `max_tokens`, with a role other than `user`/`assistant`,
+//! with turns that do not alternate or start with the assistant, with a `tool_result` that
+//! answers no `tool_use` of the message before (or a `tool_use` left unanswered by the next
+//! message), with blank text blocks, with `tools` lacking `name` or `input_schema`, or with a
+//! `tool=` directive whose arguments are not a JSON object. A translating client's mistakes
+//! therefore fail in tests the way they would against Anthropic.
+//!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
 //! let fake = sbp_fake_llm::FakeLlm::start().await?;
@@ -31,6 +56,7 @@
 //! # }
 //! ```
 
+mod anthropic;
 mod directives;
 mod script;
 mod server;
@@ -95,8 +121,8 @@ impl FakeLlm {
         &self.state
     }
 
-    /// Every chat request body received so far, in arrival order. Bodies that are not JSON
-    /// are answered with 400 and not recorded.
+    /// Every chat request body received so far (OpenAI and Anthropic alike), in arrival order.
+    /// Bodies that are not JSON are answered with 400 and not recorded.
     pub fn requests(&self) -> Vec<Value> {
         self.state.requests()
     }

@@ -1,5 +1,6 @@
-//! `sbp-fake-llm`: runs the scripted fake OpenAI-compatible upstream as a standalone process,
-//! for benchmarks and manual poking. See the library docs for the directive syntax.
+//! `sbp-fake-llm`: runs the scripted fake upstream (OpenAI chat completions and Anthropic
+//! Messages) as a standalone process, for benchmarks and manual poking. See the library docs
+//! for the directive syntax.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -8,7 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use sbp_fake_llm::{FakeOptions, FakeState, serve};
 
-/// A scripted fake OpenAI-compatible LLM upstream.
+/// A scripted fake LLM upstream (OpenAI chat completions and Anthropic Messages).
 #[derive(Debug, Parser)]
 #[command(name = "sbp-fake-llm", version)]
 struct Args {

@@ -1,5 +1,7 @@
-//! Turns one chat-completions request body into what the fake will do and the exact bytes it
-//! will send: the non-streaming `chat.completion` object or the list of SSE events.
+//! Turns one request into what the fake will do and the exact bytes it will send: the
+//! non-streaming body or the list of SSE events. Reading an OpenAI request and rendering OpenAI
+//! answers live here, with the decision every API shares ([`decide`]); the Anthropic side reads
+//! and renders in `anthropic.rs`.
 //!
 //! Pure apart from ids and the `created` clock, so the HTTP layer only has to wait and write.
 
@@ -9,9 +11,44 @@ use serde_json::{Value, json};
 
 use crate::directives::{self, ToolDirective};
 
+/// Which API a request came in on, and so which shapes the answer takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// OpenAI chat completions.
+    OpenAi,
+    /// Anthropic Messages.
+    Anthropic,
+}
+
+impl Dialect {
+    /// The body of an error answer with `status`.
+    pub fn error_body(self, status: u16, message: &str) -> Value {
+        match self {
+            Dialect::OpenAi => {
+                json!({"error": {"message": message, "type": "fake", "code": status}})
+            }
+            Dialect::Anthropic => crate::anthropic::error_body(status, message),
+        }
+    }
+
+    /// The body of the 400 for a request the fake cannot read.
+    pub fn invalid_request_body(self, message: &str) -> Value {
+        match self {
+            Dialect::OpenAi => json!({"error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": null,
+                "code": null,
+            }}),
+            Dialect::Anthropic => crate::anthropic::error_body(400, message),
+        }
+    }
+}
+
 /// What to do for one request, decided before any waiting starts.
 #[derive(Clone, Debug)]
 pub struct Script {
+    pub dialect: Dialect,
     pub model: String,
     pub stream: bool,
     pub include_usage: bool,
@@ -27,7 +64,7 @@ pub struct Script {
 /// The answer itself.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    /// An HTTP error status with an OpenAI error body.
+    /// An HTTP error status with the dialect's error body.
     Error(u16),
     /// An assistant text reply.
     Text(String),
@@ -42,7 +79,21 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-/// Reads the request. `Err` is a message for a 400 answer.
+/// What the fake reads from a request, whichever API it came in on.
+#[derive(Clone, Debug)]
+pub struct Request<'a> {
+    pub dialect: Dialect,
+    pub model: &'a str,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// The text of the last user message, where the directives are.
+    pub prompt: String,
+    /// The tool result the conversation ends with, if it does.
+    pub tool_result: Option<String>,
+    pub prompt_tokens: usize,
+}
+
+/// Reads an OpenAI chat-completions request. `Err` is a message for a 400 answer.
 pub fn plan(body: &Value) -> Result<Script, String> {
     let model = body
         .get("model")
@@ -52,12 +103,37 @@ pub fn plan(body: &Value) -> Result<Script, String> {
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("`messages` must be an array")?;
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let prompt = messages
+        .iter()
+        .rev()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        .map(|m| content_text(m.get("content")))
+        .unwrap_or_default();
+    let tool_result = messages
+        .last()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
+        .map(|m| content_text(m.get("content")));
+    decide(Request {
+        dialect: Dialect::OpenAi,
+        model,
+        stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        prompt,
+        tool_result,
+        prompt_tokens: messages
+            .iter()
+            .map(|m| words(&content_text(m.get("content"))))
+            .sum(),
+    })
+}
 
+/// Decides the answer from what the request says, the same way for every API: the model name
+/// and the prompt's directives script it; a tool result ends a tool loop.
+pub fn decide(req: Request<'_>) -> Result<Script, String> {
+    let model = req.model;
     let mut slow = Duration::ZERO;
     let mut forced_error = None;
     if let Some(code) = model.strip_prefix("fake-error-") {
@@ -69,24 +145,15 @@ pub fn plan(body: &Value) -> Result<Script, String> {
         slow = Duration::from_millis(ms);
     }
 
-    let last_user = messages
-        .iter()
-        .rev()
-        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
-        .map(|m| content_text(m.get("content")))
-        .unwrap_or_default();
-    let parsed = directives::parse(&last_user).map_err(|e| e.0)?;
+    let parsed = directives::parse(&req.prompt).map_err(|e| e.0)?;
     let d = parsed.directives;
-
-    let last_tool = messages
-        .last()
-        .filter(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
-        .map(|m| content_text(m.get("content")));
+    let last_tool = req.tool_result;
 
     let outcome = if let Some(code) = d.error.or(forced_error) {
         Outcome::Error(code)
     } else if last_tool.is_none() && !d.tools.is_empty() {
-        Outcome::ToolCalls(d.tools.into_iter().map(tool_call).collect())
+        let calls = d.tools.into_iter().map(|t| tool_call(req.dialect, t));
+        Outcome::ToolCalls(calls.collect())
     } else if let Some(reply) = d.reply {
         Outcome::Text(reply)
     } else if let Some(result) = last_tool {
@@ -96,32 +163,35 @@ pub fn plan(body: &Value) -> Result<Script, String> {
     };
 
     Ok(Script {
+        dialect: req.dialect,
         model: model.to_owned(),
-        stream,
-        include_usage,
+        stream: req.stream,
+        include_usage: req.include_usage,
         slow: d.slow.unwrap_or(slow),
         chunk_delay: d.chunk_delay.unwrap_or_default(),
         hang: d.hang,
         drop: d.drop,
         chunks: d.chunks,
         outcome,
-        prompt_tokens: messages
-            .iter()
-            .map(|m| words(&content_text(m.get("content"))))
-            .sum(),
+        prompt_tokens: req.prompt_tokens,
     })
 }
 
-fn tool_call(t: ToolDirective) -> ToolCall {
+fn tool_call(dialect: Dialect, t: ToolDirective) -> ToolCall {
+    let prefix = match dialect {
+        Dialect::OpenAi => "call",
+        Dialect::Anthropic => "toolu",
+    };
     ToolCall {
-        id: format!("call_{}", uuid::Uuid::new_v4().simple()),
+        id: format!("{prefix}_{}", uuid::Uuid::new_v4().simple()),
         name: t.name,
         arguments: t.arguments,
     }
 }
 
-/// The text of an OpenAI `content`: a string, or the `text` parts of an array joined by `\n`.
-fn content_text(content: Option<&Value>) -> String {
+/// The text of a message `content`: a string, or the `text` of an array's blocks joined by
+/// `\n` (OpenAI parts and Anthropic blocks alike).
+pub fn content_text(content: Option<&Value>) -> String {
     match content {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
@@ -136,27 +206,45 @@ fn content_text(content: Option<&Value>) -> String {
     }
 }
 
-fn words(text: &str) -> usize {
+pub fn words(text: &str) -> usize {
     text.split_whitespace().count()
 }
 
-/// The OpenAI error body the fake sends with an error status.
-pub fn error_body(code: u16) -> Value {
-    json!({"error": {"message": "fake error", "type": "fake", "code": code}})
-}
-
-/// The OpenAI error body for a request the fake cannot read.
-pub fn invalid_request_body(message: &str) -> Value {
-    json!({"error": {
-        "message": message,
-        "type": "invalid_request_error",
-        "param": null,
-        "code": null,
-    }})
-}
-
 impl Script {
-    fn completion_tokens(&self) -> usize {
+    /// The answer body of a non-streaming success, in the request's dialect.
+    pub fn completion(&self) -> Value {
+        match self.dialect {
+            Dialect::OpenAi => self.openai_completion(),
+            Dialect::Anthropic => crate::anthropic::message(self),
+        }
+    }
+
+    /// Every SSE event of a streaming success, each already framed, in the request's dialect.
+    pub fn events(&self) -> Vec<String> {
+        match self.dialect {
+            Dialect::OpenAi => self.openai_events(),
+            Dialect::Anthropic => crate::anthropic::events(self),
+        }
+    }
+
+    /// How a streamed text reply is cut: `chunks=N` pieces, else one per word.
+    pub fn text_pieces<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        match self.chunks {
+            Some(n) => split_even(text, n),
+            None => split_words(text),
+        }
+    }
+
+    /// How streamed tool arguments are cut: `chunks=N` pieces, else two (so clients must
+    /// join them; fewer only for arguments shorter than two characters).
+    pub fn argument_pieces<'t>(&self, arguments: &'t str) -> Vec<&'t str> {
+        let n = self
+            .chunks
+            .unwrap_or_else(|| arguments.chars().take(2).count());
+        split_even(arguments, n)
+    }
+
+    pub fn completion_tokens(&self) -> usize {
         match &self.outcome {
             Outcome::Error(_) => 0,
             Outcome::Text(text) => words(text),
@@ -174,7 +262,7 @@ impl Script {
     }
 
     /// The `chat.completion` object for a non-streaming success.
-    pub fn completion(&self) -> Value {
+    fn openai_completion(&self) -> Value {
         let (message, finish_reason) = match &self.outcome {
             Outcome::ToolCalls(calls) => {
                 let calls: Vec<Value> = calls
@@ -212,7 +300,7 @@ impl Script {
 
     /// Every SSE event of a streaming success, `data: [DONE]` included, each already framed
     /// as `data: ...\n\n`.
-    pub fn events(&self) -> Vec<String> {
+    fn openai_events(&self) -> Vec<String> {
         let id = completion_id();
         let created = now();
         let chunk = |delta: Value, finish_reason: Option<&str>| {
@@ -237,10 +325,7 @@ impl Script {
         let mut events = Vec::new();
         let finish_reason = match &self.outcome {
             Outcome::Text(text) => {
-                let pieces = match self.chunks {
-                    Some(n) => split_even(text, n),
-                    None => split_words(text),
-                };
+                let pieces = self.text_pieces(text);
                 if pieces.is_empty() {
                     events.push(chunk(json!({"role": "assistant", "content": ""}), None));
                 }
@@ -268,11 +353,7 @@ impl Script {
                         json!({"tool_calls": head})
                     };
                     events.push(chunk(delta, None));
-                    let pieces = match self.chunks {
-                        Some(n) => split_even(&call.arguments, n),
-                        None => split_even(&call.arguments, call.arguments.chars().take(2).count()),
-                    };
-                    for piece in pieces {
+                    for piece in self.argument_pieces(&call.arguments) {
                         let delta = json!({"tool_calls": [{
                             "index": index,
                             "function": {"arguments": piece},

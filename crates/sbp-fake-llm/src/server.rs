@@ -18,7 +18,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::script::{self, Outcome, Script};
+use crate::anthropic;
+use crate::script::{self, Dialect, Outcome, Script};
 use crate::state::FakeState;
 
 /// Large enough for any conversation a benchmark replays.
@@ -62,6 +63,8 @@ fn router(app: App) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
+        .route("/v1/messages", post(messages))
+        .route("/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/_fake/requests", get(recorded).delete(clear))
@@ -71,35 +74,49 @@ fn router(app: App) -> Router {
 }
 
 async fn chat(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(app, headers, body, Dialect::OpenAi).await
+}
+
+async fn messages(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(app, headers, body, Dialect::Anthropic).await
+}
+
+/// One request on either API: only reading the request and the shape of the bodies differ.
+async fn answer(app: App, headers: HeaderMap, body: Bytes, dialect: Dialect) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(body) => body,
-        Err(e) => return invalid_request(&format!("request body is not valid JSON: {e}")),
+        Err(e) => {
+            return invalid_request(dialect, &format!("request body is not valid JSON: {e}"));
+        }
     };
-    let script = script::plan(&body);
+    let script = match dialect {
+        Dialect::OpenAi => script::plan(&body),
+        Dialect::Anthropic => anthropic::plan(&body, &headers),
+    };
     app.state.record(body, &headers);
     let script = match script {
         Ok(script) => script,
-        Err(message) => return invalid_request(&message),
+        Err(message) => return invalid_request(dialect, &message),
     };
 
     if script.hang {
         app.stopping.cancelled().await;
-        return shutting_down();
+        return shutting_down(dialect);
     }
     if let Outcome::Error(code) = script.outcome {
         if !wait(&app.stopping, script.slow).await {
-            return shutting_down();
+            return shutting_down(dialect);
         }
         return json_response(
             StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-            &script::error_body(code),
+            &dialect.error_body(code, "fake error"),
         );
     }
     if script.stream {
         return stream(script, app.stopping);
     }
     if !wait(&app.stopping, script.slow).await {
-        return shutting_down();
+        return shutting_down(dialect);
     }
     if script.drop {
         // Headers go out, then the body fails: the client sees a reset mid-response.
@@ -211,17 +228,17 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
     response
 }
 
-fn invalid_request(message: &str) -> Response {
+fn invalid_request(dialect: Dialect, message: &str) -> Response {
     json_response(
         StatusCode::BAD_REQUEST,
-        &script::invalid_request_body(message),
+        &dialect.invalid_request_body(message),
     )
 }
 
-fn shutting_down() -> Response {
+fn shutting_down(dialect: Dialect) -> Response {
     json_response(
         StatusCode::SERVICE_UNAVAILABLE,
-        &json!({"error": {"message": "fake LLM shutting down", "type": "fake", "code": 503}}),
+        &dialect.error_body(503, "fake LLM shutting down"),
     )
 }
 

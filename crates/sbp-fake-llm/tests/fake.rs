@@ -1,5 +1,6 @@
 //! Integration tests: the fake LLM over real HTTP on loopback, driven by a real client.
 
+mod anthropic;
 mod support;
 
 use std::collections::BTreeMap;
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use sbp_fake_llm::{FakeLlm, FakeOptions};
 use serde_json::{Value, json};
-use support::{client, post, post_json, stream, streaming, user};
+use support::{client, post, post_garbage, post_json, stream, streaming, user};
 
 async fn start() -> FakeLlm {
     FakeLlm::start().await.expect("fake starts")
@@ -418,15 +419,8 @@ async fn drop_cuts_the_stream_after_two_events() {
 #[tokio::test]
 async fn bad_requests_get_400_with_an_openai_error() {
     let fake = start().await;
-    let response = client()
-        .post(format!("{}/chat/completions", fake.base_url()))
-        .header("content-type", "application/json")
-        .body("{not json")
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.expect("json");
+    let (status, body) = post_garbage(&fake, "chat/completions").await;
+    assert_eq!(status, 400);
     assert_eq!(body["error"]["type"], "invalid_request_error");
     assert!(
         body["error"]["message"]

@@ -14,7 +14,19 @@ pub struct GatewayConfig {
     pub pong_timeout: Duration,
     /// How long a new WebSocket may take to send ATTACH_SESSION.
     pub attach_timeout: Duration,
+    /// How long a surface tool call may take before the LLM gets the error result "timeout".
     pub tool_timeout: Duration,
+    /// Surface tools that may be called; `None` allows any tool a surface declares.
+    pub tool_allowlist: Option<Vec<String>>,
+    /// Tool rounds one turn may run before the LLM must answer without gateway tools.
+    pub max_tool_rounds: u32,
+    /// Contextual Translation Pipeline: a second LLM pass rewriting replies for these device types.
+    pub ctp: Vec<CtpRule>,
+    /// Longest a CTP pass may take before the deterministic adaptation is used instead.
+    pub ctp_timeout: Duration,
+    /// Tethered turns rewritten by CTP in one drain (the most recent ones); older ones get the
+    /// deterministic adaptation, so a long queue does not cost an LLM call per turn.
+    pub ctp_drain_max: usize,
     pub max_frame_bytes: usize,
     pub max_body_bytes: usize,
     /// Operator API keys; when non-empty every HTTP endpoint but /healthz needs one as a Bearer token.
@@ -39,6 +51,11 @@ impl Default for GatewayConfig {
             pong_timeout: Duration::from_secs(10),
             attach_timeout: Duration::from_secs(10),
             tool_timeout: Duration::from_millis(30_000),
+            tool_allowlist: None,
+            max_tool_rounds: 8,
+            ctp: Vec::new(),
+            ctp_timeout: Duration::from_secs(20),
+            ctp_drain_max: 20,
             max_frame_bytes: 1 << 20,
             max_body_bytes: 8 << 20,
             api_keys: Vec::new(),
@@ -47,5 +64,35 @@ impl Default for GatewayConfig {
             insecure_no_session_auth: false,
             secret: Vec::new(),
         }
+    }
+}
+
+/// One CTP rule: replies delivered to surfaces of `device_type` are rewritten by `model`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CtpRule {
+    /// A well-known device type, or "*" for every surface that needs adaptation.
+    pub device_type: String,
+    pub model: String,
+    /// Replaces the default rewriting instructions.
+    pub prompt: Option<String>,
+}
+
+impl std::str::FromStr for CtpRule {
+    type Err = String;
+
+    /// `device_type=model`, e.g. `iot=gpt-4o-mini`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (device, model) = s
+            .split_once('=')
+            .ok_or_else(|| format!("CTP rule '{s}' must be DEVICE_TYPE=MODEL"))?;
+        let (device, model) = (device.trim(), model.trim());
+        if device.is_empty() || model.is_empty() {
+            return Err(format!("CTP rule '{s}' must be DEVICE_TYPE=MODEL"));
+        }
+        Ok(Self {
+            device_type: device.to_owned(),
+            model: model.to_owned(),
+            prompt: None,
+        })
     }
 }

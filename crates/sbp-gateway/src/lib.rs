@@ -8,7 +8,7 @@ pub mod error;
 pub mod metrics;
 pub mod transport;
 
-pub use config::GatewayConfig;
+pub use config::{CtpRule, GatewayConfig};
 pub use engine::Gateway;
 pub use error::ApiError;
 

@@ -62,7 +62,15 @@ pub struct Metrics {
     pub imports: AtomicU64,
     pub handoffs: AtomicU64,
     pub forks: AtomicU64,
+    /// Surface tool calls sent (TOOL_CALL frames), and how they ended.
+    pub tool_calls: AtomicU64,
+    pub tool_call_errors: AtomicU64,
+    pub tool_call_timeouts: AtomicU64,
+    /// Tools of southbound MCP servers called by the gateway.
+    pub server_tool_calls: AtomicU64,
     pub upstream_latency: Histogram,
+    /// TOOL_CALL sent to TOOL_RESULT received (or timeout / disconnect).
+    pub tool_call_latency: Histogram,
 }
 
 /// Figures read from storage and the hub at scrape time.
@@ -126,6 +134,30 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "sbp_tool_calls_total",
+            "TOOL_CALL frames sent to surfaces.",
+            &self.tool_calls,
+        );
+        counter(
+            &mut out,
+            "sbp_tool_call_errors_total",
+            "Surface tool calls that ended in an error (including timeouts and disconnects).",
+            &self.tool_call_errors,
+        );
+        counter(
+            &mut out,
+            "sbp_tool_call_timeouts_total",
+            "Surface tool calls that timed out.",
+            &self.tool_call_timeouts,
+        );
+        counter(
+            &mut out,
+            "sbp_server_tool_calls_total",
+            "Tools of southbound MCP servers called by the gateway.",
+            &self.server_tool_calls,
+        );
+        counter(
+            &mut out,
             "sbp_tether_enqueued_total",
             "Turns written to the Tether.",
             &self.tether_enqueued,
@@ -166,6 +198,11 @@ impl Metrics {
             &mut out,
             "sbp_upstream_latency_seconds",
             "Time from sending a request upstream to its complete reply.",
+        );
+        self.tool_call_latency.render(
+            &mut out,
+            "sbp_tool_call_latency_seconds",
+            "Time from sending a TOOL_CALL to its TOOL_RESULT (or timeout or disconnect).",
         );
         out
     }

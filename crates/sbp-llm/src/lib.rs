@@ -1,14 +1,25 @@
 //! Upstream LLM providers. A provider takes an OpenAI-format request body and returns either a whole
 //! completion or a stream of OpenAI-format chunks; `Assembler` folds chunks into the final message.
-//! Two providers today: any OpenAI-compatible HTTP endpoint, and the built-in offline `sbp/echo`.
+//! The OpenAI chat-completions format is the gateway's lingua franca: providers for other APIs
+//! translate both ways at their edge, so nothing above them sees another format.
+//!
+//! Providers: any OpenAI-compatible HTTP endpoint (`OpenAiProvider`), Anthropic's Messages API
+//! (`AnthropicProvider`), and the built-in offline `sbp/echo` (`EchoProvider`). `Router` is a
+//! provider too: it picks one of the others by model-name prefix (`claude` → Anthropic, the rest
+//! to a default). The HTTP providers share one transport (timeouts, error statuses, SSE reading).
 
+mod anthropic;
 mod assemble;
 mod echo;
 mod openai;
+mod router;
+mod transport;
 
+pub use anthropic::{ANTHROPIC_VERSION, AnthropicOptions, AnthropicProvider};
 pub use assemble::Assembler;
 pub use echo::{ECHO_MODEL, EchoProvider};
 pub use openai::{OpenAiOptions, OpenAiProvider};
+pub use router::{ModelMatch, Router};
 
 use async_trait::async_trait;
 use futures::stream::BoxStream;
@@ -31,7 +42,8 @@ pub enum LlmError {
 /// A whole (non-streamed) completion.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
-    /// The upstream's response body, untouched.
+    /// The response as an OpenAI `chat.completion` body: the upstream's own, untouched, for
+    /// OpenAI-compatible upstreams; the translation for others.
     pub body: Value,
     /// The assistant message (`role`, `content`, `tool_calls`, ...).
     pub message: Value,

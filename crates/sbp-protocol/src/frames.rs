@@ -246,6 +246,9 @@ pub struct ToolCall {
     pub call_id: String,
     pub tool_name: String,
     pub tool_input: Value,
+    /// Extension: how long the gateway waits for the TOOL_RESULT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 /// Builds a JSON object from pairs; a helper for tests and clients.

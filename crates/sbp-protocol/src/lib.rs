@@ -15,9 +15,9 @@ pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use frames::{ClientFrame, FrameError, ServerFrame};
 pub use lifecycle::{SessionStatus, SnapshotKind};
-pub use surface::SurfaceContext;
+pub use surface::{SurfaceContext, ToolSchema};
 
 /// The wire protocol version advertised in SESSION_ATTACHED unless configured otherwise (the seeds' v1.2).
 pub const DEFAULT_SBP_VERSION: &str = "1.2";
 /// The conformance level this implementation advertises.
-pub const SBP_LEVEL: &str = "L3";
+pub const SBP_LEVEL: &str = "L5";

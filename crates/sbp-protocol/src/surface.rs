@@ -22,6 +22,10 @@ pub struct SurfaceContext {
     pub surface_id: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mcp_tools: Vec<String>,
+    /// Extension (docs/PROTOCOL-EXTENSIONS.md): full schemas of declared tools, from
+    /// `mcp_tool_schemas` or from object entries of `mcp_tools`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_tool_schemas: Vec<ToolSchema>,
     /// Fields this gateway does not know, echoed back untouched.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -34,6 +38,8 @@ impl SurfaceContext {
             return Self::default();
         };
         let mut ctx = Self::default();
+        // Schemas given inline in `mcp_tools`; the explicit `mcp_tool_schemas` list wins over them.
+        let mut inline = Vec::new();
         for (key, v) in obj {
             match key.as_str() {
                 "device_type" => ctx.device_type = v.as_str().map(str::to_owned),
@@ -41,13 +47,55 @@ impl SurfaceContext {
                 "ui_capabilities" => ctx.ui_capabilities = string_list(v),
                 "locale" => ctx.locale = v.as_str().map(str::to_owned),
                 "surface_id" => ctx.surface_id = v.as_str().map(str::to_owned),
-                "mcp_tools" => ctx.mcp_tools = string_list(v),
+                "mcp_tools" => {
+                    for item in v.as_array().into_iter().flatten() {
+                        match item {
+                            Value::String(name) => push_unique(&mut ctx.mcp_tools, name),
+                            Value::Object(_) => {
+                                if let Some(schema) = ToolSchema::from_value(item) {
+                                    push_unique(&mut ctx.mcp_tools, &schema.name);
+                                    inline.push(schema);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                "mcp_tool_schemas" => {
+                    ctx.mcp_tool_schemas.extend(
+                        v.as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(ToolSchema::from_value),
+                    );
+                }
                 _ => {
                     ctx.extra.insert(key.clone(), v.clone());
                 }
             }
         }
+        ctx.mcp_tool_schemas.extend(inline);
+        // A schema also declares its tool; the first schema of a name wins.
+        let mut seen = Vec::new();
+        ctx.mcp_tool_schemas.retain(|t| {
+            let fresh = !seen.contains(&t.name);
+            seen.push(t.name.clone());
+            fresh
+        });
+        for t in &ctx.mcp_tool_schemas {
+            push_unique(&mut ctx.mcp_tools, &t.name);
+        }
         ctx
+    }
+
+    /// The schema the surface gave for `tool`, if any.
+    pub fn tool_schema(&self, tool: &str) -> Option<&ToolSchema> {
+        self.mcp_tool_schemas.iter().find(|t| t.name == tool)
+    }
+
+    /// Whether the surface declared `tool`.
+    pub fn declares_tool(&self, tool: &str) -> bool {
+        self.mcp_tools.iter().any(|t| t == tool)
     }
 
     /// The device type as given, or "unknown" when absent.
@@ -67,6 +115,54 @@ impl SurfaceContext {
 
     pub fn has_capability(&self, cap: &str) -> bool {
         self.ui_capabilities.iter().any(|c| c == cap)
+    }
+}
+
+/// A surface tool's full description (extension): what an MCP server's `tools/list` gives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSchema {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// A JSON Schema object for the tool's input.
+    pub input_schema: Value,
+}
+
+impl ToolSchema {
+    /// Lenient: needs a non-empty string `name`; the schema may be named `input_schema`,
+    /// `inputSchema` (MCP) or `parameters` (OpenAI) and defaults to any object.
+    pub fn from_value(v: &Value) -> Option<Self> {
+        let name = v
+            .get("name")?
+            .as_str()
+            .filter(|n| !n.is_empty())?
+            .to_owned();
+        let input_schema = ["input_schema", "inputSchema", "parameters"]
+            .iter()
+            .find_map(|k| v.get(*k).filter(|s| s.is_object()).cloned())
+            .unwrap_or_else(pass_through_schema);
+        Some(Self {
+            name,
+            description: v
+                .get("description")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            input_schema,
+        })
+    }
+}
+
+/// The generic schema of a tool declared by name only: any JSON object.
+pub fn pass_through_schema() -> Value {
+    let mut m = Map::new();
+    m.insert("type".into(), Value::String("object".into()));
+    m.insert("additionalProperties".into(), Value::Bool(true));
+    Value::Object(m)
+}
+
+fn push_unique(list: &mut Vec<String>, name: &str) {
+    if !name.is_empty() && !list.iter().any(|n| n == name) {
+        list.push(name.to_owned());
     }
 }
 
@@ -109,8 +205,32 @@ mod tests {
         assert_eq!(ctx.max_output_tokens, None);
         assert_eq!(ctx.ui_capabilities, vec!["markdown", "tables"]);
         assert!(ctx.mcp_tools.is_empty());
+        assert!(ctx.mcp_tool_schemas.is_empty());
         assert_eq!(ctx.extra["another_new_field"], json!({"nested": true}));
         let echoed = serde_json::to_value(&ctx).expect("serialises");
         assert_eq!(echoed["another_new_field"], json!({"nested": true}));
+    }
+
+    #[test]
+    fn tools_by_name_object_or_schema_list() {
+        let ctx = SurfaceContext::from_value(&json!({
+            "mcp_tools": ["camera", {"name": "gps", "description": "where", "inputSchema": {"type": "object"}}, 5, {"no": "name"}, "camera"],
+            "mcp_tool_schemas": [
+                {"name": "contacts", "parameters": {"type": "object"}},
+                {"name": "gps", "description": "explicit", "input_schema": {"type": "object", "properties": {"acc": {"type": "string"}}}}
+            ]
+        }));
+        assert_eq!(ctx.mcp_tools, vec!["camera", "gps", "contacts"]);
+        assert!(ctx.declares_tool("contacts") && !ctx.declares_tool("mic"));
+        let gps = ctx.tool_schema("gps").expect("gps schema");
+        assert_eq!(gps.description.as_deref(), Some("explicit"));
+        assert_eq!(
+            gps.input_schema["properties"]["acc"]["type"],
+            json!("string")
+        );
+        assert_eq!(ctx.tool_schema("camera"), None);
+        assert_eq!(ctx.mcp_tool_schemas.len(), 2, "first schema of a name wins");
+        let t = ToolSchema::from_value(&json!({"name": "x"})).expect("named");
+        assert_eq!(t.input_schema, pass_through_schema());
     }
 }

@@ -109,6 +109,9 @@ pub trait TurnStore: Send + Sync {
     /// Appends the reply (or a pushed turn), counts the step, writes snapshots, enqueues the tether
     /// entry and completes the turn and its idempotency record: all or nothing.
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome>;
+    /// Appends messages and writes snapshots for a turn that is still running (`Conflict` if it is
+    /// not): all or nothing. The agent loop records each tool round with it.
+    async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome>;
     /// Marks the turn failed (the messages of `begin_turn` stay) and the idempotency record retryable.
     async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()>;
     /// After a restart: every turn still `running` is marked failed. Returns the affected turns.

@@ -209,6 +209,26 @@ pub struct FinishTurnOutcome {
     pub first_message_seq: u64,
 }
 
+/// What a running turn has done so far (tool rounds of the agent loop): messages and snapshots
+/// written while the turn is still running, in one write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnProgress {
+    pub session_id: Uuid,
+    pub turn_id: Uuid,
+    pub messages: Vec<NewMessage>,
+    /// Written after the messages, in order; each records the counts including them.
+    pub snapshots: Vec<NewSnapshot>,
+    pub now: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnProgressOutcome {
+    pub session: SessionRecord,
+    pub snapshots: Vec<SnapshotRecord>,
+    /// Seq of the first message appended.
+    pub first_message_seq: u64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct FailTurn {
     pub session_id: Uuid,

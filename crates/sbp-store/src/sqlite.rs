@@ -25,7 +25,7 @@ use crate::{
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
     MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionRecord, SessionStore,
     SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
-    TurnRecord, TurnStore,
+    TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// How long a connection waits for a lock held by another process before giving up with `Backend`.
@@ -392,6 +392,11 @@ impl TurnStore for SqliteStore {
 
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
         self.write(move |c| ops::finish_turn(c, &finish)).await
+    }
+
+    async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome> {
+        self.write(move |c| ops::record_progress(c, &progress))
+            .await
     }
 
     async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()> {

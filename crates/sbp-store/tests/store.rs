@@ -47,6 +47,7 @@ sqlite_cases!(
     begin_turn_with_create,
     begin_turn_is_atomic,
     finish_turn_counts_and_snapshots,
+    progress_of_a_running_turn,
     checkpoints_every_n,
     tether_seq_never_reused,
     tether_only_if_enabled,

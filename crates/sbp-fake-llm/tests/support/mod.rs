@@ -32,6 +32,21 @@ pub async fn post(fake: &FakeLlm, body: &Value) -> reqwest::Response {
         .expect("request reaches the fake")
 }
 
+/// Posts a body that is not JSON, labelled as JSON, to `path` below the base URL; returns the
+/// status and the parsed error body.
+pub async fn post_garbage(fake: &FakeLlm, path: &str) -> (u16, Value) {
+    let response = client()
+        .post(format!("{}/{path}", fake.base_url()))
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("request");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("JSON error body"))
+}
+
 /// Posts and returns status and parsed JSON body.
 pub async fn post_json(fake: &FakeLlm, body: &Value) -> (u16, Value) {
     let response = post(fake, body).await;
@@ -119,4 +134,40 @@ pub async fn stream(fake: &FakeLlm, body: &Value) -> Streamed {
         }
     }
     streamed
+}
+
+/// Posts to the Anthropic Messages endpoint with the version header the real API requires.
+pub async fn post_messages(fake: &FakeLlm, body: &Value) -> reqwest::Response {
+    client()
+        .post(format!("{}/messages", fake.base_url()))
+        .header("anthropic-version", "2023-06-01")
+        .json(body)
+        .send()
+        .await
+        .expect("request reaches the fake")
+}
+
+/// A one-message Anthropic request.
+pub fn anthropic_user(text: &str) -> Value {
+    json!({"model": "claude-test", "max_tokens": 256, "messages": [{"role": "user", "content": text}]})
+}
+
+/// Every event of a streamed Anthropic answer: its `event:` name and parsed data, checking
+/// that the two agree as the real API's do.
+pub async fn anthropic_events(fake: &FakeLlm, body: &Value) -> Vec<(String, Value)> {
+    let response = post_messages(fake, body).await;
+    assert_eq!(response.status(), 200, "streaming answer status");
+    let mut events = response.bytes_stream().eventsource();
+    let mut out = Vec::new();
+    while let Some(event) = events.next().await {
+        let event = event.expect("a whole event");
+        let data: Value = serde_json::from_str(&event.data).expect("event data is JSON");
+        assert_eq!(
+            data["type"],
+            event.event.as_str(),
+            "event name matches type"
+        );
+        out.push((event.event, data));
+    }
+    out
 }

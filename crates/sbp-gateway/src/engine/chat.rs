@@ -13,6 +13,7 @@ use sbp_protocol::{ErrorCode, SbpRequestOptions, SbpResponseMeta, SessionStatus,
 use sbp_store::{
     BeginTurn, FailTurn, FinishTurn, IdempotencyRecord, IdempotencyState, MessageRecord,
     NewIdempotency, NewMessage, NewSession, NewSnapshot, NewTetherEntry, SessionRecord,
+    TurnProgress,
 };
 use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, oneshot};
@@ -20,6 +21,7 @@ use uuid::Uuid;
 
 use super::hub::{ConnMsg, LiveSink, TurnDone};
 use super::sessions::new_agent_id;
+use super::tools::{Catalog, ToolRun, ToolTarget};
 use super::{Gateway, iso};
 use crate::auth;
 use crate::error::ApiError;
@@ -271,6 +273,7 @@ impl Gateway {
         let mut all: Vec<Value> = history.into_iter().map(|m| m.body).collect();
         all.extend(new_messages);
         upstream.insert("messages".into(), Value::Array(all));
+        self.shape_for_surface(session_id, &mut upstream);
 
         let turn = Turn {
             session: outcome.session,
@@ -474,64 +477,246 @@ impl Gateway {
         outcome
     }
 
+    /// The agent loop: calls the upstream with the gateway's tools (surface and southbound MCP)
+    /// added to the request; while the reply asks only for those tools, runs them (concurrently),
+    /// records the round, and asks again, at most `max_tool_rounds` times. A reply asking for a
+    /// tool of the client's own goes back to the client as is.
     async fn call_upstream(
         &self,
         turn: &Turn,
         events: Option<&mpsc::Sender<SseEvent>>,
     ) -> Result<Upstream, ApiError> {
-        let provider = &self.inner.provider;
         let mut sink = LiveSink::new(self.hub(), turn.session.id);
         let started = Instant::now();
+        let mut body = turn.body.clone();
+        let mut usage = UsageSum::default();
+        let max_rounds = self.config().max_tool_rounds;
+        let mut round = 0;
+        loop {
+            let catalog = self.catalog(turn.session.id, &turn.body);
+            let mut request = body.clone();
+            catalog.inject(&mut request);
+            if round >= max_rounds && !catalog.is_empty() {
+                // Out of rounds: the model must answer now.
+                request.insert("tool_choice".into(), json!("none"));
+            }
+            let out = self
+                .upstream_round(request, turn, &mut sink, events, !catalog.is_empty())
+                .await?;
+            usage.add(out.body.get("usage"));
+            let calls = match gateway_calls(&out.message, &catalog) {
+                Some(calls) if round < max_rounds => calls,
+                _ => {
+                    self.metrics().upstream_latency.observe(started.elapsed());
+                    return Ok(self
+                        .last_round(out, round, usage, events, &catalog, &sink)
+                        .await);
+                }
+            };
+            self.tool_round(turn, round, &out, calls, &mut body).await?;
+            round += 1;
+        }
+    }
+
+    /// One upstream call, streamed to the surface and/or the SSE caller when either wants it.
+    /// With gateway tools on offer (`hide_tools`), the caller's chunks lose their tool-call deltas
+    /// and finish reasons: those belong to the loop, and the last round says how the turn ended.
+    async fn upstream_round(
+        &self,
+        request: Map<String, Value>,
+        turn: &Turn,
+        sink: &mut LiveSink<'_>,
+        events: Option<&mpsc::Sender<SseEvent>>,
+        hide_tools: bool,
+    ) -> Result<RoundOut, ApiError> {
+        let provider = &self.inner.provider;
         let routed = provider.route_name(&turn.model);
-        let done = if turn.client_stream || sink.is_live() {
-            let mut stream = provider
-                .stream(turn.body.clone())
-                .await
-                .map_err(upstream_error)?;
-            let mut asm = Assembler::default();
-            let mut caller_gone = false;
-            while let Some(item) = stream.next().await {
-                let chunk = item.map_err(upstream_error)?;
-                if let Some(delta) = asm.push(&chunk) {
-                    sink.chunk(&delta);
-                }
-                if let Some(tx) = events
-                    && !caller_gone
-                {
-                    caller_gone = tx.send(SseEvent::Data(chunk)).await.is_err();
-                }
-            }
-            let model = asm.model.clone().unwrap_or_else(|| routed.clone());
-            let body = json!({
-                "id": asm.id.clone().unwrap_or_else(|| format!("chatcmpl-{}", Uuid::now_v7().simple())),
-                "object": "chat.completion",
-                "created": Utc::now().timestamp(),
-                "model": model,
-                "choices": [{"index": 0, "message": asm.message(), "finish_reason": asm.finish_reason.clone().unwrap_or_else(|| "stop".into())}],
-                "usage": asm.usage.clone().unwrap_or(Value::Null),
-            });
-            Upstream {
-                body,
-                message: asm.message(),
-                model,
-                sink_conn: sink.streamed_to(),
-                chunk_id: sink.chunk_id,
-            }
-        } else {
-            let c = provider
-                .complete(turn.body.clone())
-                .await
-                .map_err(upstream_error)?;
-            Upstream {
+        if !(turn.client_stream || sink.is_live()) {
+            let c = provider.complete(request).await.map_err(upstream_error)?;
+            return Ok(RoundOut {
                 message: c.message,
                 model: c.model,
                 body: c.body,
-                sink_conn: None,
-                chunk_id: sink.chunk_id,
+                finish_reason: c.finish_reason,
+            });
+        }
+        let mut stream = provider.stream(request).await.map_err(upstream_error)?;
+        let mut asm = Assembler::default();
+        let mut caller_gone = false;
+        while let Some(item) = stream.next().await {
+            let mut chunk = item.map_err(upstream_error)?;
+            if let Some(delta) = asm.push(&chunk) {
+                sink.chunk(&delta);
             }
+            let Some(tx) = events.filter(|_| !caller_gone) else {
+                continue;
+            };
+            if hide_tools && !strip_loop_fields(&mut chunk) {
+                continue;
+            }
+            caller_gone = tx.send(SseEvent::Data(chunk)).await.is_err();
+        }
+        let model = asm.model.clone().unwrap_or(routed);
+        let finish_reason = asm.finish_reason.clone().unwrap_or_else(|| "stop".into());
+        let body = json!({
+            "id": asm.id.clone().unwrap_or_else(|| format!("chatcmpl-{}", Uuid::now_v7().simple())),
+            "object": "chat.completion",
+            "created": Utc::now().timestamp(),
+            "model": model,
+            "choices": [{"index": 0, "message": asm.message(), "finish_reason": finish_reason}],
+            "usage": asm.usage.clone().unwrap_or(Value::Null),
+        });
+        Ok(RoundOut {
+            message: asm.message(),
+            model,
+            body,
+            finish_reason: Some(finish_reason),
+        })
+    }
+
+    /// The final round becomes the turn's reply; usage is summed over the rounds. An SSE caller
+    /// whose chunks had the loop's fields hidden gets them now, in one closing chunk.
+    async fn last_round(
+        &self,
+        out: RoundOut,
+        rounds: u32,
+        usage: UsageSum,
+        events: Option<&mpsc::Sender<SseEvent>>,
+        catalog: &Catalog,
+        sink: &LiveSink<'_>,
+    ) -> Upstream {
+        let mut body = out.body;
+        if rounds > 0
+            && let Some(total) = usage.value()
+            && let Some(obj) = body.as_object_mut()
+        {
+            obj.insert("usage".into(), total);
+        }
+        if let Some(tx) = events
+            && !catalog.is_empty()
+        {
+            let mut delta = Map::new();
+            if let Some(calls) = out.message.get("tool_calls").and_then(Value::as_array) {
+                let indexed: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let mut c = c.clone();
+                        c["index"] = json!(i);
+                        c
+                    })
+                    .collect();
+                delta.insert("tool_calls".into(), Value::Array(indexed));
+            }
+            let closing = json!({
+                "id": body.get("id").cloned().unwrap_or(Value::Null),
+                "object": "chat.completion.chunk",
+                "created": body.get("created").cloned().unwrap_or(Value::Null),
+                "model": out.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": out.finish_reason.clone().unwrap_or_else(|| "stop".into())}],
+                "usage": body.get("usage").cloned().unwrap_or(Value::Null),
+            });
+            let _ = tx.send(SseEvent::Data(closing)).await;
+        }
+        Upstream {
+            body,
+            message: out.message,
+            model: out.model,
+            sink_conn: sink.streamed_to(),
+            chunk_id: sink.chunk_id,
+        }
+    }
+
+    /// Runs one round of gateway tool calls: a pre_action snapshot per call before anything is
+    /// sent, the calls concurrently (each answers, whatever happens to the surface), then the
+    /// assistant's tool-call message, the tool messages and a post_action snapshot per call in
+    /// one write; the messages join the next request.
+    async fn tool_round(
+        &self,
+        turn: &Turn,
+        round: u32,
+        out: &RoundOut,
+        calls: Vec<LoopCall>,
+        body: &mut Map<String, Value>,
+    ) -> Result<(), ApiError> {
+        let session_id = turn.session.id;
+        let snapshot = |kind: SnapshotKind, state: Value| NewSnapshot {
+            id: Uuid::now_v7(),
+            kind,
+            model: Some(turn.model.clone()),
+            current_task: turn.last_task.clone(),
+            created_at: Utc::now(),
+            state,
         };
-        self.metrics().upstream_latency.observe(started.elapsed());
-        Ok(done)
+        let pre = calls
+            .iter()
+            .map(|c| {
+                snapshot(
+                    SnapshotKind::PreAction,
+                    json!({"action": "tool_call", "turn_id": turn.turn_id, "round": round,
+                           "tool_call_id": c.id, "function": c.function, "target": c.target_json(),
+                           "arguments": c.arguments}),
+                )
+            })
+            .collect();
+        self.store()
+            .record_progress(TurnProgress {
+                session_id,
+                turn_id: turn.turn_id,
+                messages: Vec::new(),
+                snapshots: pre,
+                now: Utc::now(),
+            })
+            .await?;
+        let runs = futures::future::join_all(calls.iter().map(|c| async move {
+            match &c.arguments {
+                Ok(args) => self.run_tool(session_id, &c.target, args.clone()).await,
+                Err(e) => ToolRun {
+                    call_id: None,
+                    content: json!({"error": e}).to_string(),
+                    error: Some(e.clone()),
+                },
+            }
+        }))
+        .await;
+        let now = Utc::now();
+        let mut messages = vec![NewMessage {
+            role: "assistant".into(),
+            body: out.message.clone(),
+            model_used: Some(out.model.clone()),
+            cost_usd: None,
+            created_at: now,
+        }];
+        let mut post = Vec::with_capacity(calls.len());
+        for (c, run) in calls.iter().zip(&runs) {
+            messages.push(NewMessage {
+                role: "tool".into(),
+                body: json!({"role": "tool", "tool_call_id": c.id, "content": run.content}),
+                model_used: None,
+                cost_usd: None,
+                created_at: now,
+            });
+            post.push(snapshot(
+                SnapshotKind::PostAction,
+                json!({"action": "tool_result", "turn_id": turn.turn_id, "round": round,
+                       "tool_call_id": c.id, "call_id": run.call_id, "function": c.function,
+                       "ok": run.error.is_none(), "error": run.error}),
+            ));
+        }
+        let bodies: Vec<Value> = messages.iter().map(|m| m.body.clone()).collect();
+        self.store()
+            .record_progress(TurnProgress {
+                session_id,
+                turn_id: turn.turn_id,
+                messages,
+                snapshots: post,
+                now,
+            })
+            .await?;
+        if let Some(Value::Array(list)) = body.get_mut("messages") {
+            list.extend(bodies);
+        }
+        Ok(())
     }
 
     async fn finish(&self, turn: &Turn, up: Upstream) -> Result<ChatReply, ApiError> {
@@ -667,6 +852,124 @@ impl Gateway {
             first,
             events,
         })
+    }
+}
+
+/// One upstream call's outcome.
+struct RoundOut {
+    message: Value,
+    model: String,
+    body: Value,
+    finish_reason: Option<String>,
+}
+
+/// A function call of the LLM that the gateway runs.
+struct LoopCall {
+    /// The LLM's tool_call id.
+    id: String,
+    function: String,
+    target: ToolTarget,
+    /// The parsed arguments, or why they could not be parsed.
+    arguments: Result<Value, String>,
+}
+
+impl LoopCall {
+    fn target_json(&self) -> Value {
+        match &self.target {
+            ToolTarget::Surface(tool) => json!({"surface": tool}),
+            ToolTarget::Server { server, tool } => json!({"server": server, "tool": tool}),
+        }
+    }
+}
+
+/// The calls of `message` when every one is a gateway tool; `None` when there are none or any
+/// belongs to the client.
+fn gateway_calls(message: &Value, catalog: &Catalog) -> Option<Vec<LoopCall>> {
+    let calls = message.get("tool_calls")?.as_array()?;
+    if calls.is_empty() || catalog.is_empty() {
+        return None;
+    }
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let function = c.pointer("/function/name")?.as_str()?.to_owned();
+            let target = catalog.target(&function)?.clone();
+            let raw = c
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            let arguments = if raw.trim().is_empty() {
+                Ok(json!({}))
+            } else {
+                serde_json::from_str(raw)
+                    .map_err(|e| format!("the arguments are not valid JSON: {e}"))
+            };
+            let id = c
+                .get("id")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .unwrap_or_else(|| format!("call_{i}"));
+            Some(LoopCall {
+                id,
+                function,
+                target,
+                arguments,
+            })
+        })
+        .collect()
+}
+
+/// Removes what belongs to the tool loop from a chunk for the SSE caller: tool-call deltas,
+/// finish reasons and per-round usage. False when nothing is left worth sending.
+fn strip_loop_fields(chunk: &mut Value) -> bool {
+    if let Some(obj) = chunk.as_object_mut() {
+        obj.remove("usage");
+    }
+    let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) else {
+        return false;
+    };
+    let mut keep = false;
+    for choice in choices.iter_mut() {
+        if let Some(c) = choice.as_object_mut() {
+            c.insert("finish_reason".into(), Value::Null);
+            if let Some(delta) = c.get_mut("delta").and_then(Value::as_object_mut) {
+                delta.remove("tool_calls");
+                keep |= delta
+                    .get("content")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty())
+                    || delta.contains_key("role")
+                    || delta.contains_key("refusal");
+            }
+        }
+    }
+    keep
+}
+
+/// Token usage added up over the rounds of a turn.
+#[derive(Default)]
+struct UsageSum {
+    fields: Map<String, Value>,
+    any: bool,
+}
+
+impl UsageSum {
+    fn add(&mut self, usage: Option<&Value>) {
+        let Some(usage) = usage.and_then(Value::as_object) else {
+            return;
+        };
+        self.any = true;
+        for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            if let Some(n) = usage.get(key).and_then(Value::as_u64) {
+                let prev = self.fields.get(key).and_then(Value::as_u64).unwrap_or(0);
+                self.fields.insert(key.into(), json!(prev + n));
+            }
+        }
+    }
+
+    fn value(self) -> Option<Value> {
+        self.any.then_some(Value::Object(self.fields))
     }
 }
 

@@ -9,13 +9,15 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sbp_protocol::SurfaceContext;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 /// Capacity of a connection's inbox. A producer that finds it full stops streaming live to that
 /// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
 pub const CONN_INBOX: usize = 1024;
 const LOCK_STRIPES: usize = 64;
+/// The error result of a tool call whose surface went away.
+pub const DISCONNECTED: &str = "surface disconnected";
 
 /// A message from the engine to one attached connection.
 #[derive(Debug, Clone)]
@@ -27,6 +29,24 @@ pub enum ConnMsg {
     TurnDone(Box<TurnDone>),
     /// Another surface attached to the session; this connection must close.
     Displaced,
+    /// Send a TOOL_CALL; its TOOL_RESULT goes back through `Hub::complete_call`.
+    ToolCall(Box<sbp_protocol::frames::ToolCall>),
+}
+
+/// The outcome of one surface tool call, as the LLM (or a backend) gets it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolReply {
+    Result(serde_json::Value),
+    /// The surface's error string, or the gateway's ("timeout", "surface disconnected").
+    Error(String),
+}
+
+/// A TOOL_CALL waiting for its TOOL_RESULT.
+#[derive(Debug)]
+struct PendingCall {
+    session: Uuid,
+    conn_id: u64,
+    tx: oneshot::Sender<ToolReply>,
 }
 
 #[derive(Debug, Clone)]
@@ -51,6 +71,8 @@ pub struct Attachment {
 #[derive(Debug)]
 pub struct Hub {
     conns: Mutex<HashMap<Uuid, Attachment>>,
+    /// In-flight tool calls by call_id.
+    calls: Mutex<HashMap<Uuid, PendingCall>>,
     next_conn: AtomicU64,
     stripes: Vec<tokio::sync::Mutex<()>>,
 }
@@ -59,6 +81,7 @@ impl Default for Hub {
     fn default() -> Self {
         Self {
             conns: Mutex::new(HashMap::new()),
+            calls: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stripes: (0..LOCK_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
@@ -72,6 +95,81 @@ impl Hub {
         // A panic while holding this lock cannot leave the map half-updated (single insert/remove
         // calls), so a poisoned lock is still safe to use.
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn calls(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, PendingCall>> {
+        // Same reasoning as `conns`: single insert/remove calls cannot leave it half-updated.
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a tool call about to be sent on `conn_id`. If that connection is no longer the
+    /// session's (it closed or was displaced, possibly before its cancel sweep could see this
+    /// call), the call fails at once with "surface disconnected".
+    pub fn register_call(
+        &self,
+        session: Uuid,
+        conn_id: u64,
+        call_id: Uuid,
+    ) -> oneshot::Receiver<ToolReply> {
+        let (tx, rx) = oneshot::channel();
+        self.calls().insert(
+            call_id,
+            PendingCall {
+                session,
+                conn_id,
+                tx,
+            },
+        );
+        if !self.is_current(session, conn_id) {
+            self.finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
+        }
+        rx
+    }
+
+    /// Delivers a TOOL_RESULT that arrived on `conn_id`. False when no call with this id is
+    /// waiting for that connection (late, unknown, or another session's).
+    pub fn complete_call(
+        &self,
+        session: Uuid,
+        conn_id: u64,
+        call_id: &str,
+        reply: ToolReply,
+    ) -> bool {
+        let Ok(id) = Uuid::parse_str(call_id) else {
+            return false;
+        };
+        let pending = {
+            let mut calls = self.calls();
+            match calls.get(&id) {
+                Some(p) if p.session == session && p.conn_id == conn_id => calls.remove(&id),
+                _ => None,
+            }
+        };
+        pending.is_some_and(|p| p.tx.send(reply).is_ok())
+    }
+
+    /// Ends a call with `reply` (timeout, or the sender giving up); false if it already ended.
+    pub fn finish_call(&self, call_id: Uuid, reply: ToolReply) -> bool {
+        let pending = self.calls().remove(&call_id);
+        pending.is_some_and(|p| p.tx.send(reply).is_ok())
+    }
+
+    /// The connection closed: every call in flight on it fails now with "surface disconnected".
+    pub fn cancel_calls(&self, conn_id: u64) -> usize {
+        let cancelled: Vec<PendingCall> = {
+            let mut calls = self.calls();
+            let ids: Vec<Uuid> = calls
+                .iter()
+                .filter(|(_, p)| p.conn_id == conn_id)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| calls.remove(id)).collect()
+        };
+        let n = cancelled.len();
+        for p in cancelled {
+            let _ = p.tx.send(ToolReply::Error(DISCONNECTED.into()));
+        }
+        n
     }
 
     /// The lock serialising attach/detach state changes of `session`.

@@ -7,17 +7,24 @@
 
 mod chat;
 pub mod hub;
+mod render;
 mod roaming;
 mod sessions;
 mod surface;
+mod tools;
 
 pub use chat::{ChatInput, ChatOutcome, ChatReply, SseEvent};
+pub use render::{CtpFrames, Rendering};
 pub use roaming::{
     ExportRequest, Exported, Forked, HandedOff, HandoffRequest, ImportRequest, Imported,
     KNOWN_MEMORY_SCHEMAS, MEMORY_SCHEMA_KV, TokenInfo, optional_label, unix_iso,
 };
 pub use sessions::{Caller, PushTurn, SessionView};
-pub use surface::{AttachError, Attached, Delivery};
+pub use surface::{AttachError, Attached, Delivery, TurnFrames};
+pub use tools::{
+    BackendToolCall, Catalog, MAX_BACKEND_TIMEOUT_MS, NoServerTools, SURFACE_PREFIX, ServerTools,
+    SurfaceCallOutcome, TIMEOUT, ToolCallError, ToolTarget, tool_message_content,
+};
 
 use std::sync::Arc;
 
@@ -43,6 +50,7 @@ struct Inner {
     config: GatewayConfig,
     store: Arc<dyn Store>,
     provider: Arc<dyn Provider>,
+    server_tools: Arc<dyn ServerTools>,
     hub: Hub,
     metrics: Metrics,
     tasks: TaskTracker,
@@ -56,6 +64,16 @@ impl Gateway {
         config: GatewayConfig,
         store: Arc<dyn Store>,
         provider: Arc<dyn Provider>,
+    ) -> Result<Self, ApiError> {
+        Self::start_with_tools(config, store, provider, Arc::new(NoServerTools)).await
+    }
+
+    /// [`Gateway::start`] with the tools of southbound MCP servers offered to the LLM.
+    pub async fn start_with_tools(
+        config: GatewayConfig,
+        store: Arc<dyn Store>,
+        provider: Arc<dyn Provider>,
+        server_tools: Arc<dyn ServerTools>,
     ) -> Result<Self, ApiError> {
         if config.secret.len() < 32 {
             return Err(ApiError::internal(
@@ -72,6 +90,7 @@ impl Gateway {
                 config,
                 store,
                 provider,
+                server_tools,
                 hub: Hub::default(),
                 metrics: Metrics::default(),
                 tasks: TaskTracker::new(),
@@ -86,6 +105,10 @@ impl Gateway {
 
     pub(crate) fn store(&self) -> &dyn Store {
         self.inner.store.as_ref()
+    }
+
+    pub(crate) fn server_tools(&self) -> &dyn ServerTools {
+        self.inner.server_tools.as_ref()
     }
 
     pub(crate) fn hub(&self) -> &Hub {

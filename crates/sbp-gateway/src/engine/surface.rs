@@ -4,13 +4,17 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
-use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk, TurnComplete};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk};
 use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 use sbp_store::TetherEntry;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::hub::{ConnMsg, TurnDone};
+use super::render::{CtpFrames, Renderer, Rendering, complete_frame};
 use super::{Gateway, iso};
 use crate::auth;
 
@@ -20,6 +24,8 @@ pub const EXTENSIONS: [&str; 2] = ["ack", "last_seq"];
 const DRAIN_LIMIT: u32 = 100_000;
 /// A tethered turn older than this that a connection has not yet sent is caught up by its poll.
 const CATCH_UP_AGE_MS: i64 = 2_000;
+/// CTP passes run at once for one drain.
+const CTP_PARALLEL: usize = 4;
 
 /// Why an attach was refused; each maps to a frame and close code.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +51,15 @@ pub struct Delivery {
     last_sent: u64,
     /// Next `turn_index` for a TETHER_TURN on this connection.
     tether_index: u64,
+    /// The surface as it declared itself, and how replies are adapted for it.
+    surface: Arc<SurfaceContext>,
+    renderer: Renderer,
+}
+
+/// Frames for a completed turn: `frames` now, then (CTP) the rewrite's frames as they come.
+pub struct TurnFrames {
+    pub frames: Vec<(ServerFrame, Option<u64>)>,
+    pub ctp: Option<CtpFrames>,
 }
 
 pub struct Attached {
@@ -96,9 +111,12 @@ impl Gateway {
             ack_mode,
             last_sent: after,
             tether_index: 0,
+            renderer: Renderer::new(self.rendering_for(&surface)),
+            surface: Arc::new(surface.clone()),
         };
         let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
-        frames.extend(pending.iter().map(|e| delivery.tether_frame(e)));
+        let drained = pending.iter().map(|e| delivery.tether_frame(e)).collect();
+        frames.extend(self.render_tethered(&delivery, drained).await);
         tracing::info!(session_id = %id, conn_id, queued = pending.len(), device_type = surface.device_type_or_unknown(), "surface attached");
         Ok(Attached {
             delivery,
@@ -107,36 +125,27 @@ impl Gateway {
         })
     }
 
+    /// A live delta for this connection, adapted for its surface (`None`: nothing to send now).
+    pub fn live_chunk(&self, d: &mut Delivery, chunk_id: Uuid, delta: &str) -> Option<ServerFrame> {
+        d.renderer.chunk(chunk_id, delta).map(|delta| {
+            ServerFrame::TurnChunk(TurnChunk {
+                chunk_id: chunk_id.to_string(),
+                delta,
+            })
+        })
+    }
+
     /// The frames for a completed turn, in order after anything this connection has not yet seen.
-    pub async fn on_turn_done(
-        &self,
-        d: &mut Delivery,
-        done: TurnDone,
-    ) -> Vec<(ServerFrame, Option<u64>)> {
-        let live = |content_needed: bool| {
-            let mut frames = Vec::new();
-            if content_needed {
-                frames.push(ServerFrame::TurnChunk(TurnChunk {
-                    chunk_id: done.chunk_id.to_string(),
-                    delta: done.content.clone().unwrap_or_default(),
-                }));
-            }
-            frames.push(ServerFrame::TurnComplete(TurnComplete {
-                chunk_id: done.chunk_id.to_string(),
-                seq: done.seq,
-                model_used: done.model_used.clone(),
-            }));
-            frames
-        };
-        let streamed_here = done.streamed_to == Some(d.conn_id);
+    pub async fn on_turn_done(&self, d: &mut Delivery, done: TurnDone) -> TurnFrames {
         let Some(seq) = done.seq else {
-            return live(!streamed_here)
-                .into_iter()
-                .map(|f| (f, None))
-                .collect();
+            return self.completed(d, done, None, Vec::new());
         };
         if seq <= d.last_sent {
-            return Vec::new();
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames {
+                frames: Vec::new(),
+                ctp: None,
+            };
         }
         let entries = match self
             .store()
@@ -146,23 +155,127 @@ impl Gateway {
             Ok(e) => e,
             Err(e) => {
                 tracing::error!(session_id = %d.session_id, error = %e, "reading the tether failed");
-                return Vec::new();
+                return TurnFrames {
+                    frames: Vec::new(),
+                    ctp: None,
+                };
             }
         };
-        let mut out = Vec::new();
+        let mut older = Vec::new();
+        let mut found = false;
         for entry in entries.iter().take_while(|e| e.seq <= seq) {
             if entry.seq == seq {
-                out.extend(live(!streamed_here).into_iter().map(|f| (f, None)));
-                // The seq rides on TURN_COMPLETE; mark it for removal once that frame is sent.
-                if let Some(last) = out.last_mut() {
-                    last.1 = Some(seq);
-                }
-                d.last_sent = seq;
+                found = true;
             } else {
-                out.push(d.tether_frame(entry));
+                older.push(d.tether_frame(entry));
             }
         }
-        out
+        let older = self.render_tethered(d, older).await;
+        if !found {
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames {
+                frames: older,
+                ctp: None,
+            };
+        }
+        // The seq rides on TURN_COMPLETE; it is marked for removal once that frame is sent.
+        d.last_sent = seq;
+        self.completed(d, done, Some(seq), older)
+    }
+
+    /// `before`, then the completed turn as this surface gets it: the rest of its adapted text
+    /// (all of it if it did not stream here) and TURN_COMPLETE, or a CTP rewrite.
+    fn completed(
+        &self,
+        d: &mut Delivery,
+        done: TurnDone,
+        seq: Option<u64>,
+        mut before: Vec<(ServerFrame, Option<u64>)>,
+    ) -> TurnFrames {
+        let streamed_here = done.streamed_to == Some(d.conn_id);
+        let content = done.content.unwrap_or_default();
+        let complete = complete_frame(done.chunk_id, seq, done.model_used);
+        if let Rendering::Ctp { rule, profile } = &d.renderer.rendering {
+            let ctp = self.ctp_stream(rule, profile, &d.surface, content, done.chunk_id, complete);
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames {
+                frames: before,
+                ctp: Some(ctp),
+            };
+        }
+        let rest = d.renderer.rest(done.chunk_id, streamed_here, &content);
+        if !rest.is_empty() {
+            before.push((
+                ServerFrame::TurnChunk(TurnChunk {
+                    chunk_id: done.chunk_id.to_string(),
+                    delta: rest,
+                }),
+                None,
+            ));
+        }
+        before.push(complete);
+        TurnFrames {
+            frames: before,
+            ctp: None,
+        }
+    }
+
+    /// Adapts the content of TETHER_TURN frames for this connection's surface: CTP for the most
+    /// recent `ctp_drain_max` of them when configured, the deterministic adaptation otherwise.
+    pub(crate) async fn render_tethered(
+        &self,
+        d: &Delivery,
+        mut frames: Vec<(ServerFrame, Option<u64>)>,
+    ) -> Vec<(ServerFrame, Option<u64>)> {
+        match &d.renderer.rendering {
+            Rendering::Raw => frames,
+            Rendering::Adapt(_) => {
+                for (frame, _) in &mut frames {
+                    if let ServerFrame::TetherTurn(t) = frame
+                        && let Some(c) = &t.content
+                    {
+                        t.content = Some(d.renderer.whole(c));
+                    }
+                }
+                frames
+            }
+            Rendering::Ctp { rule, profile } => {
+                // Owned inputs: the rewrites run as independent futures, a few at a time.
+                let first_ctp = frames.len().saturating_sub(self.config().ctp_drain_max);
+                let jobs: Vec<(usize, String, bool)> = frames
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, (f, _))| match f {
+                        ServerFrame::TetherTurn(t) => {
+                            t.content.clone().map(|c| (i, c, i >= first_ctp))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let rewrites: Vec<(usize, String)> = futures::stream::iter(jobs)
+                    .map(|(i, content, use_ctp)| {
+                        let gw = self.clone();
+                        let (rule, profile, surface) = (rule.clone(), *profile, d.surface.clone());
+                        async move {
+                            let text = if use_ctp {
+                                gw.ctp_whole(&rule, &profile, &surface, &content).await
+                            } else {
+                                sbp_adapt::adapt(&profile, &content)
+                            };
+                            (i, text)
+                        }
+                    })
+                    .buffered(CTP_PARALLEL)
+                    .collect()
+                    .await;
+                for (i, text) in rewrites {
+                    if let Some((ServerFrame::TetherTurn(t), _)) = frames.get_mut(i) {
+                        t.content = Some(text);
+                    }
+                }
+                frames
+            }
+        }
     }
 
     /// Tethered turns this connection has not been sent that are older than a moment: a safety net
@@ -176,11 +289,12 @@ impl Gateway {
             return Vec::new();
         };
         let cutoff = Utc::now() - chrono::Duration::milliseconds(CATCH_UP_AGE_MS);
-        entries
+        let missed = entries
             .iter()
             .take_while(|e| e.created_at < cutoff)
             .map(|e| d.tether_frame(e))
-            .collect()
+            .collect();
+        self.render_tethered(d, missed).await
     }
 
     /// Called after frames carrying these seqs were written to the socket. Without ACKs, sending is
@@ -217,6 +331,11 @@ impl Gateway {
     /// the session is suspended and from now on turns go to the tether. A displaced connection
     /// changes nothing.
     pub async fn detach(&self, d: &Delivery, reason: &str) {
+        // Calls in flight on this connection get their error result now, displaced or not.
+        let cancelled = self.hub().cancel_calls(d.conn_id);
+        if cancelled > 0 {
+            tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, cancelled, "tool calls in flight cancelled by disconnect");
+        }
         let _guard = self.hub().session_lock(d.session_id).lock().await;
         if !self.hub().remove_if_current(d.session_id, d.conn_id) {
             tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "displaced connection closed");
@@ -272,7 +391,12 @@ impl Gateway {
             device_type: surface.device_type_or_unknown().to_owned(),
             queued_turns: queued as u64,
             tether_turns_pending: queued as u64,
-            mcp_tools_registered: Vec::new(),
+            mcp_tools_registered: surface
+                .mcp_tools
+                .iter()
+                .filter(|t| self.tool_allowed(t))
+                .cloned()
+                .collect(),
             sbp_version: self.config().sbp_version.clone(),
             sbp_level: self.config().sbp_level.clone(),
             surface_context: ctx,
@@ -331,10 +455,13 @@ impl Gateway {
             .await
             .map_err(internal)?;
         let surface = frame.surface_context.clone().unwrap_or_default();
+        d.renderer = Renderer::new(self.rendering_for(&surface));
+        d.surface = Arc::new(surface.clone());
         self.hub().update_surface(d.session_id, d.conn_id, surface);
         let mut frames =
             vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
-        frames.extend(pending.iter().map(|e| d.tether_frame(e)));
+        let drained = pending.iter().map(|e| d.tether_frame(e)).collect();
+        frames.extend(self.render_tethered(d, drained).await);
         Ok(frames)
     }
 }

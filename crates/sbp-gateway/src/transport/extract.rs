@@ -84,7 +84,7 @@ pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-fn bearer(headers: &HeaderMap) -> Option<String> {
+pub fn bearer(headers: &HeaderMap) -> Option<String> {
     let value = header(headers, "authorization")?;
     let (scheme, key) = value.split_once(' ')?;
     scheme
@@ -101,7 +101,10 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
         return next.run(req).await;
     }
     let path = req.uri().path();
-    let open = path == "/healthz" || path.starts_with("/v1/sbp/ws/");
+    // The WebSocket and MCP endpoints authenticate with the session token instead.
+    let open = path == "/healthz"
+        || path.starts_with("/v1/sbp/ws/")
+        || (path.starts_with("/v1/sbp/sessions/") && path.ends_with("/mcp"));
     let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
     if !valid && !open {
         return ApiError::new(

@@ -236,7 +236,8 @@ pub async fn list_snapshots(
         .iter()
         .map(|s| {
             json!({"snapshot_id": s.id, "kind": s.kind.as_str(), "step_count": s.step_count,
-                   "message_count": s.message_count, "created_at": iso(&s.created_at), "current_task": s.current_task})
+                   "message_count": s.message_count, "created_at": iso(&s.created_at), "current_task": s.current_task,
+                   "model": s.model, "state": s.state})
         })
         .collect();
     Ok(Json(json!({"session_id": session.id, "snapshots": items})).into_response())

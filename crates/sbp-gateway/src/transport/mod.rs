@@ -3,7 +3,9 @@
 
 mod extract;
 mod http;
+mod mcp;
 mod roaming;
+mod tools;
 mod ws;
 
 use axum::Router;
@@ -46,6 +48,7 @@ pub fn router(gateway: Gateway) -> Router {
             "/v1/sbp/sessions/{id}/memory",
             get(roaming::get_memory).put(roaming::put_memory),
         )
+        .route("/v1/sbp/sessions/{id}/tool_calls", post(tools::call))
         .route("/v1/sbp/token/{token}", get(roaming::inspect_token))
         .route("/v1/sbp/ws/{id}", get(ws::upgrade));
     if gateway.config().enable_test_hooks {
@@ -54,6 +57,7 @@ pub fn router(gateway: Gateway) -> Router {
             post(http::test_tether),
         );
     }
+    app = app.merge(mcp::routes(gateway.clone()));
     app.fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::Gateway;
 use crate::engine::hub::ConnMsg;
-use crate::engine::{AttachError, Delivery};
+use crate::engine::{AttachError, CtpFrames, Delivery};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
 pub const CLOSE_DISPLACED: u16 = 4409;
@@ -218,6 +218,14 @@ async fn send_all(
     ok
 }
 
+/// The next frame of a running CTP rewrite (`None` when it ended).
+async fn next_ctp(ctp: &mut Option<CtpFrames>) -> Option<(ServerFrame, Option<u64>)> {
+    match ctp {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs until the connection ends; returns why.
 async fn connection_loop(
     gw: &Gateway,
@@ -231,6 +239,7 @@ async fn connection_loop(
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pong_deadline: Option<Instant> = None;
     let far = Duration::from_secs(86_400 * 365);
+    let mut ctp: Option<CtpFrames> = None;
     loop {
         let deadline = pong_deadline.unwrap_or_else(|| Instant::now() + far);
         tokio::select! {
@@ -259,9 +268,7 @@ async fn connection_loop(
                     }
                     Ok(ClientFrame::Pong) => pong_deadline = None,
                     Ok(ClientFrame::Ack { seq }) => gw.ack(d, seq).await,
-                    Ok(ClientFrame::ToolResult(r)) => {
-                        tracing::debug!(session_id = %d.session_id, call_id = %r.call_id, "TOOL_RESULT for no pending call ignored");
-                    }
+                    Ok(ClientFrame::ToolResult(r)) => gw.tool_result(d.session_id, d.conn_id, r),
                     Ok(ClientFrame::Attach(a)) => match gw.reattach(d, a).await {
                         Ok(frames) => {
                             if !send_all(gw, socket, d, frames).await {
@@ -282,28 +289,44 @@ async fn connection_loop(
                     }
                 },
             },
-            msg = inbox.recv() => {
+            // While a CTP rewrite streams, the inbox waits: later turns must not overtake it.
+            msg = inbox.recv(), if ctp.is_none() => {
                 let frames = match msg {
                     None | Some(ConnMsg::Displaced) => {
                         close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
                         return "displaced";
                     }
-                    Some(ConnMsg::Chunk { chunk_id, delta }) => vec![(
-                        ServerFrame::TurnChunk(sbp_protocol::frames::TurnChunk { chunk_id: chunk_id.to_string(), delta }),
-                        None,
-                    )],
-                    Some(ConnMsg::TurnDone(done)) => gw.on_turn_done(d, *done).await,
+                    Some(ConnMsg::Chunk { chunk_id, delta }) => {
+                        gw.live_chunk(d, chunk_id, &delta).map(|f| (f, None)).into_iter().collect()
+                    }
+                    Some(ConnMsg::TurnDone(done)) => {
+                        let turn = gw.on_turn_done(d, *done).await;
+                        ctp = turn.ctp;
+                        turn.frames
+                    }
+                    Some(ConnMsg::ToolCall(call)) => vec![(ServerFrame::ToolCall(*call), None)],
                 };
                 if !send_all(gw, socket, d, frames).await {
                     return "socket write failed";
                 }
             }
+            item = next_ctp(&mut ctp), if ctp.is_some() => match item {
+                Some(frame) => {
+                    if !send_all(gw, socket, d, vec![frame]).await {
+                        return "socket write failed";
+                    }
+                }
+                None => ctp = None,
+            },
             _ = ping.tick() => {
                 if pong_deadline.is_none() {
                     if !send(socket, &ServerFrame::Ping).await {
                         return "socket write failed";
                     }
                     pong_deadline = Some(Instant::now() + cfg.pong_timeout);
+                }
+                if ctp.is_some() {
+                    continue;
                 }
                 let missed = gw.catch_up(d).await;
                 if !send_all(gw, socket, d, missed).await {

@@ -1,7 +1,9 @@
 //! Runs the public conformance suite's vector files (read from ../shared/sbp-spec when present, never
 //! copied into the project) against the gateway, for the levels it implements: L1, L2, L3, the L4
-//! handshake vectors and the L5 tether drain. The L5 tool-call vector waits for the MCP bridge
-//! (issue 4).
+//! vectors and L5. A vector's `inject_server_frame` (a TOOL_CALL the suite makes the server send)
+//! is produced through the backend tool-call endpoint; the gateway picks its own UUID `call_id`, so
+//! the vector's literal reply (its own `call_id`) must be discarded silently and the same reply
+//! with the real `call_id` must reach the caller.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -153,7 +155,11 @@ async fn http_step(gw: &TestGateway, step: &Value, vars: &mut HashMap<String, St
     }
 }
 
-async fn ws_step(gw: &TestGateway, step: &Value, vars: &mut HashMap<String, String>) {
+async fn ws_step(
+    gw: &TestGateway,
+    step: &Value,
+    vars: &mut HashMap<String, String>,
+) -> crate::support::Ws {
     let step = subst(step, vars);
     let id = step["id"].as_str().unwrap_or("?");
     let target = step["connect"].as_str().expect("connect");
@@ -181,6 +187,64 @@ async fn ws_step(gw: &TestGateway, step: &Value, vars: &mut HashMap<String, Stri
     if let Some(code) = step["expect_close_code"].as_u64() {
         ws.expect_close(code as u16).await;
     }
+    ws
+}
+
+/// `websocket_continue` with `inject_server_frame`: the TOOL_CALL comes from the backend endpoint.
+async fn tool_call_step(
+    gw: &TestGateway,
+    ws: &mut crate::support::Ws,
+    step: &Value,
+    vars: &HashMap<String, String>,
+) {
+    let step = subst(step, vars);
+    let inject = &step["inject_server_frame"];
+    assert_eq!(
+        inject["type"], "TOOL_CALL",
+        "only TOOL_CALL can be injected"
+    );
+    let session = vars
+        .get("session_id")
+        .expect("session_id extracted")
+        .clone();
+    let token = vars.get("session_token").cloned().unwrap_or_default();
+    let http = gw.http.clone();
+    let url = format!("{}/v1/sbp/sessions/{session}/tool_calls", gw.url);
+    let body = serde_json::json!({
+        "tool_name": inject["tool_name"],
+        "tool_input": inject["tool_input"],
+        "timeout_ms": 10_000,
+    });
+    let call = tokio::spawn(async move {
+        let resp = http
+            .post(url)
+            .header("x-session-token", token)
+            .json(&body)
+            .send()
+            .await
+            .expect("tool call request");
+        crate::support::response(resp).await
+    });
+    let got = ws.recv().await;
+    assert_eq!(got["type"], "TOOL_CALL", "{got}");
+    assert_eq!(got["tool_name"], inject["tool_name"]);
+    assert_eq!(got["tool_input"], inject["tool_input"]);
+    let call_id = got["call_id"].as_str().expect("call_id").to_owned();
+    assert!(
+        uuid::Uuid::parse_str(&call_id).is_ok(),
+        "call_id {call_id} is a UUID"
+    );
+    // The vector's literal reply names a call this gateway never made: discarded silently.
+    let reply = step["surface_replies"].clone();
+    ws.send(reply.clone()).await;
+    let mut matching = reply.clone();
+    matching["call_id"] = Value::String(call_id.clone());
+    ws.send(matching).await;
+    let (status, _, answer) = call.await.expect("call task");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["status"], "ok", "{answer}");
+    assert_eq!(answer["call_id"], call_id.as_str());
+    assert_eq!(answer["result"], reply["result"]);
 }
 
 async fn run_vector(file: &PathBuf) {
@@ -204,9 +268,14 @@ async fn run_vector(file: &PathBuf) {
         Some(s) => s.clone(),
         None => vec![vector.clone()],
     };
+    let mut socket = None;
     for step in &steps {
         match step["protocol"].as_str() {
-            Some("websocket") => ws_step(&gw, step, &mut vars).await,
+            Some("websocket") => socket = Some(ws_step(&gw, step, &mut vars).await),
+            Some("websocket_continue") => {
+                let ws = socket.as_mut().expect("a websocket step came first");
+                tool_call_step(&gw, ws, step, &vars).await;
+            }
             _ => http_step(&gw, step, &mut vars).await,
         }
     }
@@ -233,6 +302,7 @@ async fn public_conformance_vectors_pass() {
         "L4-surfaces/02-attach-first-frame-required.json",
         "L4-surfaces/03-unknown-surface-fields-tolerated.json",
         "L5-mcp-bridge/01-tether-drain.json",
+        "L5-mcp-bridge/02-tool-call-roundtrip.json",
     ];
     for f in files {
         let path = dir.join(f);

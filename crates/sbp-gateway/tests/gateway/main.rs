@@ -2,9 +2,13 @@
 
 mod support;
 
+mod anthropic;
 mod conformance;
 mod http_l1;
 mod lifecycle;
+mod mcp;
 mod roaming;
+mod surfaces;
+mod tools;
 mod ws_handshake;
 mod ws_tether;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use sbp_fake_llm::FakeLlm;
+use sbp_gateway::engine::ServerTools;
 use sbp_gateway::{Gateway, GatewayConfig};
 use sbp_llm::{EchoProvider, OpenAiOptions, OpenAiProvider, Provider};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore};
@@ -25,6 +26,9 @@ pub enum Upstream {
     Fake,
     /// An OpenAI-compatible base URL (e.g. a closed port).
     Url(String),
+    /// The fake upstream behind a provider built from its base URL (e.g. a router to its
+    /// Anthropic endpoint).
+    FakeWith(fn(String) -> Arc<dyn Provider>),
 }
 
 pub struct Options {
@@ -32,6 +36,8 @@ pub struct Options {
     pub config: GatewayConfig,
     pub dir: Option<Arc<tempfile::TempDir>>,
     pub upstream_timeout: Duration,
+    /// Southbound MCP servers' tools offered to the LLM (`Gateway::start_with_tools`); none if unset.
+    pub server_tools: Option<Arc<dyn ServerTools>>,
 }
 
 impl Default for Options {
@@ -44,6 +50,7 @@ impl Default for Options {
             },
             dir: None,
             upstream_timeout: Duration::from_secs(10),
+            server_tools: None,
         }
     }
 }
@@ -89,10 +96,20 @@ impl TestGateway {
                 p
             }
             Upstream::Url(u) => openai(u, opts.upstream_timeout),
+            Upstream::FakeWith(build) => {
+                let f = FakeLlm::start().await.expect("fake upstream");
+                let p = build(f.base_url());
+                fake = Some(f);
+                p
+            }
         };
-        let gateway = Gateway::start(opts.config, Arc::new(store), provider)
-            .await
-            .expect("gateway starts");
+        let gateway = match opts.server_tools {
+            None => Gateway::start(opts.config, Arc::new(store), provider).await,
+            Some(tools) => {
+                Gateway::start_with_tools(opts.config, Arc::new(store), provider, tools).await
+            }
+        }
+        .expect("gateway starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -426,4 +443,44 @@ impl TestGateway {
         })
         .await
     }
+}
+
+impl TestGateway {
+    /// Starts a POST in its own task, for requests that only finish once a surface has answered.
+    pub fn spawn_post(
+        &self,
+        path: &str,
+        body: Value,
+        headers: &[(&str, &str)],
+    ) -> tokio::task::JoinHandle<(u16, reqwest::header::HeaderMap, Value)> {
+        let mut req = self.http.post(format!("{}{path}", self.url)).json(&body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        tokio::spawn(async move { response(req.send().await.expect("request sent")).await })
+    }
+
+    /// Creates an idle session with no turns (`POST /v1/sessions`); returns (session_id, token).
+    pub async fn idle_session(&self) -> (String, String) {
+        let (s, _, v) = self.post("/v1/sessions", json!({}), &[]).await;
+        assert_eq!(s, 201, "{v}");
+        (
+            v["session_id"].as_str().expect("session id").to_owned(),
+            v["session_token"].as_str().expect("token").to_owned(),
+        )
+    }
+}
+
+/// The `data:` payloads of an SSE body, `[DONE]` as the JSON string "[DONE]".
+pub fn sse_data(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| {
+            if d == "[DONE]" {
+                json!("[DONE]")
+            } else {
+                serde_json::from_str(d).expect("SSE data is JSON")
+            }
+        })
+        .collect()
 }

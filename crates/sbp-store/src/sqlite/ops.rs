@@ -13,8 +13,8 @@ use super::codec::{
 use crate::{
     BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
     IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, NewTetherEntry,
-    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnRecord,
-    TurnState,
+    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
+    TurnProgressOutcome, TurnRecord, TurnState,
 };
 
 /// Error text of turns failed by `recover_interrupted_turns`.
@@ -655,6 +655,44 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
         tether_seq,
         post_action_snapshot,
         checkpoint_snapshot,
+        first_message_seq: u64::try_from(start)
+            .map_err(|_| StoreError::Backend("negative message_count".to_owned()))?,
+    })
+}
+
+pub(crate) fn record_progress(
+    conn: &Connection,
+    p: &TurnProgress,
+) -> StoreResult<TurnProgressOutcome> {
+    let sid = uuid(&p.session_id);
+    let running = conn
+        .prepare_cached(
+            "SELECT 1 FROM turns WHERE id = ?1 AND session_id = ?2 AND state = 'running'",
+        )
+        .and_then(|mut st| st.exists(params![uuid(&p.turn_id), sid]))
+        .map_err(db_err)?;
+    if !running {
+        return Err(conflict("turn is not running in this session"));
+    }
+    let appended = len_i64(&p.messages)?;
+    let (session, start) = updated_session(
+        conn,
+        &format!(
+            "UPDATE sessions SET message_count = message_count + ?2, updated_at = ?3 \
+             WHERE id = ?1 RETURNING {SESSION_COLS}"
+        ),
+        params![sid, appended, ts(&p.now)],
+        appended,
+    )?;
+    insert_messages(conn, &sid, start, &p.messages)?;
+    let snapshots = p
+        .snapshots
+        .iter()
+        .map(|snap| insert_snapshot(conn, p.session_id, snap))
+        .collect::<StoreResult<Vec<_>>>()?;
+    Ok(TurnProgressOutcome {
+        session,
+        snapshots,
         first_message_seq: u64::try_from(start)
             .map_err(|_| StoreError::Backend("negative message_count".to_owned()))?,
     })

@@ -8,7 +8,8 @@ use chrono::{DateTime, Duration, Utc};
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use sbp_store::{
     BeginTurn, FailTurn, FinishTurn, IdempotencyState, NewIdempotency, NewMessage, NewSession,
-    NewSnapshot, NewTetherEntry, SessionRecord, Store, StoreError, Timestamp, TurnState,
+    NewSnapshot, NewTetherEntry, SessionRecord, Store, StoreError, Timestamp, TurnProgress,
+    TurnState,
 };
 use serde_json::json;
 use tokio::task::JoinSet;
@@ -505,6 +506,63 @@ pub async fn finish_turn_counts_and_snapshots(store: Arc<dyn Store>) {
         store.finish_turn(finish(Uuid::new_v4(), None)).await,
         Err(StoreError::NotFound)
     );
+}
+
+pub async fn progress_of_a_running_turn(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-p").await;
+    let b = begin(s.id, vec![msg("user", "where am I?")]);
+    store.begin_turn(b.clone()).await.expect("begin");
+
+    // A pre_action snapshot alone, then a tool round: the call and its result with a post_action.
+    let pre = TurnProgress {
+        session_id: s.id,
+        turn_id: b.turn_id,
+        messages: Vec::new(),
+        snapshots: vec![snap(SnapshotKind::PreAction)],
+        now: t(15),
+    };
+    let out = store.record_progress(pre).await.expect("pre");
+    assert_eq!(out.first_message_seq, 1);
+    assert_eq!(out.snapshots.len(), 1);
+    assert_eq!(out.snapshots[0].message_count, 1);
+    let round = TurnProgress {
+        session_id: s.id,
+        turn_id: b.turn_id,
+        messages: vec![msg("assistant", "calling gps"), msg("tool", "{\"lat\":1}")],
+        snapshots: vec![snap(SnapshotKind::PostAction)],
+        now: t(16),
+    };
+    let out = store.record_progress(round.clone()).await.expect("round");
+    assert_eq!(out.first_message_seq, 1);
+    assert_eq!(
+        (out.session.message_count, out.session.step_count),
+        (3, 0),
+        "a tool round is not a step"
+    );
+    assert_eq!(out.snapshots[0].message_count, 3);
+    assert_eq!(out.session.updated_at, t(16));
+
+    // The reply then lands after the round.
+    let mut f = finish(s.id, Some(b.turn_id));
+    f.messages = vec![msg("assistant", "you are here")];
+    let done = store.finish_turn(f).await.expect("finish");
+    assert_eq!(done.first_message_seq, 3);
+    let roles: Vec<String> = store
+        .history(s.id)
+        .await
+        .expect("history")
+        .into_iter()
+        .map(|m| m.role)
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+
+    // A finished turn takes no more progress, and nothing of the refused write stays.
+    assert!(is_conflict(&store.record_progress(round.clone()).await));
+    assert_eq!(session(&store, s.id).await.message_count, 4);
+    let mut unknown = round;
+    unknown.turn_id = Uuid::new_v4();
+    assert!(is_conflict(&store.record_progress(unknown).await));
+    assert_eq!(session(&store, s.id).await.message_count, 4);
 }
 
 pub async fn checkpoints_every_n(store: Arc<dyn Store>) {

@@ -1,0 +1,25 @@
+//! L5 endpoints: a backend calling a surface tool directly (`POST .../tool_calls`).
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+
+use super::extract::JsonObject;
+use crate::engine::{BackendToolCall, Caller};
+use crate::{ApiError, Gateway};
+
+type ApiResult = Result<Response, ApiError>;
+
+/// `POST /v1/sbp/sessions/{id}/tool_calls`: 200 with the TOOL_RESULT (or how the call ended),
+/// 409 when no attached surface declared the tool, 403 when the allowlist refuses it.
+pub async fn call(
+    State(gw): State<Gateway>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult {
+    let call = BackendToolCall::from_body(&body)?;
+    let session = gw.authorized_session(&id, &caller).await?;
+    let answer = gw.backend_tool_call(session.id, call).await?;
+    Ok(Json(answer).into_response())
+}

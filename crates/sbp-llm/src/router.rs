@@ -1,0 +1,222 @@
+//! Picks a provider by model name, so one gateway can talk to several upstreams: the first
+//! route whose prefix the requested model starts with wins, and anything unmatched goes to
+//! the default provider.
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde_json::{Map, Value};
+
+use crate::{ChunkStream, Completion, LlmError, Provider};
+
+/// Which model names a route takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelMatch {
+    prefix: String,
+    strip: bool,
+}
+
+impl ModelMatch {
+    /// Models whose name starts with `prefix` (case-sensitive), sent upstream unchanged.
+    pub fn prefix(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+            strip: false,
+        }
+    }
+
+    /// Sends the model upstream without the prefix: with `anthropic/`, `anthropic/claude-x`
+    /// reaches the provider as `claude-x`. A name that is the prefix alone is kept whole rather
+    /// than sent empty.
+    pub fn stripping_prefix(mut self) -> Self {
+        self.strip = true;
+        self
+    }
+
+    pub fn matches(&self, model: &str) -> bool {
+        model.starts_with(&self.prefix)
+    }
+
+    /// The model name the provider is given for `model`, which this matches.
+    fn upstream<'m>(&self, model: &'m str) -> &'m str {
+        match model.strip_prefix(&self.prefix) {
+            Some(rest) if self.strip && !rest.is_empty() => rest,
+            _ => model,
+        }
+    }
+}
+
+/// A provider that hands each request to the provider its model routes to.
+#[derive(Clone)]
+pub struct Router {
+    default: Arc<dyn Provider>,
+    routes: Vec<(ModelMatch, Arc<dyn Provider>)>,
+}
+
+impl fmt::Debug for Router {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Providers are not `Debug`; the matches are what tells routers apart.
+        let matches: Vec<&ModelMatch> = self.routes.iter().map(|(m, _)| m).collect();
+        f.debug_struct("Router").field("routes", &matches).finish()
+    }
+}
+
+impl Router {
+    /// A router that sends everything to `default` until routes are added.
+    pub fn new(default: Arc<dyn Provider>) -> Self {
+        Self {
+            default,
+            routes: Vec::new(),
+        }
+    }
+
+    /// Adds a route after the existing ones: earlier routes are tried first.
+    pub fn with_route(mut self, matcher: ModelMatch, provider: Arc<dyn Provider>) -> Self {
+        self.push(matcher, provider);
+        self
+    }
+
+    /// Adds a route after the existing ones.
+    pub fn push(&mut self, matcher: ModelMatch, provider: Arc<dyn Provider>) {
+        self.routes.push((matcher, provider));
+    }
+
+    /// The provider for `model` and the model name to give it.
+    pub fn resolve<'m>(&self, model: &'m str) -> (&Arc<dyn Provider>, &'m str) {
+        self.routes
+            .iter()
+            .find(|(m, _)| m.matches(model))
+            .map_or((&self.default, model), |(m, p)| (p, m.upstream(model)))
+    }
+
+    /// The provider for a request body, with the body's `model` rewritten when the route
+    /// strips its prefix.
+    fn route(&self, mut body: Map<String, Value>) -> (&Arc<dyn Provider>, Map<String, Value>) {
+        let model = body.get("model").and_then(Value::as_str).unwrap_or("");
+        let (provider, upstream) = self.resolve(model);
+        let rewrite = (upstream != model).then(|| upstream.to_owned());
+        tracing::debug!(
+            model,
+            upstream_model = upstream,
+            default = Arc::ptr_eq(provider, &self.default),
+            "routing request"
+        );
+        if let Some(upstream) = rewrite {
+            body.insert("model".into(), Value::String(upstream));
+        }
+        (provider, body)
+    }
+}
+
+#[async_trait]
+impl Provider for Router {
+    fn route_name(&self, requested: &str) -> String {
+        let (provider, upstream) = self.resolve(requested);
+        provider.route_name(upstream)
+    }
+
+    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
+        let (provider, body) = self.route(body);
+        provider.complete(body).await
+    }
+
+    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
+        let (provider, body) = self.route(body);
+        provider.stream(body).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+    use serde_json::json;
+
+    /// Answers with its own name and the model it was given.
+    struct Named(&'static str);
+
+    #[async_trait]
+    impl Provider for Named {
+        fn route_name(&self, requested: &str) -> String {
+            format!("{}:{requested}", self.0)
+        }
+
+        async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
+            let model = body.get("model").cloned().unwrap_or(Value::Null);
+            let reply = json!({"model": model, "choices": [{"message": {"role": "assistant", "content": self.0}}]});
+            Completion::from_body(reply, "")
+        }
+
+        async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
+            let c = self.complete(body).await?;
+            let chunk = json!({"model": c.model, "choices": [{"delta": {"content": self.0}}]});
+            Ok(futures::stream::iter([Ok(chunk)]).boxed())
+        }
+    }
+
+    fn router() -> Router {
+        Router::new(Arc::new(Named("default")))
+            .with_route(
+                ModelMatch::prefix("anthropic/").stripping_prefix(),
+                Arc::new(Named("anthropic")),
+            )
+            .with_route(ModelMatch::prefix("claude"), Arc::new(Named("claude")))
+            .with_route(ModelMatch::prefix("cla"), Arc::new(Named("shadowed")))
+    }
+
+    fn body(model: &str) -> Map<String, Value> {
+        json!({"model": model, "messages": []})
+            .as_object()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Each case: requested model, provider that answers, model it is given.
+    const CASES: [(&str, &str, &str); 6] = [
+        ("claude-sonnet-4", "claude", "claude-sonnet-4"),
+        ("anthropic/claude-x", "anthropic", "claude-x"),
+        ("anthropic/", "anthropic", "anthropic/"),
+        ("clam", "shadowed", "clam"),
+        ("gpt-4o", "default", "gpt-4o"),
+        ("Claude-x", "default", "Claude-x"),
+    ];
+
+    #[tokio::test]
+    async fn first_matching_route_wins_and_strips_when_asked() {
+        let r = router();
+        for (model, provider, upstream) in CASES {
+            assert_eq!(
+                r.route_name(model),
+                format!("{provider}:{upstream}"),
+                "{model}"
+            );
+            let c = r.complete(body(model)).await.expect("completes");
+            assert_eq!(c.text(), Some(provider), "{model}");
+            assert_eq!(c.model, upstream, "{model}");
+            let mut s = r.stream(body(model)).await.expect("streams");
+            let chunk = s.next().await.expect("a chunk").expect("ok");
+            assert_eq!(chunk["choices"][0]["delta"]["content"], provider, "{model}");
+            assert_eq!(chunk["model"], upstream, "{model}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_without_a_model_goes_to_the_default() {
+        let r = router();
+        let c = r.complete(Map::new()).await.expect("the default answers");
+        assert_eq!(c.text(), Some("default"));
+        assert!(format!("{r:?}").contains("anthropic/"));
+    }
+
+    #[test]
+    fn matches_are_prefixes() {
+        let m = ModelMatch::prefix("claude");
+        assert!(m.matches("claude"));
+        assert!(m.matches("claude-3"));
+        assert!(!m.matches("xclaude"));
+        assert_eq!(m.upstream("claude-3"), "claude-3");
+        let s = ModelMatch::prefix("a/").stripping_prefix();
+        assert_eq!(s.upstream("a/b"), "b");
+    }
+}

@@ -1,0 +1,163 @@
+//! The HTTP plumbing every HTTP provider shares: the client, sending under a deadline, sorting
+//! failures into `LlmError`, and reading an SSE body as a stream of OpenAI chunks.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use eventsource_stream::{Event, Eventsource};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::{ChunkStream, LlmError};
+
+/// One upstream URL and the client that posts to it, tuned for many small streamed events to
+/// one host.
+#[derive(Debug, Clone)]
+pub(crate) struct Endpoint {
+    client: reqwest::Client,
+    url: String,
+}
+
+impl Endpoint {
+    /// `path` appended to `base_url` (a trailing `/` on the base is ignored).
+    pub(crate) fn new(
+        base_url: &str,
+        path: &str,
+        connect_timeout: Duration,
+    ) -> Result<Self, LlmError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(connect_timeout)
+            .pool_max_idle_per_host(256)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| LlmError::Protocol(format!("cannot build HTTP client: {e}")))?;
+        let url = format!("{}/{path}", base_url.trim_end_matches('/'));
+        Ok(Self { client, url })
+    }
+
+    pub(crate) fn post(&self) -> reqwest::RequestBuilder {
+        self.client.post(&self.url)
+    }
+}
+
+/// Sends `req`, waiting at most `timeout` for the response headers. A non-2xx answer becomes
+/// `LlmError::Status` with its body (JSON when it parses, else the text as a string), read under
+/// the same timeout so a stalled error body cannot hang the caller.
+pub(crate) async fn send(
+    req: reqwest::RequestBuilder,
+    timeout: Duration,
+) -> Result<reqwest::Response, LlmError> {
+    let resp = tokio::time::timeout(timeout, req.send())
+        .await
+        .map_err(|_| LlmError::Timeout)?
+        .map_err(classify)?;
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(resp);
+    }
+    let text = tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| LlmError::Timeout)?
+        .unwrap_or_default();
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    Err(LlmError::Status {
+        status: status.as_u16(),
+        body,
+    })
+}
+
+/// Reads the whole body as JSON, giving up at `deadline`.
+pub(crate) async fn read_json(
+    resp: reqwest::Response,
+    deadline: Instant,
+) -> Result<Value, LlmError> {
+    let bytes = tokio::time::timeout_at(deadline, resp.bytes())
+        .await
+        .map_err(|_| LlmError::Timeout)?
+        .map_err(classify)?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
+}
+
+pub(crate) fn classify(e: reqwest::Error) -> LlmError {
+    if e.is_timeout() {
+        LlmError::Timeout
+    } else if e.is_connect() {
+        LlmError::Unreachable(e.to_string())
+    } else if e.is_decode() || e.is_body() {
+        LlmError::Protocol(e.to_string())
+    } else {
+        LlmError::Unreachable(e.to_string())
+    }
+}
+
+/// Whether an SSE body goes on after one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flow {
+    Continue,
+    /// The provider's end-of-stream event: nothing after it is read.
+    End,
+}
+
+/// Reads `resp` as SSE, handing each event to `decode`, which appends the OpenAI chunks it
+/// stands for. The stream fails with `Timeout` after `idle` without an event, and with
+/// `Protocol(unfinished)` when the body ends before `decode` said `Flow::End`; the first error
+/// ends it. Nothing is spawned: dropping the stream drops the connection at once.
+pub(crate) fn sse_chunks<D>(
+    resp: reqwest::Response,
+    idle: Duration,
+    unfinished: &'static str,
+    decode: D,
+) -> ChunkStream
+where
+    D: FnMut(&Event, &mut VecDeque<Value>) -> Result<Flow, LlmError> + Send + 'static,
+{
+    struct Reader<D> {
+        events: BoxStream<'static, Result<Event, String>>,
+        decode: D,
+        ready: VecDeque<Value>,
+        finished: bool,
+    }
+    let reader = Reader {
+        events: resp
+            .bytes_stream()
+            .eventsource()
+            .map(|ev| ev.map_err(|e| e.to_string()))
+            .boxed(),
+        decode,
+        ready: VecDeque::new(),
+        finished: false,
+    };
+    futures::stream::unfold(reader, move |mut r| async move {
+        loop {
+            if let Some(chunk) = r.ready.pop_front() {
+                return Some((Ok(chunk), r));
+            }
+            if r.finished {
+                return None;
+            }
+            let failure = match tokio::time::timeout(idle, r.events.next()).await {
+                Err(_) => LlmError::Timeout,
+                Ok(None) => LlmError::Protocol(unfinished.to_owned()),
+                Ok(Some(Err(e))) => LlmError::Protocol(e),
+                Ok(Some(Ok(event))) => match (r.decode)(&event, &mut r.ready) {
+                    Ok(Flow::Continue) => continue,
+                    Ok(Flow::End) => {
+                        r.finished = true;
+                        continue;
+                    }
+                    Err(e) => {
+                        // Chunks decoded from the failing event are not worth delivering.
+                        r.ready.clear();
+                        e
+                    }
+                },
+            };
+            r.finished = true;
+            return Some((Err(failure), r));
+        }
+    })
+    .boxed()
+}

@@ -1,0 +1,90 @@
+//! MCP on both sides of the SBP gateway (SBP L5, "MCP bridge"), built on `rmcp`, the official Rust MCP SDK.
+//!
+//! The gateway sits between device *surfaces* (phone, watch, ...) attached over WebSocket and an LLM.
+//! Tools reach the LLM from two places, and this crate speaks MCP for both; it knows nothing about
+//! WebSockets, frames or the agent loop, which stay in the gateway.
+//!
+//! # Southbound: the gateway as an MCP client
+//!
+//! The operator configures MCP servers, one per line of the form `name=stdio:<command line>` or
+//! `name=https://host/path` (see [`ServerConfig`]'s `FromStr`). [`Southbound::connect`] starts or
+//! dials every one of them concurrently, runs `initialize` + `tools/list`, and keeps the ones that
+//! answered within the connect timeout; a server that fails is logged and left out, so one broken
+//! server never takes the others down. [`Southbound::tools`] lists `(server, tool)` pairs for the LLM,
+//! [`Southbound::call`] runs one call with a deadline and returns a [`ToolOutput`] (the JSON the agent
+//! keeps plus the text an LLM reads), and [`Southbound::shutdown`] closes everything.
+//!
+//! * **stdio** servers are child processes (rmcp's `TokioChildProcess`), each the leader of its own
+//!   process group so that shutting down also reaches grandchildren (`npx` → `node`). The child's stdout
+//!   carries JSON-RPC only; its stderr is piped and re-logged line by line through `tracing`
+//!   (target `sbp_mcp::server_stderr`, field `server`), never mixed into any stdout.
+//!   Shutdown follows the MCP stdio sequence: close stdin, wait, `SIGTERM`, wait, `SIGKILL`, and reap.
+//! * **http** servers use rmcp's streamable-HTTP client over reqwest 0.13 (rustls), with an optional
+//!   bearer token.
+//!
+//! # Northbound: an attached surface as an MCP server
+//!
+//! Surfaces declare device-local tools (`mcp_tools: ["camera", "gps"]`). Besides offering them to its
+//! own LLM, the gateway can expose each session's surface as a real MCP server at
+//! `/v1/sbp/sessions/{id}/mcp`, so that any MCP client can `tools/list` the phone's tools and
+//! `tools/call` them. [`northbound_service`] returns rmcp's streamable-HTTP tower service; it turns
+//! `tools/list` and `tools/call` into calls on a [`SurfaceToolHost`], which the gateway implements by
+//! sending a TOOL_CALL frame over the surface's WebSocket and awaiting TOOL_RESULT.
+//!
+//! The service is shared by all sessions. The gateway authenticates each request (session token) and
+//! puts [`McpSession`] into the request's extensions; rmcp hands the request's
+//! [`http::request::Parts`] to the handler through `RequestContext::extensions`, and the handler reads
+//! the session id from there. A request without it is answered with an internal error (and logged),
+//! because that means the route was mounted without its middleware.
+//!
+//! Error mapping: [`HostError::UnknownTool`] and [`HostError::NoSurface`] become JSON-RPC
+//! `-32602 invalid params` (the code MCP specifies for an unknown tool) with a readable message and
+//! `data.sbp_error` = `"unknown_tool"` / `"no_surface"`; [`HostError::Internal`] is logged and
+//! answered with a generic `-32603`. A tool that ran and failed is not a protocol error: the host returns
+//! `Ok(ToolOutput { is_error: true, .. })` and the MCP client sees `isError: true`.
+//!
+//! By default the service is **stateless** (rmcp's `legacy_session_mode = false`, JSON responses):
+//! every POST is self-contained, nothing is kept between requests, no `Mcp-Session-Id` is issued, and
+//! `GET`/`DELETE` answer 405. rmcp's own client (and other spec clients) handle this; the surface's
+//! state lives in the gateway anyway. [`NorthboundOptions::stateful`] switches to MCP sessions with SSE
+//! streams if a client ever needs server-to-client messages.
+//!
+//! rmcp accepts only loopback `Host` headers by default (DNS-rebinding protection for local servers).
+//! The gateway is a public, token-authenticated service, so [`NorthboundOptions::allowed_hosts`]
+//! defaults to `None`, meaning any `Host`; give a list to pin the public host names.
+//!
+//! # Mounting under axum
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use axum::{Router, extract::{Path, Request}, middleware::{self, Next}, response::Response};
+//! use sbp_mcp::{McpSession, NorthboundOptions, SurfaceToolHost, northbound_service};
+//!
+//! async fn bind_session(Path(id): Path<uuid::Uuid>, mut req: Request, next: Next) -> Response {
+//!     // ... authenticate the caller for session `id` (session token), or return 401 here ...
+//!     req.extensions_mut().insert(McpSession(id));
+//!     next.run(req).await
+//! }
+//!
+//! fn routes(host: Arc<dyn SurfaceToolHost>) -> Router {
+//!     Router::new()
+//!         // One service for all sessions. route_service hands rmcp the full path, which it ignores
+//!         // (nest_service would strip the prefix; that works too).
+//!         .route_service("/v1/sbp/sessions/{id}/mcp", northbound_service(host, NorthboundOptions::default()))
+//!         // route_layer runs after routing, so the middleware can extract the `{id}` capture.
+//!         .route_layer(middleware::from_fn(bind_session))
+//! }
+//! ```
+
+mod config;
+mod northbound;
+mod southbound;
+mod tool;
+
+pub use config::{ConfigError, ServerConfig, ServerTransport};
+pub use northbound::{
+    HostError, McpSession, NorthboundOptions, NorthboundService, SurfaceMcpServer, SurfaceToolHost,
+    northbound_service,
+};
+pub use southbound::{McpError, Southbound};
+pub use tool::{ToolOutput, ToolSpec};

@@ -1,0 +1,5 @@
+//! Integration tests for sbp-mcp: real child processes and real loopback HTTP, no mocked network.
+
+mod http;
+mod stdio;
+mod support;
