@@ -53,6 +53,14 @@ ensure_redis() {
   wait_for Redis "redis-cli -h 127.0.0.1 -p 6379 ping | grep -q PONG"
 }
 
+# The MCP tests run a stdio MCP server written in Python (standard library only).
+ensure_python3() {
+  if command -v python3 >/dev/null; then return 0; fi
+  echo "services: installing python3" >&2
+  apt_install python3
+}
+
 ensure_postgres
 ensure_redis
-echo "services: PostgreSQL and Redis are up" >&2
+ensure_python3
+echo "services: PostgreSQL and Redis are up; python3 is present" >&2

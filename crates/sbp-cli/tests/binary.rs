@@ -358,7 +358,7 @@ async fn bad_options_exit_non_zero_with_a_clear_message() {
     let bad_toml = bad_toml.display().to_string();
     // (flags, environment, what stderr must say)
     type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
-    let cases: [Case; 5] = [
+    let cases: [Case; 8] = [
         (
             &["--database", "mysql://x"],
             &[],
@@ -380,6 +380,17 @@ async fn bad_options_exit_non_zero_with_a_clear_message() {
             "--ping-interval must be a positive number",
         ),
         (&["--config", &bad_toml], &[], "no_such_option"),
+        (&["--ctp", "iot"], &[], "must be DEVICE_TYPE=MODEL"),
+        (
+            &["--max-tool-rounds", "100"],
+            &[],
+            "--max-tool-rounds must be at most 64",
+        ),
+        (
+            &["--mcp-server", "no-equals-sign"],
+            &[],
+            "--mcp-server 'no-equals-sign'",
+        ),
     ];
     for (args, envs, expected) in cases {
         let mut cmd = sbp_serve_in(dir.path(), args);
@@ -435,4 +446,98 @@ async fn operator_api_keys_guard_the_api() {
     let (status, _, health) = send(gw.get("/healthz")).await;
     assert_eq!(status, 200, "{health}");
     assert_eq!(health["status"], "ok");
+}
+
+/// The L4/L5 flags reach the gateway: `claude*` models go to the Anthropic Messages API, a
+/// southbound stdio MCP server's tools are offered to the model and called by the gateway, the tool
+/// allowlist filters what a surface registers, and the MCP server's process goes away with the
+/// gateway.
+#[tokio::test]
+async fn anthropic_route_southbound_mcp_and_tool_allowlist_flags() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let base = fake.base_url();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture = format!(
+        "{}/../sbp-mcp/tests/fixtures/stdio_server.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let server = format!("calc=stdio:python3 '{fixture}'");
+    let gw = Sbp::start(
+        dir.path(),
+        &[
+            "--llm-base-url",
+            &base,
+            "--anthropic-base-url",
+            &base,
+            "--anthropic-api-key",
+            "test-key",
+            "--mcp-server",
+            &server,
+            "--tool-allow",
+            "gps",
+        ],
+    )
+    .await;
+    assert!(gw.banner.contains("via Anthropic"), "{}", gw.banner);
+
+    let (status, token, body) = gw.chat(None, json!([msg("user", "hello")])).await;
+    assert_eq!(status, 200, "{body}");
+    let token = token.expect("token");
+    let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
+    let (status, _, body) = send(
+        gw.post(
+            "/v1/chat/completions",
+            &json!({"model": "claude-test", "messages": [
+                msg("user", "sum please [[fake:tool=mcp__calc__add:{\"a\":2,\"b\":3}]]")]}),
+        )
+        .header("x-session-token", &token),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(reply_text(&body), "tool result: 5");
+    let requests = fake.requests();
+    let anthropic: Vec<&Value> = requests
+        .iter()
+        .filter(|r| r["model"] == "claude-test")
+        .collect();
+    assert_eq!(
+        anthropic.len(),
+        2,
+        "a tool round and the answer: {requests:?}"
+    );
+    assert!(
+        anthropic[0]["tools"].as_array().is_some_and(|t| t
+            .iter()
+            .any(|t| t["name"] == "mcp__calc__add" && t["input_schema"].is_object())),
+        "{}",
+        anthropic[0]
+    );
+    assert!(gw.metrics().await.contains("sbp_server_tool_calls_total 1"));
+
+    let url = format!("{}/v1/sbp/ws/{id}", gw.ws_url);
+    let (stream, _) = tokio_tungstenite::connect_async(url).await.expect("ws");
+    let mut ws = support::Ws { stream };
+    ws.send(
+        json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
+                   "surface_context": {"device_type": "mobile", "mcp_tools": ["gps", "camera"]}}),
+    )
+    .await;
+    let attached = ws.recv().await;
+    assert_eq!(
+        attached["mcp_tools_registered"],
+        json!(["gps"]),
+        "{attached}"
+    );
+    assert_eq!(attached["sbp_level"], "L5");
+
+    let mut gw = gw;
+    gw.proc.sigterm();
+    let status = gw.proc.wait_exit(WAIT).await;
+    assert_eq!(status.code(), Some(0), "{status}");
+    let still_running = std::process::Command::new("pgrep")
+        .args(["-f", &fixture])
+        .output()
+        .map(|o| !o.stdout.is_empty())
+        .unwrap_or(false);
+    assert!(!still_running, "the MCP server stopped with the gateway");
 }

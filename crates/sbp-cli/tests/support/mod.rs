@@ -377,7 +377,7 @@ pub fn msg(role: &str, content: &str) -> Value {
 }
 
 pub struct Ws {
-    stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    pub stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
 }
 
 impl Ws {

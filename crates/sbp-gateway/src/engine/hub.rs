@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sbp_protocol::SurfaceContext;
+use sbp_protocol::frames::ToolCall;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
@@ -16,6 +17,8 @@ use uuid::Uuid;
 /// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
 pub const CONN_INBOX: usize = 1024;
 const LOCK_STRIPES: usize = 64;
+/// Capacity of a connection's TOOL_CALL channel (calls in flight at once before senders wait).
+pub const CALLS_INBOX: usize = 64;
 /// The error result of a tool call whose surface went away.
 pub const DISCONNECTED: &str = "surface disconnected";
 
@@ -29,8 +32,15 @@ pub enum ConnMsg {
     TurnDone(Box<TurnDone>),
     /// Another surface attached to the session; this connection must close.
     Displaced,
-    /// Send a TOOL_CALL; its TOOL_RESULT goes back through `Hub::complete_call`.
-    ToolCall(Box<sbp_protocol::frames::ToolCall>),
+}
+
+/// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own channel so
+/// a call never waits behind a backlog of chunks or a CTP rewrite.
+#[derive(Debug)]
+pub struct Inbox {
+    pub msgs: mpsc::Receiver<ConnMsg>,
+    /// TOOL_CALLs to send; each TOOL_RESULT goes back through `Hub::complete_call`.
+    pub calls: mpsc::Receiver<ToolCall>,
 }
 
 /// The outcome of one surface tool call, as the LLM (or a backend) gets it.
@@ -65,6 +75,7 @@ pub struct TurnDone {
 pub struct Attachment {
     pub conn_id: u64,
     pub tx: mpsc::Sender<ConnMsg>,
+    pub calls: mpsc::Sender<ToolCall>,
     pub surface: Arc<SurfaceContext>,
 }
 
@@ -179,16 +190,14 @@ impl Hub {
     }
 
     /// Registers a connection for `session`, displacing (and notifying) the previous one.
-    pub fn register(
-        &self,
-        session: Uuid,
-        surface: SurfaceContext,
-    ) -> (u64, mpsc::Receiver<ConnMsg>) {
+    pub fn register(&self, session: Uuid, surface: SurfaceContext) -> (u64, Inbox) {
         let conn_id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(CONN_INBOX);
+        let (calls, calls_rx) = mpsc::channel(CALLS_INBOX);
         let att = Attachment {
             conn_id,
             tx,
+            calls,
             surface: Arc::new(surface),
         };
         let old = self.conns().insert(session, att);
@@ -197,7 +206,13 @@ impl Hub {
             // map, and it checks `is_current` when it drains.
             let _ = old.tx.try_send(ConnMsg::Displaced);
         }
-        (conn_id, rx)
+        (
+            conn_id,
+            Inbox {
+                msgs: rx,
+                calls: calls_rx,
+            },
+        )
     }
 
     /// Removes the connection if it is still the session's current one.

@@ -10,10 +10,9 @@ use futures::StreamExt;
 use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk};
 use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 use sbp_store::TetherEntry;
-use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use super::hub::{ConnMsg, TurnDone};
+use super::hub::{Inbox, TurnDone};
 use super::render::{CtpFrames, Renderer, Rendering, complete_frame};
 use super::{Gateway, iso};
 use crate::auth;
@@ -64,7 +63,7 @@ pub struct TurnFrames {
 
 pub struct Attached {
     pub delivery: Delivery,
-    pub inbox: mpsc::Receiver<ConnMsg>,
+    pub inbox: Inbox,
     /// SESSION_ATTACHED, then the drained TETHER_TURNs, with the seq each carries.
     pub frames: Vec<(ServerFrame, Option<u64>)>,
 }

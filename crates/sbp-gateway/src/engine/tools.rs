@@ -15,7 +15,7 @@ use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use super::Gateway;
-use super::hub::{ConnMsg, DISCONNECTED, ToolReply};
+use super::hub::{DISCONNECTED, ToolReply};
 use crate::error::ApiError;
 
 /// The error result of a call the surface did not answer in time (SPEC 10.4).
@@ -323,9 +323,7 @@ impl Gateway {
         self.metrics().tool_calls.fetch_add(1, Relaxed);
         tracing::info!(session_id = %session, %call_id, tool, conn_id = att.conn_id, "TOOL_CALL sent");
         // The inbox may be full of live chunks: wait for room, but not past the call's deadline.
-        match tokio::time::timeout_at(deadline, att.tx.send(ConnMsg::ToolCall(Box::new(frame))))
-            .await
-        {
+        match tokio::time::timeout_at(deadline, att.calls.send(frame)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {
                 self.hub()

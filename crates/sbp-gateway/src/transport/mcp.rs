@@ -99,8 +99,10 @@ impl SurfaceToolHost for Host {
             Err(ToolCallError::NoSurface(m)) if !self.0.is_attached(session) => {
                 Err(HostError::NoSurface(m))
             }
-            Err(ToolCallError::NoSurface(m)) => Err(HostError::UnknownTool(m)),
-            Err(ToolCallError::NotAllowed(m)) => Err(HostError::UnknownTool(m)),
+            // `UnknownTool` carries the tool's name; the MCP error names it.
+            Err(ToolCallError::NoSurface(_) | ToolCallError::NotAllowed(_)) => {
+                Err(HostError::UnknownTool(name.to_owned()))
+            }
         }
     }
 }

@@ -15,7 +15,7 @@ use sbp_protocol::{ClientFrame, ServerFrame};
 use tokio::time::Instant;
 
 use crate::Gateway;
-use crate::engine::hub::ConnMsg;
+use crate::engine::hub::{ConnMsg, Inbox};
 use crate::engine::{AttachError, CtpFrames, Delivery};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
@@ -231,7 +231,7 @@ async fn connection_loop(
     gw: &Gateway,
     socket: &mut WebSocket,
     d: &mut Delivery,
-    inbox: &mut tokio::sync::mpsc::Receiver<ConnMsg>,
+    inbox: &mut Inbox,
 ) -> &'static str {
     let cfg = gw.config();
     let shutdown = gw.shutdown_token();
@@ -290,7 +290,12 @@ async fn connection_loop(
                 },
             },
             // While a CTP rewrite streams, the inbox waits: later turns must not overtake it.
-            msg = inbox.recv(), if ctp.is_none() => {
+            Some(call) = inbox.calls.recv() => {
+                if !send(socket, &ServerFrame::ToolCall(call)).await {
+                    return "socket write failed";
+                }
+            }
+            msg = inbox.msgs.recv(), if ctp.is_none() => {
                 let frames = match msg {
                     None | Some(ConnMsg::Displaced) => {
                         close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
@@ -304,7 +309,6 @@ async fn connection_loop(
                         ctp = turn.ctp;
                         turn.frames
                     }
-                    Some(ConnMsg::ToolCall(call)) => vec![(ServerFrame::ToolCall(*call), None)],
                 };
                 if !send_all(gw, socket, d, frames).await {
                     return "socket write failed";

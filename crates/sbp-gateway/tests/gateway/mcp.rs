@@ -53,6 +53,11 @@ fn rpc_error(result: Result<CallToolResult, ServiceError>) -> rmcp::ErrorData {
     }
 }
 
+/// The `data.sbp_error` kind the gateway puts on its JSON-RPC errors.
+fn sbp_error(error: &rmcp::ErrorData) -> Option<&str> {
+    error.data.as_ref()?.get("sbp_error")?.as_str()
+}
+
 /// The text of a result's single text block.
 fn only_text(result: &CallToolResult) -> &str {
     assert_eq!(result.content.len(), 1, "{result:?}");
@@ -167,6 +172,12 @@ async fn an_mcp_client_lists_and_calls_the_attached_surfaces_tools() {
     );
     assert_eq!(error.code, ErrorCode::INVALID_PARAMS, "{error:?}");
     assert!(error.message.contains("microphone"), "{error:?}");
+    assert_eq!(sbp_error(&error), Some("unknown_tool"), "{error:?}");
+    assert_eq!(
+        error.data.as_ref().and_then(|d| d.get("tool")),
+        Some(&json!("microphone")),
+        "{error:?}"
+    );
     // The socket is ordered: if a TOOL_CALL for the microphone had been sent, it would come first.
     let surface = async {
         let frame = expect_tool_call(&mut ws).await;
@@ -199,6 +210,7 @@ async fn an_mcp_client_lists_and_calls_the_attached_surfaces_tools() {
     );
     assert_eq!(error.code, ErrorCode::INVALID_PARAMS, "{error:?}");
     assert!(error.message.contains("no surface"), "{error:?}");
+    assert_eq!(sbp_error(&error), Some("no_surface"), "{error:?}");
 
     client.cancel().await.expect("client closes");
     gw.stop().await;
