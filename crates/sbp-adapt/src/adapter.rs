@@ -1,10 +1,15 @@
-//! The streaming adapter: buffers deltas into lines, rewrites each complete line for the profile and
-//! enforces the budget, so that any split of a reply into deltas yields the same output.
+//! The streaming adapter: buffers deltas into lines, rewrites each line for the profile (paragraph
+//! text in pieces, as soon as a piece is settled) and enforces the budget, so that any split of a
+//! reply into deltas yields the same output.
 
-use crate::block::{self, Fence, Kind};
+use crate::block::{self, Fence, Kind, Start};
 use crate::budget;
 use crate::inline::{self, Style};
 use crate::profile::Profile;
+
+/// A partial line is re-scanned on every push while this few bytes of it wait; beyond that, only
+/// once what waits has doubled since the last scan, so a huge line that never settles stays linear.
+const RESCAN_FREE: usize = 1024;
 
 /// What is done to lines outside code and tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +35,18 @@ enum Table {
     },
 }
 
+/// How far the current line has been streamed.
+#[derive(Debug, Default)]
+struct Partial {
+    start: Start,
+    /// Some of the line was emitted: it is paragraph text now, whatever follows.
+    committed: bool,
+    /// Bytes of the line's content emitted so far.
+    done: usize,
+    /// Length of the line at the last scan.
+    scanned: usize,
+}
+
 /// Adapts one reply, fed as streamed deltas.
 #[derive(Debug)]
 pub struct Adapter {
@@ -40,6 +57,7 @@ pub struct Adapter {
     passthrough: bool,
     /// The incomplete last line.
     pending: String,
+    partial: Partial,
     fence: Option<Fence>,
     table: Table,
     out: Emitter,
@@ -60,12 +78,14 @@ impl Adapter {
             keep_tables: mode == Mode::Markdown && profile.tables,
             passthrough: profile.is_passthrough(),
             pending: String::new(),
+            partial: Partial::default(),
             fence: None,
             table: Table::Off,
             out: Emitter {
                 room: profile.budget_tokens.map(budget::units_for),
                 truncated: false,
                 collapse_blanks: mode == Mode::Plain,
+                prose: mode == Mode::Prose,
                 last_blank: false,
                 spoke: false,
                 sentence_end: false,
@@ -90,13 +110,17 @@ impl Adapter {
         // Only the new bytes can hold a newline the previous push did not see.
         let start = self.pending.len();
         self.pending.push_str(delta);
-        let Some(last_nl) = self.pending[start..].rfind('\n') else {
-            return out;
-        };
-        let rest = self.pending.split_off(start + last_nl + 1);
-        let complete = std::mem::replace(&mut self.pending, rest);
-        for line in complete.split_inclusive('\n') {
-            self.line(line, &mut out);
+        if let Some(last_nl) = self.pending[start..].rfind('\n') {
+            let rest = self.pending.split_off(start + last_nl + 1);
+            let complete = std::mem::replace(&mut self.pending, rest);
+            for line in complete.split_inclusive('\n') {
+                self.line(line, &mut out);
+            }
+        }
+        if !self.out.truncated && !self.pending.is_empty() {
+            let partial = std::mem::take(&mut self.pending);
+            self.stream(&partial, false, &mut out);
+            self.pending = partial;
         }
         if self.out.truncated {
             // Everything after the cut is dropped: no need to keep it.
@@ -131,6 +155,14 @@ impl Adapter {
             return;
         }
         let (content, eol) = split_eol(raw);
+        let tail = self.stream(content, true, out);
+        self.partial = Partial::default();
+        if let Some(tail) = tail {
+            if self.out.piece(&tail, false, out) && self.mode != Mode::Prose {
+                out.push_str(eol);
+            }
+            return;
+        }
         if let Some(fence) = self.fence {
             self.code_line(content, eol, fence, out);
             return;
@@ -171,6 +203,91 @@ impl Adapter {
             return;
         }
         self.text_line(content, eol, out);
+    }
+
+    /// Emits the settled pieces of the current line (`content`, all of it when `complete`, else what
+    /// has arrived) that were not emitted yet, and returns the adapted rest of a complete line that
+    /// streamed. Only paragraph text outside code and tables streams, in pieces that end where a
+    /// [`inline::Break`] is (every construct closed, a word follows), cut at sentence ends for prose
+    /// and budgets. Which pieces there are depends only on the line's bytes up to the word after each
+    /// break, never on how the line arrived, so the output is the same however the reply is split.
+    fn stream(&mut self, content: &str, complete: bool, out: &mut String) -> Option<String> {
+        if self.fence.is_some() || !matches!(self.table, Table::Off) || self.out.truncated {
+            return None;
+        }
+        let p = &mut self.partial;
+        if !complete {
+            let (waiting, seen) = (content.len() - p.done, p.scanned.saturating_sub(p.done));
+            if content.len() <= p.scanned || (waiting > RESCAN_FREE && waiting < 2 * seen) {
+                return None;
+            }
+            p.scanned = content.len();
+        }
+        if p.start == Start::Undecided {
+            p.start = block::start(content);
+        }
+        let Start::Para { rest, from } = p.start else {
+            return None;
+        };
+        let base = if p.committed { p.done } else { rest };
+        let style = match self.mode {
+            Mode::Prose => Style::Prose,
+            Mode::Markdown | Mode::Plain => Style::Plain,
+        };
+        let (rendered, breaks) = inline::render_breaks(&content[base..], style);
+        // A line that may be a table header waits, unless it streamed before its first `|`.
+        let pipe = match p.committed || self.keep_tables {
+            true => usize::MAX,
+            false => content.find('|').unwrap_or(usize::MAX),
+        };
+        let sentences = self.mode == Mode::Prose || self.profile.budget_tokens.is_some();
+        let mut out_done = 0;
+        for b in breaks {
+            let (end, next) = (base + b.raw, base + b.next);
+            let first = !p.committed;
+            if first && (end < from || next >= pipe) {
+                continue;
+            }
+            let piece = match self.mode {
+                Mode::Markdown => content[p.done..end].to_owned(),
+                Mode::Plain | Mode::Prose => {
+                    let text = &rendered[out_done..b.out];
+                    if first {
+                        // The line's text is trimmed, and one that starts like a heading loses it.
+                        let text = text.trim_start();
+                        if text.is_empty() || block::heading_level(text).is_some() {
+                            continue;
+                        }
+                        let indent = match self.mode {
+                            Mode::Plain => &content[..content.len() - content.trim_start().len()],
+                            Mode::Markdown | Mode::Prose => "",
+                        };
+                        format!("{indent}{text}")
+                    } else {
+                        text.to_owned()
+                    }
+                }
+            };
+            // Prose trims the end of its sentence: a piece must not end in what could be trimmed.
+            if piece.ends_with(char::is_whitespace) || (sentences && !budget::ends_sentence(&piece))
+            {
+                continue;
+            }
+            p.committed = true;
+            p.done = end;
+            out_done = b.out;
+            if !self.out.piece(&piece, first, out) {
+                return None;
+            }
+        }
+        if !(complete && p.committed) {
+            return None;
+        }
+        Some(match self.mode {
+            Mode::Markdown => content[p.done..].to_owned(),
+            Mode::Plain => rendered[out_done..].to_owned(),
+            Mode::Prose => rendered[out_done..].trim_end().to_owned(),
+        })
     }
 
     fn code_line(&mut self, content: &str, eol: &'static str, fence: Fence, out: &mut String) {
@@ -282,6 +399,8 @@ struct Emitter {
     room: Option<u64>,
     truncated: bool,
     collapse_blanks: bool,
+    /// Pieces are sentences joined by spaces rather than lines.
+    prose: bool,
     last_blank: bool,
     /// Prose: something was said already, so the next sentence needs a space.
     spoke: bool,
@@ -295,9 +414,28 @@ impl Emitter {
             return;
         }
         self.last_blank = false;
-        if self.put("", text, out) {
+        if self.put("", text, false, out) {
             out.push_str(eol);
         }
+    }
+
+    /// A piece of a line (for prose, of a sentence) emitted before the line ends; `first` opens it.
+    /// Returns false when the budget ran out.
+    fn piece(&mut self, text: &str, first: bool, out: &mut String) -> bool {
+        if self.truncated {
+            return false;
+        }
+        let mut sep = "";
+        if first {
+            self.last_blank = false;
+            if self.prose {
+                if self.spoke {
+                    sep = " ";
+                }
+                self.spoke = true;
+            }
+        }
+        self.put(sep, text, !first, out)
     }
 
     fn blank(&mut self, eol: &str, out: &mut String) {
@@ -315,12 +453,13 @@ impl Emitter {
         }
         let sep = if self.spoke { " " } else { "" };
         self.spoke = true;
-        self.put(sep, text, out);
+        self.put(sep, text, false, out);
     }
 
     /// Emits `sep` + `text` when it fits the budget and returns true; otherwise emits the part that
-    /// fits, then "…", and stops the reply.
-    fn put(&mut self, sep: &str, text: &str, out: &mut String) -> bool {
+    /// fits, then "…", and stops the reply. `joined`: `text` continues a line or sentence of which
+    /// pieces were emitted, so a cut at its very start still follows text of the same line (" …").
+    fn put(&mut self, sep: &str, text: &str, joined: bool, out: &mut String) -> bool {
         let Some(room) = self.room else {
             out.push_str(sep);
             out.push_str(text);
@@ -340,7 +479,7 @@ impl Emitter {
         let head = text.get(..cut.end).unwrap_or_default().trim_end();
         out.push_str(sep);
         out.push_str(head);
-        if cut.at_sentence && !head.is_empty() {
+        if cut.at_sentence && (joined || !head.is_empty()) {
             out.push(' ');
         }
         out.push('…');

@@ -1,5 +1,5 @@
 //! Line-level Markdown: what kind of block a line starts (heading, list item, rule, fence, table row),
-//! decided from the line alone so the adapter can stream one line at a time.
+//! decided from the line alone (for paragraph text, from its first word) so the adapter can stream.
 
 /// The kind of a line outside code and tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +51,63 @@ pub(crate) fn classify(line: &str) -> Block<'_> {
         return block(Kind::Ordered, marker, item);
     }
     block(Kind::Para, "", rest)
+}
+
+/// What the first bytes of a line (all of it, or only what has arrived) tell about its kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Start {
+    /// Not known yet: more of the line is needed.
+    #[default]
+    Undecided,
+    /// A heading, list item, fence or anything else that is not paragraph text.
+    Other,
+    /// Paragraph text ([`Kind::Para`]) whose inline content starts at byte `rest`, for every
+    /// prefix of the line that reaches past byte `from`, whatever follows.
+    Para { rest: usize, from: usize },
+}
+
+/// Decides from a prefix of a line whether the line is paragraph text. Only the first word of its
+/// content (and the whitespace after it) matters, except for a line made of `-`, `*`, `_` or `=`,
+/// which could still become a rule until another character shows up.
+pub(crate) fn start(prefix: &str) -> Start {
+    let trimmed = prefix.trim_start();
+    let mut rest = trimmed;
+    while let Some(quoted) = rest.strip_prefix('>') {
+        rest = quoted.trim_start();
+    }
+    let rest_at = prefix.len() - rest.len();
+    // The first word and the whitespace after it decide headings, list markers and fences.
+    if rest.find(char::is_whitespace).is_none() {
+        return Start::Undecided;
+    }
+    if heading_level(rest).is_some()
+        || bullet_item(rest).is_some()
+        || ordered_item(rest).is_some()
+        || trimmed.starts_with("```")
+        || trimmed.starts_with("~~~")
+    {
+        return Start::Other;
+    }
+    let Some(first) = rest.chars().next() else {
+        return Start::Undecided;
+    };
+    if !matches!(first, '-' | '*' | '_' | '=') {
+        return Start::Para {
+            rest: rest_at,
+            from: rest_at + 1,
+        };
+    }
+    // A rule until some other visible character says otherwise (trailing whitespace is trimmed).
+    match rest
+        .char_indices()
+        .find(|&(_, c)| c != first && !c.is_whitespace())
+    {
+        Some((at, c)) => Start::Para {
+            rest: rest_at,
+            from: rest_at + at + c.len_utf8(),
+        },
+        None => Start::Undecided,
+    }
 }
 
 /// `#` to `######` followed by whitespace or the end of the line: an ATX heading marker.
@@ -221,6 +278,30 @@ mod tests {
         }
         assert_eq!(classify("  - x").indent, "  ");
         assert_eq!(classify("7. x").marker, "7.");
+    }
+
+    #[test]
+    fn starts() {
+        let para = |rest, from| Start::Para { rest, from };
+        for (prefix, expected) in [
+            ("Hello", Start::Undecided),
+            ("Hello wor", para(0, 1)),
+            ("  > > Hello ", para(6, 7)),
+            ("> ", Start::Undecided),
+            ("# Title ", Start::Other),
+            ("#hashtag ", para(0, 1)),
+            ("- item ", Start::Other),
+            ("12. item ", Start::Other),
+            ("12.5 kg ", para(0, 1)),
+            ("``` x", Start::Other),
+            ("`` x", para(0, 1)),
+            ("** * ", Start::Undecided),
+            ("** *x", para(0, 5)),
+            ("**bold** x", para(0, 3)),
+            ("-5 degrees", para(0, 2)),
+        ] {
+            assert_eq!(start(prefix), expected, "{prefix:?}");
+        }
     }
 
     #[test]

@@ -44,6 +44,14 @@ pub(crate) fn measure(text: &str) -> Measure {
     m
 }
 
+/// Whether the last word of `text` ends a sentence (as [`measure`] counts it).
+pub(crate) fn ends_sentence(text: &str) -> bool {
+    let last = text.trim_end();
+    // Only the last word matters: measuring it alone keeps repeated checks linear.
+    let word = last.rsplit(char::is_whitespace).next().unwrap_or_default();
+    measure(word).ends_sentence
+}
+
 /// Where to cut a line that does not fit: `text[..end]` is kept.
 pub(crate) struct Cut {
     pub end: usize,

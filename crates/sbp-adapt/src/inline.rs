@@ -18,7 +18,25 @@ pub(crate) enum Style {
 
 /// Renders one line's inline content.
 pub(crate) fn render(text: &str, style: Style) -> String {
-    render_inner(text, style, true)
+    render_inner(text, style, true, None)
+}
+
+/// A place where a line's inline content may be split: a whitespace run starting at byte `raw`,
+/// before which every construct is closed (no unmatched emphasis opener, backtick run, `[` or link
+/// `(`), followed by a non-whitespace character at byte `next`. Rendering the text before it gives
+/// the first `out` bytes of the whole rendering: `render(&text[..raw])` is `rendered[..out]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Break {
+    pub raw: usize,
+    pub next: usize,
+    pub out: usize,
+}
+
+/// [`render`], plus every [`Break`] of `text` in order, in one linear pass.
+pub(crate) fn render_breaks(text: &str, style: Style) -> (String, Vec<Break>) {
+    let mut breaks = Vec::new();
+    let out = render_inner(text, style, true, Some(&mut breaks));
+    (out, breaks)
 }
 
 /// Makes `text` a sentence: ends it with `.`, `!` or `?` (a trailing `:`, `;` or `,` becomes `.`).
@@ -51,9 +69,18 @@ struct Delim {
     can_close: bool,
 }
 
+/// Where the scan stood at a whitespace boundary: what came before it is settled unless an emphasis
+/// opener, a `[` or a link's `(` is still open there.
+struct Mark {
+    raw: usize,
+    /// Tokens and delimiters before the boundary.
+    toks: usize,
+    delims: usize,
+}
+
 /// `links` is false inside a link's text, so link texts never nest and each byte is scanned at most
-/// twice.
-fn render_inner(text: &str, style: Style, links: bool) -> String {
+/// twice. With `breaks`, whitespace boundaries that no construct spans are reported (see [`Break`]).
+fn render_inner(text: &str, style: Style, links: bool, breaks: Option<&mut Vec<Break>>) -> String {
     let bytes = text.as_bytes();
     let ticks = BacktickRuns::new(bytes);
     let (brackets, parens) = if links {
@@ -67,6 +94,10 @@ fn render_inner(text: &str, style: Style, links: bool) -> String {
     let mut toks: Vec<Tok> = Vec::new();
     let mut delims: Vec<Delim> = Vec::new();
     let mut lit = String::new();
+    let track = breaks.is_some();
+    let mut marks: Vec<Mark> = Vec::new();
+    // After an unmatched backtick run nothing is settled: a later run could still close it.
+    let mut stray_tick = false;
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
@@ -85,7 +116,10 @@ fn render_inner(text: &str, style: Style, links: bool) -> String {
                         i = close + len;
                     }
                     // An unmatched backtick run is a stray delimiter (often a reply cut mid-span).
-                    None => i = end,
+                    None => {
+                        stray_tick = true;
+                        i = end;
+                    }
                 }
             }
             b'!' | b'[' if links => {
@@ -93,7 +127,7 @@ fn render_inner(text: &str, style: Style, links: bool) -> String {
                 let open = if image { i + 1 } else { i };
                 match link_at(text, open, &brackets, &parens) {
                     Some((label, dest, next)) if !image || bytes.get(open) == Some(&b'[') => {
-                        let label = render_inner(label, style, false);
+                        let label = render_inner(label, style, false, None);
                         lit.push_str(&render_link(&label, dest, image, style));
                         i = next;
                     }
@@ -146,20 +180,45 @@ fn render_inner(text: &str, style: Style, links: bool) -> String {
                     .iter()
                     .position(|&c| is_special(c))
                     .map_or(bytes.len(), |p| i + 1 + p);
-                lit.push_str(slice(text, i, next));
+                // Whitespace is only ever copied here, so this is where boundaries are seen.
+                let mut from = i;
+                if track && !stray_tick {
+                    let mut prev = text[..i].chars().next_back();
+                    for (off, c) in slice(text, i, next).char_indices() {
+                        if c.is_whitespace() && prev.is_some_and(|p| !p.is_whitespace()) {
+                            lit.push_str(slice(text, from, i + off));
+                            from = i + off;
+                            flush(&mut lit, &mut toks);
+                            marks.push(Mark {
+                                raw: i + off,
+                                toks: toks.len(),
+                                delims: delims.len(),
+                            });
+                        }
+                        prev = Some(c);
+                    }
+                }
+                lit.push_str(slice(text, from, next));
                 i = next;
             }
         }
     }
     flush(&mut lit, &mut toks);
-    match_emphasis(&mut delims);
+    let opener_left = match_emphasis(&mut delims);
 
     // Matched delimiters vanish; unmatched ones stay as literal text, except that a leftover run of two
     // or more asterisks is dropped: in plain text it is never meant literally (a bold cut off by the
     // end of a line or of the reply). Code spans are exempt: `**kwargs` is code.
     let mut out = String::with_capacity(text.len());
     let mut plain = String::new();
-    for tok in &toks {
+    // Output length at each mark; star runs never span the whitespace at a mark.
+    let mut mark_out = Vec::with_capacity(marks.len());
+    for (t, tok) in toks.iter().enumerate() {
+        while marks.get(mark_out.len()).is_some_and(|m| m.toks == t) {
+            drop_star_runs(&plain, &mut out);
+            plain.clear();
+            mark_out.push(out.len());
+        }
         match tok {
             Tok::Text(s) => plain.push_str(s),
             Tok::Delim(ix) => {
@@ -175,7 +234,55 @@ fn render_inner(text: &str, style: Style, links: bool) -> String {
         }
     }
     drop_star_runs(&plain, &mut out);
+    if let Some(breaks) = breaks {
+        mark_out.resize(marks.len(), out.len());
+        let raw_open = raw_open_at(bytes, &marks);
+        for ((m, out_len), raw_open) in marks.iter().zip(mark_out).zip(raw_open) {
+            let emphasis_open = m.delims > 0 && opener_left.get(m.delims - 1) == Some(&true);
+            let next = text[m.raw..]
+                .char_indices()
+                .find(|(_, c)| !c.is_whitespace())
+                .map(|(off, _)| m.raw + off);
+            if let (false, false, Some(next)) = (emphasis_open, raw_open, next) {
+                breaks.push(Break {
+                    raw: m.raw,
+                    next,
+                    out: out_len,
+                });
+            }
+        }
+    }
     out
+}
+
+/// For each mark, whether a `[` or a `](` (a link's destination) is still open there, counted on raw
+/// bytes like [`match_pairs`], which decides what links are.
+fn raw_open_at(bytes: &[u8], marks: &[Mark]) -> Vec<bool> {
+    let mut open = Vec::with_capacity(marks.len());
+    let mut brackets = 0usize;
+    // Open parens, and how many of them follow a `]`.
+    let mut parens: Vec<bool> = Vec::new();
+    let mut link_parens = 0usize;
+    let mut i = 0;
+    for m in marks {
+        while i < m.raw.min(bytes.len()) {
+            match bytes[i] {
+                b'\\' if bytes.get(i + 1).is_some_and(u8::is_ascii_punctuation) => i += 1,
+                b'[' => brackets += 1,
+                b']' => brackets = brackets.saturating_sub(1),
+                b'(' => {
+                    let link = i > 0 && bytes[i - 1] == b']';
+                    link_parens += usize::from(link);
+                    parens.push(link);
+                }
+                b')' => link_parens -= usize::from(parens.pop() == Some(true)),
+                _ => {}
+            }
+            i += 1;
+        }
+        open.push(brackets > 0 || link_parens > 0);
+    }
+    open
 }
 
 fn flush(lit: &mut String, toks: &mut Vec<Tok>) {
@@ -376,8 +483,11 @@ fn delimiter(text: &str, start: usize, end: usize) -> Option<Delim> {
 }
 
 /// CommonMark's "process emphasis", reduced to what plain text needs: how many characters of each
-/// delimiter run are left unmatched.
-fn match_emphasis(delims: &mut [Delim]) {
+/// delimiter run are left unmatched. Returns, for each delimiter, whether an opener that a later
+/// closer could still match is left once it has been processed (the algorithm is online: closers
+/// only look back).
+fn match_emphasis(delims: &mut [Delim]) -> Vec<bool> {
+    let mut opener_left = Vec::with_capacity(delims.len());
     // Stack of delimiter indexes that may still open; entries always have `remaining > 0`.
     let mut stack: Vec<usize> = Vec::new();
     // For each closer class, the stack height below which no opener can match it (see CommonMark's
@@ -416,7 +526,9 @@ fn match_emphasis(delims: &mut [Delim]) {
         if delims[c].remaining > 0 && delims[c].can_open {
             stack.push(c);
         }
+        opener_left.push(!stack.is_empty());
     }
+    opener_left
 }
 
 fn closer_class(d: &Delim) -> usize {

@@ -358,14 +358,118 @@ fn truncation_drops_the_rest() {
 }
 
 #[test]
-fn deltas_are_held_only_until_their_line_ends() {
+fn deltas_are_held_only_until_settled() {
     let mut a = Adapter::new(PLAIN);
     assert_eq!(a.push("# Tit"), "");
-    assert_eq!(a.push("le\nsome **bo"), "Title\n");
-    assert_eq!(a.push("ld** text"), "");
-    assert_eq!(a.finish(), "some bold text");
+    assert_eq!(a.push("le\nsome **bo"), "Title\nsome");
+    assert_eq!(a.push("ld** te"), " bold");
+    assert_eq!(a.push("xt"), "");
+    assert_eq!(a.finish(), " text");
     let mut a = Adapter::new(Profile::passthrough());
     assert_eq!(a.push("# Tit"), "# Tit");
+}
+
+/// Pushes `deltas` one by one; returns each push's output, then `finish`'s.
+fn pushes(profile: &Profile, deltas: &[&str]) -> (Vec<String>, String) {
+    let mut a = Adapter::new(*profile);
+    let outs = deltas.iter().map(|d| a.push(d)).collect();
+    (outs, a.finish())
+}
+
+/// `text` split into words, each with the whitespace that follows it.
+fn words(text: &str) -> Vec<&str> {
+    text.split_inclusive(' ').collect()
+}
+
+const LONG_PARAGRAPH: &str = "The forecast for the coming week shows a slow warming trend across the region, with \
+    mornings that start cool and afternoons that reach comfortable temperatures. Light winds from the \
+    west keep the air clear, and the chance of rain stays low until the weekend. On Saturday a weak \
+    front brings clouds and a few showers, mostly in the evening. Sunday clears again, so outdoor \
+    plans look safe for most of the week.";
+
+#[test]
+fn a_long_paragraph_streams_to_mobile() {
+    let p = Profile::for_surface(&ctx(Some("mobile"), &[], None));
+    assert_eq!(p, MD_NO_TABLES);
+    let (outs, last) = pushes(&p, &words(LONG_PARAGRAPH));
+    let early = outs.iter().filter(|o| !o.is_empty()).count();
+    assert!(early > 40, "only {early} non-empty pushes");
+    assert_eq!(outs.concat() + &last, adapt(&p, LONG_PARAGRAPH));
+    assert_eq!(adapt(&p, LONG_PARAGRAPH), LONG_PARAGRAPH);
+    // Plain text streams word by word too.
+    let (outs, last) = pushes(&PLAIN, &words(LONG_PARAGRAPH));
+    assert!(outs.iter().filter(|o| !o.is_empty()).count() > 40);
+    assert_eq!(outs.concat() + &last, LONG_PARAGRAPH);
+}
+
+#[test]
+fn a_budget_streams_whole_sentences() {
+    let p = Profile::for_surface(&ctx(Some("iot"), &[], Some(200)));
+    assert_eq!(p, profile(false, false, false, Some(200)));
+    let (outs, last) = pushes(&p, &words(LONG_PARAGRAPH));
+    let early: Vec<&String> = outs.iter().filter(|o| !o.is_empty()).collect();
+    assert_eq!(early.len(), 3, "{early:?}");
+    for o in &early {
+        assert!(o.ends_with('.'), "{o:?} is not a whole sentence");
+    }
+    assert_eq!(outs.concat() + &last, adapt(&p, LONG_PARAGRAPH));
+    // The cut still falls after the last sentence that fits, however the reply arrives.
+    let small = profile(false, false, false, Some(40));
+    let expected = "The forecast for the coming week shows a slow warming trend across the region, with \
+        mornings that start cool and afternoons that reach comfortable temperatures. …";
+    let (outs, last) = pushes(&small, &words(LONG_PARAGRAPH));
+    assert_eq!(outs.concat() + &last, expected);
+    assert_eq!(adapt(&small, LONG_PARAGRAPH), expected);
+    assert_eq!(adapt_by_chars(&small, LONG_PARAGRAPH), expected);
+    // Prose streams sentence by sentence too.
+    let (outs, last) = pushes(&PROSE, &words(LONG_PARAGRAPH));
+    assert_eq!(outs.iter().filter(|o| !o.is_empty()).count(), 3);
+    assert_eq!(outs.concat() + &last, LONG_PARAGRAPH);
+}
+
+#[test]
+fn open_constructs_are_never_split() {
+    let text = "Start with **bold text spanning words** and a `code span here` then [a link](https://x.y \"t\") end";
+    for p in [PLAIN, MD_NO_TABLES, PROSE] {
+        let mut a = Adapter::new(p);
+        let mut so_far = String::new();
+        for c in text.chars() {
+            so_far.push_str(&a.push(c.encode_utf8(&mut [0; 4])));
+            assert_eq!(so_far.matches("**").count() % 2, 0, "{p:?}: {so_far:?}");
+            assert_eq!(so_far.matches('`').count() % 2, 0, "{p:?}: {so_far:?}");
+            assert_eq!(so_far.matches('[').count(), so_far.matches(']').count());
+        }
+        // Everything up to the last word streamed (prose waits for a sentence end).
+        if p != PROSE {
+            assert!(so_far.ends_with(')'), "{p:?}: {so_far:?}");
+        }
+        so_far.push_str(&a.finish());
+        assert_eq!(so_far, adapt(&p, text));
+    }
+    let (outs, _) = pushes(&PLAIN, &words(text));
+    assert_eq!(outs[2], " with");
+    assert_eq!(outs[3..6], ["", "", ""]);
+    assert_eq!(outs[6], " bold text spanning words");
+}
+
+#[test]
+fn lines_that_may_be_tables_wait() {
+    // Pipes before the first break: the line may be a table header, so it waits for its newline.
+    let (outs, last) = pushes(&PLAIN, &["Name ", "| Age\n", "--|--\n", "Ann | 30\n"]);
+    assert_eq!(
+        (outs.concat(), last),
+        ("Name: Ann, Age: 30\n".to_owned(), String::new())
+    );
+    // Headings and list items wait for their newline.
+    let (outs, _) = pushes(
+        &PLAIN,
+        &["# A heading ", "goes on\n", "- an item ", "goes on\n"],
+    );
+    assert_eq!(outs, ["", "A heading goes on\n", "", "• an item goes on\n"]);
+    // A pipe after the line started streaming is text.
+    let (outs, last) = pushes(&PLAIN, &["A line ", "with | a pipe\n", "|-|\n"]);
+    assert_eq!(outs.concat() + &last, "A line with | a pipe\n|-|\n");
+    assert_eq!(outs[0], "A");
 }
 
 #[test]
@@ -547,6 +651,23 @@ fn markdownish() -> impl Strategy<Value = String> {
     prop::collection::vec(piece, 0..60).prop_map(|v| v.concat())
 }
 
+/// Like [`markdownish`], with few line breaks and many words, so that lines stream in pieces.
+fn long_lines() -> impl Strategy<Value = String> {
+    let inline: Vec<&'static str> = FRAGMENTS
+        .iter()
+        .copied()
+        .filter(|f| !f.contains(['\n', '\r']))
+        .collect();
+    let piece = prop_oneof![
+        6 => prop::sample::select(inline).prop_map(str::to_owned),
+        6 => prop::sample::select(vec![" ", "word ", "end. ", "Why? ", " x", "**b c** ", "`a b` "])
+            .prop_map(str::to_owned),
+        1 => prop::sample::select(vec!["\n", "\r\n", "\n\n"]).prop_map(str::to_owned),
+        1 => "\\PC{0,6}",
+    ];
+    prop::collection::vec(piece, 0..120).prop_map(|v| v.concat())
+}
+
 fn any_profile() -> impl Strategy<Value = Profile> {
     (
         any::<bool>(),
@@ -654,6 +775,23 @@ proptest! {
     }
 
     #[test]
+    fn streaming_equals_whole_on_long_lines(
+        text in long_lines(),
+        p in any_profile(),
+        cuts in prop::collection::vec(any::<usize>(), 0..40),
+    ) {
+        let whole = adapt(&p, &text);
+        let mut a = Adapter::new(p);
+        let mut streamed = String::new();
+        for delta in split_at(&text, &cuts) {
+            streamed.push_str(&a.push(&delta));
+        }
+        streamed.push_str(&a.finish());
+        prop_assert_eq!(&streamed, &whole);
+        prop_assert_eq!(adapt_by_chars(&p, &text), whole);
+    }
+
+    #[test]
     fn passthrough_is_exact(text in markdownish(), cuts in prop::collection::vec(any::<usize>(), 0..20)) {
         let p = Profile::passthrough();
         prop_assert_eq!(adapt(&p, &text), text.clone());
@@ -693,6 +831,20 @@ proptest! {
             prop_assert!(!line.contains("```"), "{:?} -> {:?}", text, out);
             prop_assert!(!is_heading_line(line), "{:?} -> {:?}", text, out);
         }
+    }
+
+    #[test]
+    fn paragraphs_stream_before_their_newline(
+        sentences in prop::collection::vec(prop::collection::vec("[a-z]{1,8}", 3..8), 2..5),
+        p in any_profile(),
+    ) {
+        prop_assume!(!p.is_passthrough());
+        let text = sentences.iter().map(|s| format!("{}.", s.join(" "))).collect::<Vec<_>>().join(" ");
+        let mut a = Adapter::new(p);
+        let early: String = text.chars().map(|c| a.push(c.encode_utf8(&mut [0; 4]))).collect();
+        prop_assert!(!early.is_empty(), "nothing before the newline: {:?}", text);
+        let all = early + &a.push("\n") + &a.finish();
+        prop_assert_eq!(all, adapt(&p, &format!("{text}\n")));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
-//! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming), prints a
-//! summary and writes `bench-out/results.json`. See BENCHMARKS.md.
+//! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming, the L5
+//! TOOL_CALL round trip), prints a summary and writes `bench-out/results.json`. See BENCHMARKS.md.
 
 mod client;
 mod http;
@@ -11,6 +11,7 @@ mod roaming;
 mod stats;
 mod tether;
 mod throughput;
+mod toolcall;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -48,6 +49,10 @@ enum Command {
     /// L3 roaming: import a sealed bundle of --roaming-messages messages, then --iterations times
     /// export the session and import the fresh roaming token.
     Roaming,
+    /// L5 TOOL_CALL round trip: backend `POST .../tool_calls` -> TOOL_CALL to an attached surface
+    /// -> TOOL_RESULT -> HTTP answer; --iterations calls with one session, then per session with
+    /// --toolcall-lanes sessions at once; next to an HTTP and a WebSocket floor.
+    Toolcall,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -92,9 +97,14 @@ struct Opts {
     /// Idle WebSocket surfaces.
     #[arg(long, global = true, default_value_t = 10_000)]
     surfaces: usize,
-    /// Export + import pairs of the roaming scenario.
-    #[arg(long, global = true, default_value_t = 20)]
-    iterations: usize,
+    /// Export + import pairs of the roaming scenario [default: 20]; tool calls per session in
+    /// each phase of the toolcall scenario [default: 5000].
+    #[arg(long, global = true)]
+    iterations: Option<usize>,
+    /// Concurrent sessions (each with its own surface and HTTP connection) of the toolcall
+    /// scenario's throughput phase.
+    #[arg(long, global = true, default_value_t = 16)]
+    toolcall_lanes: usize,
     /// Messages in the roaming scenario's session (as imported from a bundle built by the bench).
     #[arg(long, global = true, default_value_t = 10_000)]
     roaming_messages: usize,
@@ -201,6 +211,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "tether_turns": o.tether_turns,
             "surfaces": o.surfaces,
             "iterations": o.iterations,
+            "toolcall_lanes": o.toolcall_lanes,
             "roaming_messages": o.roaming_messages,
             "sync": o.sync,
             "fd_limit": fd_limit,
@@ -210,6 +221,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         tether: None,
         idle: None,
         roaming: None,
+        toolcall: None,
         errors: Vec::new(),
         targets: Vec::new(),
         load_at_end: [0.0; 3],
@@ -312,19 +324,42 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if all || matches!(cli.command, Command::Roaming) {
         let label = format!("roaming-{}", primary.as_str());
+        let iterations = o.iterations.unwrap_or(20);
         println!(
-            "\n== {label}: {} x export + import of a {}-message session",
-            o.iterations, o.roaming_messages
+            "\n== {label}: {iterations} x export + import of a {}-message session",
+            o.roaming_messages
         );
         let p = roaming::Params {
             messages: o.roaming_messages,
-            iterations: o.iterations,
+            iterations,
             sync: primary,
         };
         match roaming::run(&env, &label, &p).await {
             Ok(r) => {
                 print_roaming(&r);
                 results.roaming = Some(r);
+            }
+            Err(e) => results.fail(&label, &e),
+        }
+    }
+    if all || matches!(cli.command, Command::Toolcall) {
+        let label = format!("toolcall-{}", primary.as_str());
+        let iterations = o.iterations.unwrap_or(5000);
+        let p = toolcall::Params {
+            iterations,
+            // Enough to warm connections, caches and the allocator; not measured.
+            warmup: (iterations / 10).clamp(1, 500),
+            lanes: o.toolcall_lanes,
+            sync: primary,
+        };
+        println!(
+            "\n== {label}: {iterations} tool calls on 1 session, then {iterations} on each of {} sessions at once",
+            p.lanes
+        );
+        match toolcall::run(&env, &label, &p).await {
+            Ok(r) => {
+                print_toolcall(&r);
+                results.toolcall = Some(r);
             }
             Err(e) => results.fail(&label, &e),
         }
@@ -372,6 +407,7 @@ struct Results {
     tether: Option<tether::Report>,
     idle: Option<idle::Report>,
     roaming: Option<roaming::Report>,
+    toolcall: Option<toolcall::Report>,
     errors: Vec<Value>,
     targets: Vec<Target>,
 }
@@ -491,6 +527,25 @@ fn targets(r: &Results) -> Vec<Target> {
             ),
             // Held to p95: nearly every roam must fit, not just the typical one.
             met: r.pair.p95_ms <= 200.0,
+        });
+    }
+    if let Some(t) = &r.toolcall {
+        let l = &t.latency;
+        out.push(Target {
+            name: "L5 TOOL_CALL round trip, gateway-added p99 (1 session)".into(),
+            target: "<= 1 ms".into(),
+            measured: format!(
+                "{:.3} ms (p50 {:.3}; end-to-end p99 {:.3}, healthz p99 {:.3}, ws echo p99 {:.3}; {} errors, {} at {} sessions)",
+                l.gateway_added.p99_ms,
+                l.gateway_added.p50_ms,
+                l.end_to_end.p99_ms,
+                l.healthz.p99_ms,
+                l.ws_echo.p99_ms,
+                l.errors,
+                t.throughput.errors,
+                t.throughput.lanes
+            ),
+            met: l.gateway_added.p99_ms <= 1.0 && l.errors == 0 && t.throughput.errors == 0,
         });
     }
     out
@@ -655,6 +710,66 @@ fn print_roaming(r: &roaming::Report) {
         r.export_bundle_bytes, r.reimport_refused
     );
     print_cpu(&r.cpu);
+}
+
+fn print_toolcall(r: &toolcall::Report) {
+    let l = &r.latency;
+    println!(
+        "  1 session: {} calls, {} errors (warm-up {} calls)",
+        l.calls, l.errors, r.warmup
+    );
+    if let Some(e) = &l.first_error {
+        println!("  first error: {e}");
+    }
+    for (name, s) in [
+        ("end-to-end  ", &l.end_to_end),
+        ("surface hold", &l.surface_hold),
+        ("e2e - hold  ", &l.net),
+        ("healthz     ", &l.healthz),
+        ("ws echo     ", &l.ws_echo),
+    ] {
+        println!("  {name} {s}");
+    }
+    for (name, a) in [
+        ("gateway-added (quantile-wise)     ", &l.gateway_added),
+        (
+            "gateway-added (vs floor medians)  ",
+            &l.gateway_added_vs_floor_medians,
+        ),
+    ] {
+        println!(
+            "  {name} p50 {:.3} ms  p90 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
+            a.p50_ms, a.p90_ms, a.p99_ms, a.max_ms
+        );
+    }
+    println!(
+        "  gateway's sbp_tool_call_latency_seconds: {}",
+        l.gateway_metric
+    );
+    println!(
+        "  gateway CPU per call (healthz included) {:.3} ms",
+        l.gateway_cpu_ms_per_call
+    );
+    print_cpu(&l.cpu);
+    let t = &r.throughput;
+    println!(
+        "  {} sessions: {:.0} calls/s ({} calls in {:.2} s, {} errors); gateway CPU per call {:.3} ms",
+        t.lanes, t.calls_per_s, t.calls, t.seconds, t.errors, t.gateway_cpu_ms_per_call
+    );
+    if let Some(e) = &t.first_error {
+        println!("  first error: {e}");
+    }
+    println!("  end-to-end   {}", t.end_to_end);
+    println!("  surface hold {}", t.surface_hold);
+    println!(
+        "  gateway's sbp_tool_call_latency_seconds: {}",
+        t.gateway_metric
+    );
+    print_cpu(&t.cpu);
+    println!(
+        "  gateway RSS: peak {:.1} MiB (VmHWM)",
+        mib(r.gateway_mem_end.hwm_kib)
+    );
 }
 
 fn print_targets(targets: &[Target]) {

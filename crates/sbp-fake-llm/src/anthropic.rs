@@ -47,6 +47,19 @@ pub fn plan(body: &Value, headers: &HeaderMap) -> Result<Script, String> {
     let system = system_text(body.get("system"))?;
     check_tools(body.get("tools"))?;
     check_messages(messages)?;
+    let has_tools = body
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    let tool_blocks = messages
+        .iter()
+        .flat_map(blocks)
+        .any(|b| matches!(kind(b), "tool_use" | "tool_result"));
+    if tool_blocks && !has_tools {
+        return Err(
+            "Requests which include `tool_use` or `tool_result` blocks must define tools.".into(),
+        );
+    }
 
     let last_user = messages
         .iter()
@@ -384,7 +397,21 @@ mod tests {
     }
 
     fn body(messages: Value) -> Value {
-        json!({"model": "claude-test", "max_tokens": 100, "messages": messages})
+        json!({"model": "claude-test", "max_tokens": 100, "messages": messages,
+               "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+    }
+
+    #[test]
+    fn tool_blocks_need_tool_definitions() {
+        let mut b = body(json!([
+            user("go"),
+            tool_turn(&["t1"]),
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}
+        ]));
+        assert!(plan(&b, &headers()).is_ok());
+        b.as_object_mut().map(|o| o.remove("tools"));
+        let err = plan(&b, &headers()).map(|_| ()).expect_err("refused");
+        assert!(err.contains("must define tools"), "{err}");
     }
 
     fn text_of_plan(b: &Value) -> String {

@@ -585,6 +585,7 @@ impl Gateway {
         catalog: &Catalog,
         sink: &LiveSink<'_>,
     ) -> Upstream {
+        let out = without_gateway_calls(out, catalog);
         let mut body = out.body;
         if rounds > 0
             && let Some(total) = usage.value()
@@ -920,6 +921,51 @@ fn gateway_calls(message: &Value, catalog: &Catalog) -> Option<Vec<LoopCall>> {
         .collect()
 }
 
+/// A final reply keeps only calls the client can answer: gateway calls in a reply that also calls a
+/// client tool, or made after the round limit, are dropped (not run). Returned to the client they
+/// would stay unanswered in the transcript, which every later request would then be refused for.
+fn without_gateway_calls(mut out: RoundOut, catalog: &Catalog) -> RoundOut {
+    let Some(calls) = out.message.get("tool_calls").and_then(Value::as_array) else {
+        return out;
+    };
+    let kept: Vec<Value> = calls
+        .iter()
+        .filter(|c| {
+            c.pointer("/function/name")
+                .and_then(Value::as_str)
+                .is_none_or(|name| catalog.target(name).is_none())
+        })
+        .cloned()
+        .collect();
+    if kept.len() == calls.len() {
+        return out;
+    }
+    tracing::warn!(
+        dropped = calls.len() - kept.len(),
+        "gateway tool calls the loop could not run were dropped from the reply"
+    );
+    if let Some(msg) = out.message.as_object_mut() {
+        if kept.is_empty() {
+            msg.remove("tool_calls");
+            if msg.get("content").is_none_or(Value::is_null) {
+                msg.insert("content".into(), json!(""));
+            }
+            out.finish_reason = Some("stop".into());
+        } else {
+            msg.insert("tool_calls".into(), Value::Array(kept));
+        }
+    }
+    if let Some(choice) = out
+        .body
+        .pointer_mut("/choices/0")
+        .and_then(Value::as_object_mut)
+    {
+        choice.insert("message".into(), out.message.clone());
+        choice.insert("finish_reason".into(), json!(out.finish_reason));
+    }
+    out
+}
+
 /// Removes what belongs to the tool loop from a chunk for the SSE caller: tool-call deltas,
 /// finish reasons and per-round usage. False when nothing is left worth sending.
 fn strip_loop_fields(chunk: &mut Value) -> bool {
@@ -1054,14 +1100,19 @@ fn validate_messages(body: &Map<String, Value>) -> Result<Vec<Value>, ApiError> 
 /// history as a prefix; clients that send only new messages do not. System prompts already stored
 /// at the start are not stored again either.
 fn new_part(history: &[MessageRecord], incoming: &[Value]) -> Vec<Value> {
-    if !history.is_empty()
-        && incoming.len() >= history.len()
-        && history
-            .iter()
-            .zip(incoming)
-            .all(|(h, m)| same_message(&h.body, m))
-    {
-        return incoming[history.len()..].to_vec();
+    let is_prefix = |stored: &[&Value]| {
+        !stored.is_empty()
+            && incoming.len() >= stored.len()
+            && stored.iter().zip(incoming).all(|(h, m)| same_message(h, m))
+    };
+    let all: Vec<&Value> = history.iter().map(|h| &h.body).collect();
+    if is_prefix(&all) {
+        return incoming[all.len()..].to_vec();
+    }
+    // A client never saw the gateway's own tool rounds: it resends the transcript without them.
+    let seen = client_view(history);
+    if seen.len() < all.len() && is_prefix(&seen) {
+        return incoming[seen.len()..].to_vec();
     }
     let mut skip = 0;
     for stored in history.iter().take_while(|h| h.role == "system") {
@@ -1071,6 +1122,47 @@ fn new_part(history: &[MessageRecord], incoming: &[Value]) -> Vec<Value> {
         }
     }
     incoming[skip..].to_vec()
+}
+
+/// The transcript as the HTTP client saw it: without the assistant messages that called only gateway
+/// tools (`surface_*`, `mcp__*`) and the tool messages answering them.
+fn client_view(history: &[MessageRecord]) -> Vec<&Value> {
+    let mut gateway_ids: Vec<&str> = Vec::new();
+    let mut seen = Vec::with_capacity(history.len());
+    for h in history {
+        let body = &h.body;
+        if h.role == "assistant"
+            && let Some(calls) = body.get("tool_calls").and_then(Value::as_array)
+            && !calls.is_empty()
+            && calls.iter().all(|c| {
+                c.pointer("/function/name")
+                    .and_then(Value::as_str)
+                    .is_some_and(is_gateway_function)
+            })
+        {
+            gateway_ids.extend(
+                calls
+                    .iter()
+                    .filter_map(|c| c.get("id").and_then(Value::as_str)),
+            );
+            continue;
+        }
+        if h.role == "tool"
+            && body
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .is_some_and(|id| gateway_ids.contains(&id))
+        {
+            continue;
+        }
+        seen.push(body);
+    }
+    seen
+}
+
+/// Whether a function name is one the gateway offers (its surface and MCP-server tools).
+fn is_gateway_function(name: &str) -> bool {
+    name.starts_with(super::tools::SURFACE_PREFIX) || name.starts_with("mcp__")
 }
 
 /// Whether two chat messages say the same thing: role, content (text compared as text), tool calls
@@ -1164,6 +1256,39 @@ mod tests {
         assert_eq!(
             new_part(&history, &incoming),
             vec![json!({"role": "user", "content": "c"})]
+        );
+    }
+
+    #[test]
+    fn gateway_tool_rounds_are_not_expected_back() {
+        let history = vec![
+            rec(0, json!({"role": "user", "content": "where am I?"})),
+            rec(
+                1,
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]}),
+            ),
+            rec(
+                2,
+                json!({"role": "tool", "tool_call_id": "c1", "content": "{}"}),
+            ),
+            rec(3, json!({"role": "assistant", "content": "Tokyo"})),
+        ];
+        let client = vec![
+            json!({"role": "user", "content": "where am I?"}),
+            json!({"role": "assistant", "content": "Tokyo"}),
+            json!({"role": "user", "content": "thanks"}),
+        ];
+        assert_eq!(
+            new_part(&history, &client),
+            vec![json!({"role": "user", "content": "thanks"})]
+        );
+        // A client that resends the rounds too is understood as well.
+        let mut full: Vec<Value> = history.iter().map(|h| h.body.clone()).collect();
+        full.push(json!({"role": "user", "content": "thanks"}));
+        assert_eq!(
+            new_part(&history, &full),
+            vec![json!({"role": "user", "content": "thanks"})]
         );
     }
 

@@ -902,9 +902,10 @@ impl Gateway {
             )));
         }
         let state = self.session_state(origin).await?;
+        // A turn is in flight when its turn-level pre_action is the newest turn-level snapshot.
         let in_flight = matches!(
-            self.store().latest_snapshot(origin.id, None).await?,
-            Some(ref s) if s.kind == SnapshotKind::PreAction
+            self.turn_snapshots(origin.id).await?.first(),
+            Some(s) if s.kind == SnapshotKind::PreAction
         );
         let (point_msg, point_step) = match (&state.snapshot, in_flight) {
             (Some(s), true) => (s.message_count, s.step_count),

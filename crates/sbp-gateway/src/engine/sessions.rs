@@ -146,18 +146,28 @@ impl Gateway {
         &self,
         session_id: Uuid,
     ) -> Result<Option<SnapshotRecord>, ApiError> {
-        use sbp_protocol::SnapshotKind::*;
-        if let Some(s) = self
-            .store()
-            .latest_snapshot(session_id, Some(PostAction))
-            .await?
-        {
-            return Ok(Some(s));
-        }
         Ok(self
-            .store()
-            .latest_snapshot(session_id, Some(Checkpoint))
-            .await?)
+            .turn_snapshots(session_id)
+            .await?
+            .into_iter()
+            .find(|s| s.kind != sbp_protocol::SnapshotKind::PreAction))
+    }
+
+    /// The session's turn-level snapshots, newest first: not the pre_action / post_action pairs the
+    /// agent loop writes around each tool call inside a turn (their state names the tool action),
+    /// which are not points a turn can be resumed or forked from.
+    pub async fn turn_snapshots(&self, session_id: Uuid) -> Result<Vec<SnapshotRecord>, ApiError> {
+        let mut limit = 64;
+        loop {
+            let all = self.store().list_snapshots(session_id, limit).await?;
+            let full = all.len() == limit as usize;
+            let turn_level: Vec<SnapshotRecord> =
+                all.into_iter().filter(|s| !is_tool_snapshot(s)).collect();
+            if !turn_level.is_empty() || !full || limit >= 1 << 16 {
+                return Ok(turn_level);
+            }
+            limit *= 8;
+        }
     }
 
     /// A snapshot with its messages materialised (they are the transcript's first `message_count`).
@@ -305,4 +315,12 @@ impl Gateway {
     ) -> Result<Vec<SnapshotRecord>, ApiError> {
         Ok(self.store().list_snapshots(session_id, limit).await?)
     }
+}
+
+/// A snapshot the agent loop wrote around one tool call.
+pub(crate) fn is_tool_snapshot(s: &SnapshotRecord) -> bool {
+    matches!(
+        s.state.get("action").and_then(Value::as_str),
+        Some("tool_call" | "tool_result")
+    )
 }

@@ -10,6 +10,7 @@ use futures::StreamExt;
 use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk};
 use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 use sbp_store::TetherEntry;
+use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::hub::{Inbox, TurnDone};
@@ -66,6 +67,9 @@ pub struct Attached {
     pub inbox: Inbox,
     /// SESSION_ATTACHED, then the drained TETHER_TURNs, with the seq each carries.
     pub frames: Vec<(ServerFrame, Option<u64>)>,
+    /// For a CTP surface, the drained TETHER_TURNs arrive here as their rewrites complete (in order),
+    /// while the connection already serves tool calls and pings.
+    pub ctp: Option<CtpFrames>,
 }
 
 impl Gateway {
@@ -114,13 +118,19 @@ impl Gateway {
             surface: Arc::new(surface.clone()),
         };
         let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
-        let drained = pending.iter().map(|e| delivery.tether_frame(e)).collect();
-        frames.extend(self.render_tethered(&delivery, drained).await);
+        let drained: Vec<_> = pending.iter().map(|e| delivery.tether_frame(e)).collect();
+        let mut ctp = None;
+        if matches!(delivery.renderer.rendering, Rendering::Ctp { .. }) && !drained.is_empty() {
+            ctp = Some(self.ctp_drain(&delivery, drained));
+        } else {
+            frames.extend(self.render_tethered(&delivery, drained));
+        }
         tracing::info!(session_id = %id, conn_id, queued = pending.len(), device_type = surface.device_type_or_unknown(), "surface attached");
         Ok(Attached {
             delivery,
             inbox,
             frames,
+            ctp,
         })
     }
 
@@ -169,7 +179,7 @@ impl Gateway {
                 older.push(d.tether_frame(entry));
             }
         }
-        let older = self.render_tethered(d, older).await;
+        let older = self.render_tethered(d, older);
         if !found {
             d.renderer.drop_turn(done.chunk_id);
             return TurnFrames {
@@ -219,62 +229,61 @@ impl Gateway {
         }
     }
 
-    /// Adapts the content of TETHER_TURN frames for this connection's surface: CTP for the most
-    /// recent `ctp_drain_max` of them when configured, the deterministic adaptation otherwise.
-    pub(crate) async fn render_tethered(
+    /// Adapts the content of TETHER_TURN frames for this connection's surface with the deterministic
+    /// adaptation (CTP surfaces too: only the attach drain and live turns wait for a rewrite).
+    pub(crate) fn render_tethered(
         &self,
         d: &Delivery,
         mut frames: Vec<(ServerFrame, Option<u64>)>,
     ) -> Vec<(ServerFrame, Option<u64>)> {
-        match &d.renderer.rendering {
-            Rendering::Raw => frames,
-            Rendering::Adapt(_) => {
-                for (frame, _) in &mut frames {
-                    if let ServerFrame::TetherTurn(t) = frame
-                        && let Some(c) = &t.content
-                    {
-                        t.content = Some(d.renderer.whole(c));
-                    }
-                }
-                frames
-            }
-            Rendering::Ctp { rule, profile } => {
-                // Owned inputs: the rewrites run as independent futures, a few at a time.
-                let first_ctp = frames.len().saturating_sub(self.config().ctp_drain_max);
-                let jobs: Vec<(usize, String, bool)> = frames
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, (f, _))| match f {
-                        ServerFrame::TetherTurn(t) => {
-                            t.content.clone().map(|c| (i, c, i >= first_ctp))
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                let rewrites: Vec<(usize, String)> = futures::stream::iter(jobs)
-                    .map(|(i, content, use_ctp)| {
-                        let gw = self.clone();
-                        let (rule, profile, surface) = (rule.clone(), *profile, d.surface.clone());
-                        async move {
-                            let text = if use_ctp {
-                                gw.ctp_whole(&rule, &profile, &surface, &content).await
-                            } else {
-                                sbp_adapt::adapt(&profile, &content)
-                            };
-                            (i, text)
-                        }
-                    })
-                    .buffered(CTP_PARALLEL)
-                    .collect()
-                    .await;
-                for (i, text) in rewrites {
-                    if let Some((ServerFrame::TetherTurn(t), _)) = frames.get_mut(i) {
-                        t.content = Some(text);
-                    }
-                }
-                frames
+        if matches!(d.renderer.rendering, Rendering::Raw) {
+            return frames;
+        }
+        for (frame, _) in &mut frames {
+            if let ServerFrame::TetherTurn(t) = frame
+                && let Some(c) = &t.content
+            {
+                t.content = Some(d.renderer.whole(c));
             }
         }
+        frames
+    }
+
+    /// The attach drain of a CTP surface: the most recent `ctp_drain_max` turns rewritten (four at
+    /// a time), older ones adapted deterministically, sent through a channel in their order.
+    fn ctp_drain(&self, d: &Delivery, frames: Vec<(ServerFrame, Option<u64>)>) -> CtpFrames {
+        let (tx, rx) = mpsc::channel(CTP_PARALLEL * 2);
+        let Rendering::Ctp { rule, profile } = &d.renderer.rendering else {
+            return rx;
+        };
+        let first_ctp = frames.len().saturating_sub(self.config().ctp_drain_max);
+        let (gw, rule, profile, surface) =
+            (self.clone(), rule.clone(), *profile, d.surface.clone());
+        self.spawn(async move {
+            let mut rewritten = futures::stream::iter(frames.into_iter().enumerate())
+                .map(|(i, (mut frame, seq))| {
+                    let (gw, rule, surface) = (gw.clone(), rule.clone(), surface.clone());
+                    async move {
+                        if let ServerFrame::TetherTurn(t) = &mut frame
+                            && let Some(c) = &t.content
+                        {
+                            t.content = Some(if i >= first_ctp {
+                                gw.ctp_whole(&rule, &profile, &surface, c).await
+                            } else {
+                                sbp_adapt::adapt(&profile, c)
+                            });
+                        }
+                        (frame, seq)
+                    }
+                })
+                .buffered(CTP_PARALLEL);
+            while let Some(item) = rewritten.next().await {
+                if tx.send(item).await.is_err() {
+                    return;
+                }
+            }
+        });
+        rx
     }
 
     /// Tethered turns this connection has not been sent that are older than a moment: a safety net
@@ -293,7 +302,7 @@ impl Gateway {
             .take_while(|e| e.created_at < cutoff)
             .map(|e| d.tether_frame(e))
             .collect();
-        self.render_tethered(d, missed).await
+        self.render_tethered(d, missed)
     }
 
     /// Called after frames carrying these seqs were written to the socket. Without ACKs, sending is
@@ -330,13 +339,15 @@ impl Gateway {
     /// the session is suspended and from now on turns go to the tether. A displaced connection
     /// changes nothing.
     pub async fn detach(&self, d: &Delivery, reason: &str) {
-        // Calls in flight on this connection get their error result now, displaced or not.
+        let _guard = self.hub().session_lock(d.session_id).lock().await;
+        let current = self.hub().remove_if_current(d.session_id, d.conn_id);
+        // Calls in flight on this connection get their error result now, displaced or not. After
+        // the removal: a call registered from here on sees the connection gone and fails itself.
         let cancelled = self.hub().cancel_calls(d.conn_id);
         if cancelled > 0 {
             tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, cancelled, "tool calls in flight cancelled by disconnect");
         }
-        let _guard = self.hub().session_lock(d.session_id).lock().await;
-        if !self.hub().remove_if_current(d.session_id, d.conn_id) {
+        if !current {
             tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "displaced connection closed");
             return;
         }
@@ -460,7 +471,7 @@ impl Gateway {
         let mut frames =
             vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
         let drained = pending.iter().map(|e| d.tether_frame(e)).collect();
-        frames.extend(self.render_tethered(d, drained).await);
+        frames.extend(self.render_tethered(d, drained));
         Ok(frames)
     }
 }

@@ -84,6 +84,13 @@ pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// Exactly `/v1/sbp/sessions/{id}/mcp`.
+fn is_mcp_path(path: &str) -> bool {
+    path.strip_prefix("/v1/sbp/sessions/")
+        .and_then(|rest| rest.strip_suffix("/mcp"))
+        .is_some_and(|id| !id.is_empty() && !id.contains('/'))
+}
+
 pub fn bearer(headers: &HeaderMap) -> Option<String> {
     let value = header(headers, "authorization")?;
     let (scheme, key) = value.split_once(' ')?;
@@ -102,9 +109,7 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
     }
     let path = req.uri().path();
     // The WebSocket and MCP endpoints authenticate with the session token instead.
-    let open = path == "/healthz"
-        || path.starts_with("/v1/sbp/ws/")
-        || (path.starts_with("/v1/sbp/sessions/") && path.ends_with("/mcp"));
+    let open = path == "/healthz" || path.starts_with("/v1/sbp/ws/") || is_mcp_path(path);
     let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
     if !valid && !open {
         return ApiError::new(

@@ -191,7 +191,7 @@ async fn run(gw: Gateway, path_id: String, mut socket: WebSocket) {
     let mut delivery = attached.delivery;
     let mut inbox = attached.inbox;
     let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
-        connection_loop(&gw, &mut socket, &mut delivery, &mut inbox).await
+        connection_loop(&gw, &mut socket, &mut delivery, &mut inbox, attached.ctp).await
     } else {
         "socket write failed"
     };
@@ -218,6 +218,57 @@ async fn send_all(
     ok
 }
 
+/// A repeated ATTACH_SESSION on this connection. A rewrite in progress goes out first: its turn
+/// precedes what the re-attach drains. `Err` is why the connection ends.
+async fn reattach(
+    gw: &Gateway,
+    socket: &mut WebSocket,
+    d: &mut Delivery,
+    ctp: &mut Option<CtpFrames>,
+    frame: sbp_protocol::frames::AttachSession,
+) -> Result<(), &'static str> {
+    if let Some(mut rx) = ctp.take() {
+        while let Some(f) = rx.recv().await {
+            if !send_all(gw, socket, d, vec![f]).await {
+                return Err("socket write failed");
+            }
+        }
+    }
+    match gw.reattach(d, frame).await {
+        Ok(frames) => {
+            if send_all(gw, socket, d, frames).await {
+                Ok(())
+            } else {
+                Err("socket write failed")
+            }
+        }
+        Err(AttachError::Forbidden(detail)) => {
+            refuse(
+                socket,
+                ServerFrame::Forbidden { detail },
+                CLOSE_FORBIDDEN,
+                "forbidden",
+            )
+            .await;
+            Err("forbidden re-attach")
+        }
+        Err(
+            AttachError::NotFound(detail)
+            | AttachError::Protocol(detail)
+            | AttachError::Internal(detail),
+        ) => {
+            refuse(
+                socket,
+                protocol_error(detail),
+                CLOSE_PROTOCOL_ERROR,
+                "protocol error",
+            )
+            .await;
+            Err("bad re-attach")
+        }
+    }
+}
+
 /// The next frame of a running CTP rewrite (`None` when it ended).
 async fn next_ctp(ctp: &mut Option<CtpFrames>) -> Option<(ServerFrame, Option<u64>)> {
     match ctp {
@@ -232,6 +283,7 @@ async fn connection_loop(
     socket: &mut WebSocket,
     d: &mut Delivery,
     inbox: &mut Inbox,
+    mut ctp: Option<CtpFrames>,
 ) -> &'static str {
     let cfg = gw.config();
     let shutdown = gw.shutdown_token();
@@ -239,7 +291,6 @@ async fn connection_loop(
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pong_deadline: Option<Instant> = None;
     let far = Duration::from_secs(86_400 * 365);
-    let mut ctp: Option<CtpFrames> = None;
     loop {
         let deadline = pong_deadline.unwrap_or_else(|| Instant::now() + far);
         tokio::select! {
@@ -269,21 +320,11 @@ async fn connection_loop(
                     Ok(ClientFrame::Pong) => pong_deadline = None,
                     Ok(ClientFrame::Ack { seq }) => gw.ack(d, seq).await,
                     Ok(ClientFrame::ToolResult(r)) => gw.tool_result(d.session_id, d.conn_id, r),
-                    Ok(ClientFrame::Attach(a)) => match gw.reattach(d, a).await {
-                        Ok(frames) => {
-                            if !send_all(gw, socket, d, frames).await {
-                                return "socket write failed";
-                            }
+                    Ok(ClientFrame::Attach(a)) => {
+                        if let Err(reason) = reattach(gw, socket, d, &mut ctp, a).await {
+                            return reason;
                         }
-                        Err(AttachError::Forbidden(detail)) => {
-                            refuse(socket, ServerFrame::Forbidden { detail }, CLOSE_FORBIDDEN, "forbidden").await;
-                            return "forbidden re-attach";
-                        }
-                        Err(AttachError::NotFound(detail) | AttachError::Protocol(detail) | AttachError::Internal(detail)) => {
-                            refuse(socket, protocol_error(detail), CLOSE_PROTOCOL_ERROR, "protocol error").await;
-                            return "bad re-attach";
-                        }
-                    },
+                    }
                     Ok(ClientFrame::Unknown { frame_type }) => {
                         tracing::debug!(session_id = %d.session_id, frame_type, "unknown frame type ignored");
                     }
@@ -315,6 +356,11 @@ async fn connection_loop(
                 }
             }
             item = next_ctp(&mut ctp), if ctp.is_some() => match item {
+                // The inbox (and its Displaced) waits while a rewrite streams: check directly.
+                Some(_) if !gw.is_current(d) => {
+                    close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
+                    return "displaced";
+                }
                 Some(frame) => {
                     if !send_all(gw, socket, d, vec![frame]).await {
                         return "socket write failed";

@@ -139,3 +139,47 @@ async fn surface_tool_round_trip_through_the_anthropic_adapter() {
         ["user", "assistant", "tool", "assistant"]
     );
 }
+
+/// Once the device with the tools is gone, a later turn routed to Anthropic still works: the
+/// history's tool blocks need tool definitions, which the adapter supplies.
+#[tokio::test]
+async fn a_later_turn_without_the_surface_still_works_on_anthropic() {
+    let gw = TestGateway::with(Options {
+        upstream: Upstream::FakeWith(router),
+        ..Options::default()
+    })
+    .await;
+    let (id, token) = gw.session().await;
+    let (mut ws, _) = gw
+        .attach(
+            &id,
+            &token,
+            json!({"surface_context": {"mcp_tools": ["gps"]}}),
+        )
+        .await;
+    let reply = gw.spawn_post(
+        "/v1/chat/completions",
+        json!({"model": "claude-test-1", "messages": [
+            {"role": "user", "content": "where? [[fake:tool=surface_gps]]"}]}),
+        &[("x-session-token", &token)],
+    );
+    let call = ws.recv().await;
+    ws.send(json!({"type": "TOOL_RESULT", "call_id": call["call_id"], "result": {"lat": 1}}))
+        .await;
+    let (status, _, body) = reply.await.expect("reply");
+    assert_eq!(status, 200, "{body}");
+    ws.close_abruptly().await;
+    gw.wait_suspended(&id, &token).await;
+
+    let (status, _, body) = gw
+        .chat(
+            json!({"model": "claude-test-1", "sbp": {"resume": true},
+                   "messages": [{"role": "user", "content": "thanks"}]}),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "echo: thanks");
+    let last = gw.fake().requests().pop().expect("request");
+    assert_eq!(last["tool_choice"], json!({"type": "none"}), "{last}");
+}

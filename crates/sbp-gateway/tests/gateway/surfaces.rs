@@ -313,3 +313,67 @@ async fn failing_ctp_falls_back_to_the_deterministic_adaptation() {
     assert_eq!(complete["type"], "TURN_COMPLETE");
     assert_eq!(text, adapt(&profile(ctx), REPLY));
 }
+
+/// A drain rewritten by a slow CTP pass does not hold the connection: a tool call made meanwhile
+/// reaches the surface and is answered before the rewritten turn arrives.
+#[tokio::test]
+async fn a_slow_ctp_drain_does_not_hold_up_tool_calls() {
+    let config = GatewayConfig {
+        ctp: vec![CtpRule {
+            device_type: "iot".into(),
+            model: "fake-slow-1500".into(),
+            prompt: None,
+        }],
+        ..GatewayConfig::default()
+    };
+    let gw = fake_gateway(config).await;
+    let (id, token) = gw.session().await;
+    let (ws, _) = gw
+        .attach(
+            &id,
+            &token,
+            json!({"surface_context": {"device_type": "desktop"}}),
+        )
+        .await;
+    ws.close_abruptly().await;
+    gw.wait_suspended(&id, &token).await;
+    gw.push(&id, &token, "Your table is booked for eight.")
+        .await;
+
+    let (mut watch, attached) = gw
+        .attach(
+            &id,
+            &token,
+            json!({"surface_context": {"device_type": "iot", "mcp_tools": ["gps"]}}),
+        )
+        .await;
+    assert_eq!(attached["queued_turns"], 1);
+    let call = gw.spawn_post(
+        &format!("/v1/sbp/sessions/{id}/tool_calls"),
+        json!({"tool_name": "gps", "timeout_ms": 1000}),
+        &[("x-session-token", &token)],
+    );
+    let frame = watch.recv().await;
+    assert_eq!(
+        frame["type"], "TOOL_CALL",
+        "the call is not queued behind the rewrite: {frame}"
+    );
+    watch
+        .send(json!({"type": "TOOL_RESULT", "call_id": frame["call_id"], "result": {"lat": 1}}))
+        .await;
+    let (status, _, body) = call.await.expect("call");
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("ok")),
+        "{body}"
+    );
+    let turn = watch.recv().await;
+    assert_eq!(turn["type"], "TETHER_TURN", "{turn}");
+    assert_eq!(
+        turn["content"],
+        adapt(
+            &profile(json!({"device_type": "iot"})),
+            "echo: Your table is booked for eight."
+        )
+    );
+}

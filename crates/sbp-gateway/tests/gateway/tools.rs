@@ -709,3 +709,134 @@ async fn export_carries_the_tool_round() {
     assert_eq!(tool["tool_call_id"], asked["tool_calls"][0]["id"], "{tool}");
     assert_eq!(tool["content"], GPS_FIX, "{tool}");
 }
+
+/// A client that resends the conversation as it saw it (without the gateway's tool round) stores
+/// only its new message: the transcript does not grow duplicates turn after turn.
+#[tokio::test]
+async fn a_client_resending_its_history_after_a_tool_turn_stores_nothing_twice() {
+    let gw = gateway(|_| {}).await;
+    let (id, token, mut ws, _) = attached(&gw, json!({"mcp_tools": ["gps"]})).await;
+    let prompt = r#"where am I? [[fake:tool=surface_gps:{"acc":"high"}]]"#;
+    let (body, _, _) = gps_turn(&gw, &mut ws, &token).await;
+    let answer_text = reply_text(&body).to_owned();
+    let resend = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": answer_text},
+        {"role": "user", "content": "thanks"}
+    ]});
+    let (s, _, body) = gw.chat(resend, &tok(&token)).await;
+    assert_eq!(s, 200, "{body}");
+    ws.live_turn().await;
+    let stored = messages(&gw, &id, &token).await;
+    assert_eq!(
+        roles(&stored),
+        [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "user",
+            "assistant"
+        ],
+        "{stored:?}"
+    );
+    // The model saw the whole history once, tool round included.
+    let last = gw.fake().requests().pop().expect("request");
+    assert_eq!(
+        roles(last["messages"].as_array().expect("messages")),
+        ["user", "assistant", "tool", "assistant", "user"]
+    );
+}
+
+/// A reply that calls a client tool and a gateway tool at once goes back with the client's call
+/// only (the gateway's is not run), so the client can answer it and the conversation goes on.
+#[tokio::test]
+async fn a_mixed_reply_keeps_only_the_clients_calls_and_the_session_stays_usable() {
+    let gw = gateway(|_| {}).await;
+    let (id, token, mut ws, _) = attached(&gw, json!({"mcp_tools": ["gps"]})).await;
+    let client_tool = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object"}}});
+    let first = json!({"model": "gpt-4o", "tools": [client_tool],
+        "messages": [{"role": "user", "content":
+            "weather here? [[fake:tool=get_weather:{\"city\":\"Tokyo\"}]] [[fake:tool=surface_gps]]"}]});
+    let (s, _, body) = gw.chat(first.clone(), &tok(&token)).await;
+    assert_eq!(s, 200, "{body}");
+    let message = &body["choices"][0]["message"];
+    let calls = message["tool_calls"].as_array().expect("tool calls");
+    assert_eq!(calls.len(), 1, "{message}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    // Nothing went to the surface: the next frames are this turn's own completion.
+    let f = ws.recv().await;
+    assert_ne!(f["type"], "TOOL_CALL", "{f}");
+
+    let mut follow = first;
+    let history = follow["messages"].as_array_mut().expect("messages");
+    history.push(message.clone());
+    history.push(json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}));
+    let (s, _, body) = gw.chat(follow, &tok(&token)).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(reply_text(&body), "tool result: sunny");
+    let stored = messages(&gw, &id, &token).await;
+    assert_eq!(
+        roles(&stored),
+        ["user", "assistant", "tool", "assistant"],
+        "{stored:?}"
+    );
+}
+
+/// A fork taken while a tool round is running copies the session up to its last completed turn,
+/// never half a turn.
+#[tokio::test]
+async fn a_fork_during_a_tool_round_stops_at_the_last_completed_turn() {
+    let gw = gateway(|_| {}).await;
+    let (id, token, mut ws, _) = attached(&gw, json!({"mcp_tools": ["gps"]})).await;
+    gps_turn(&gw, &mut ws, &token).await;
+    // A second turn: its tool round completes, then the model is slow to answer (every request
+    // of this turn waits 800 ms): fork in that window, after the round's results are recorded.
+    let turn = gw.spawn_post(
+        "/v1/chat/completions",
+        ask(r#"again [[fake:tool=surface_gps]] [[fake:slow=800]]"#),
+        &tok(&token),
+    );
+    let call = expect_tool_call(&mut ws).await;
+    answer(&mut ws, &call, gps_fix()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while find_state(
+        &snapshot_states(&gw, &id).await,
+        "post_action",
+        "tool_result",
+    )
+    .len()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the second round's results were recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (s, _, fork) = gw
+        .post(
+            &format!("/v1/sbp/sessions/{id}/fork"),
+            json!({"label": "mid-turn"}),
+            &tok(&token),
+        )
+        .await;
+    assert_eq!(s, 201, "{fork}");
+    let (s, _, _) = turn.await.expect("turn");
+    assert_eq!(s, 200);
+    let fork_id = fork["session_id"].as_str().expect("fork id").to_owned();
+    let fork_token = fork["session_token"]
+        .as_str()
+        .expect("fork token")
+        .to_owned();
+    let origin = messages(&gw, &id, &token).await;
+    assert_eq!(origin.len(), 8, "{origin:?}");
+    let copied = messages(&gw, &fork_id, &fork_token).await;
+    assert_eq!(
+        roles(&copied),
+        ["user", "assistant", "tool", "assistant"],
+        "the first turn whole, nothing of the second: {copied:?}"
+    );
+}

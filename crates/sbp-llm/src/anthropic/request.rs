@@ -29,6 +29,16 @@ pub(crate) fn translate(
             Some("tool_use" | "tool_result")
         )
     });
+    // Names of the tools the history called, for placeholder definitions (see `tools`).
+    let mut used: Vec<String> = Vec::new();
+    for b in turns.iter().flat_map(|t| &t.blocks) {
+        if b.get("type").and_then(Value::as_str) == Some("tool_use")
+            && let Some(name) = b.get("name").and_then(Value::as_str)
+            && !used.iter().any(|u| u == name)
+        {
+            used.push(name.to_owned());
+        }
+    }
     out.insert(
         "messages".into(),
         Value::Array(turns.into_iter().map(Turn::into_message).collect()),
@@ -51,6 +61,21 @@ pub(crate) fn translate(
         out.insert("metadata".into(), json!({"user_id": user}));
     }
     tools(body, uses_tools, &mut out);
+    if uses_tools && !out.contains_key("tools") {
+        // Anthropic refuses tool blocks in a request that defines no tools (e.g. a later turn
+        // once the device that had them is gone): define the called ones, and forbid their use.
+        let placeholders: Vec<Value> = used
+            .iter()
+            .map(|name| {
+                json!({"name": name, "description": "No longer available.",
+                       "input_schema": {"type": "object", "additionalProperties": true}})
+            })
+            .collect();
+        if !placeholders.is_empty() {
+            out.insert("tools".into(), Value::Array(placeholders));
+            out.insert("tool_choice".into(), json!({"type": "none"}));
+        }
+    }
     out.insert("stream".into(), Value::Bool(stream));
     out
 }
@@ -540,5 +565,26 @@ mod tests {
                 {"type": "text", "text": "interjection"},
             ])
         );
+    }
+
+    #[test]
+    fn tool_blocks_without_tools_get_placeholder_definitions() {
+        let out = translated(json!({
+            "model": "claude-x",
+            "messages": [
+                {"role": "user", "content": "where am I?"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "{\"error\":\"surface disconnected\"}"},
+                {"role": "user", "content": "and now?"}
+            ]
+        }));
+        assert_eq!(out["tools"][0]["name"], "surface_gps", "{out}");
+        assert!(out["tools"][0]["input_schema"].is_object());
+        assert_eq!(out["tool_choice"], json!({"type": "none"}));
+        // Without tool blocks in the history nothing is added.
+        let plain =
+            translated(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}));
+        assert!(plain.get("tools").is_none() && plain.get("tool_choice").is_none());
     }
 }
