@@ -541,3 +541,93 @@ async fn anthropic_route_southbound_mcp_and_tool_allowlist_flags() {
         .unwrap_or(false);
     assert!(!still_running, "the MCP server stopped with the gateway");
 }
+
+/// `kill -9` in the middle of a tool-using turn, after its tool round was recorded and while the
+/// model is writing the answer: after the restart the round is there whole (the call and its
+/// result, never one without the other), the interrupted turn is not left running, and the next
+/// turn sends the model a valid history.
+#[tokio::test]
+async fn kill_9_after_a_tool_round_keeps_the_round_whole() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let base = fake.base_url();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut gw = Sbp::start(dir.path(), &["--llm-base-url", &base]).await;
+    let (status, token, body) = gw.chat(None, json!([msg("user", "hello")])).await;
+    assert_eq!(status, 200, "{body}");
+    let token = token.expect("token");
+    let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
+
+    let url = format!("{}/v1/sbp/ws/{id}", gw.ws_url);
+    let (stream, _) = tokio_tungstenite::connect_async(url).await.expect("ws");
+    let mut ws = support::Ws { stream };
+    ws.send(
+        json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
+                   "surface_context": {"device_type": "mobile", "mcp_tools": ["gps"]}}),
+    )
+    .await;
+    assert_eq!(ws.recv().await["type"], "SESSION_ATTACHED");
+
+    // Every upstream request of this turn takes 3 s: the kill lands while the answer is awaited.
+    let ask = "where am I? [[fake:tool=surface_gps]] [[fake:slow=3000]]";
+    let in_flight = tokio::spawn({
+        let req = gw
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "gpt-test", "messages": [msg("user", ask)]}),
+            )
+            .header("x-session-token", &token);
+        async move { req.send().await.map(|r| r.status().as_u16()) }
+    });
+    let call = ws.recv().await;
+    assert_eq!(call["type"], "TOOL_CALL", "{call}");
+    ws.send(json!({"type": "TOOL_RESULT", "call_id": call["call_id"], "result": {"lat": 35.68}}))
+        .await;
+    // The round is recorded (5 messages) and the model has the second request.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while gw.messages(&id, &token).await.len() < 5 || fake.requests().len() < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the round was recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = gw.proc.kill9();
+    assert_eq!(status.signal(), Some(9), "{status}");
+    let answer = tokio::time::timeout(WAIT, in_flight)
+        .await
+        .expect("the caller learns of the kill")
+        .expect("task");
+    assert!(answer.is_err(), "never answered: {answer:?}");
+
+    let gw = Sbp::start(dir.path(), &["--llm-base-url", &base]).await;
+    let stored = gw.messages(&id, &token).await;
+    let roles: Vec<&str> = stored.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        roles,
+        ["user", "assistant", "user", "assistant", "tool"],
+        "{stored:?}"
+    );
+    assert_eq!(stored[4].1, "{\"lat\":35.68}");
+    let view = gw.session(&id, &token).await;
+    assert_eq!(
+        view["step_count"], 1,
+        "the interrupted turn is not a step: {view}"
+    );
+
+    let (status, _, body) = gw
+        .chat(Some(&token), json!([msg("user", "still there?")]))
+        .await;
+    assert_eq!(status, 200, "the session is usable: {body}");
+    let sent = fake.requests().pop().expect("request");
+    let sent_roles: Vec<&str> = sent["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["role"].as_str())
+        .collect();
+    assert_eq!(
+        sent_roles,
+        ["user", "assistant", "user", "assistant", "tool", "user"],
+        "the call and its result reach the model together: {sent}"
+    );
+}

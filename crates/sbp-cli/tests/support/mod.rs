@@ -356,12 +356,13 @@ pub async fn send(req: reqwest::RequestBuilder) -> (u16, reqwest::header::Header
     (status, headers, body)
 }
 
-/// A chat message as (role, text content).
+/// A chat message as (role, text content); a message without text (only tool calls) gives "".
 pub fn role_content(m: &Value) -> (String, String) {
-    (
-        m["role"].as_str().expect("role").to_owned(),
-        m["content"].as_str().expect("text content").to_owned(),
-    )
+    let content = match &m["content"] {
+        Value::Null => "",
+        c => c.as_str().expect("text content"),
+    };
+    (m["role"].as_str().expect("role").to_owned(), content.to_owned())
 }
 
 /// The assistant text of a completion body.
