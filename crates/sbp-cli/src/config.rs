@@ -144,6 +144,8 @@ struct FileConfig {
     tool_allowlist: Option<Vec<String>>,
     max_tool_rounds: Option<u32>,
     ctp: Option<Vec<String>>,
+    /// CTP rules with their own instructions: `[[ctp_rule]]` tables.
+    ctp_rule: Option<Vec<CtpRuleFile>>,
     ctp_timeout: Option<f64>,
     anthropic_base_url: Option<String>,
     anthropic_api_key: Option<String>,
@@ -160,6 +162,15 @@ struct FileConfig {
     enable_test_hooks: Option<bool>,
     insecure_no_session_auth: Option<bool>,
     log_format: Option<String>,
+}
+
+/// A `[[ctp_rule]]` table of the TOML file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CtpRuleFile {
+    device_type: String,
+    model: String,
+    prompt: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -278,13 +289,23 @@ impl Settings {
             v
         };
         let allow = list(args.tool_allowlist, file.tool_allowlist);
-        let ctp = list(args.ctp, file.ctp)
+        let mut ctp = list(args.ctp, file.ctp)
             .iter()
             .map(|r| {
                 r.parse::<CtpRule>()
                     .map_err(|e| anyhow::anyhow!("--ctp: {e}"))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        for rule in file.ctp_rule.unwrap_or_default() {
+            if rule.device_type.trim().is_empty() || rule.model.trim().is_empty() {
+                bail!("[[ctp_rule]] needs a device_type and a model");
+            }
+            ctp.push(CtpRule {
+                device_type: rule.device_type.trim().to_owned(),
+                model: rule.model.trim().to_owned(),
+                prompt: rule.prompt.filter(|p| !p.trim().is_empty()),
+            });
+        }
         let anthropic_key = args
             .anthropic_api_key
             .or(file.anthropic_api_key)
@@ -473,6 +494,47 @@ mod tests {
         let d = Settings::resolve(ServeArgs::default()).expect("resolves");
         assert_eq!(d.listen.to_string(), "127.0.0.1:8080");
         assert!(matches!(d.database, Database::Sqlite(ref p) if p == Path::new("sbp-data/sbp.db")));
+    }
+
+    #[test]
+    fn tool_ctp_anthropic_and_mcp_options_from_toml_and_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "tool_allowlist = [\"gps\"]\nmax_tool_rounds = 3\nctp = [\"voice=m1\"]\n\
+             mcp_servers = [\"calc=stdio:python3 calc.py\"]\nanthropic_api_key = \"k\"\n\
+             [[ctp_rule]]\ndevice_type = \"iot\"\nmodel = \"m2\"\nprompt = \"Be terse.\"\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            ctp: vec!["mobile=m0".into()],
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.tool_allowlist, Some(vec!["gps".to_owned()]));
+        assert_eq!(s.max_tool_rounds, 3);
+        let rules: Vec<(&str, &str, Option<&str>)> = s
+            .ctp
+            .iter()
+            .map(|r| (r.device_type.as_str(), r.model.as_str(), r.prompt.as_deref()))
+            .collect();
+        assert_eq!(
+            rules,
+            [
+                ("mobile", "m0", None),
+                ("voice", "m1", None),
+                ("iot", "m2", Some("Be terse."))
+            ]
+        );
+        assert_eq!(s.mcp_servers, vec!["calc=stdio:python3 calc.py"]);
+        let (url, key, prefixes) = s.anthropic.expect("anthropic configured by its key");
+        assert_eq!(url, "https://api.anthropic.com/v1");
+        assert_eq!(key.as_deref(), Some("k"));
+        assert_eq!(prefixes, vec!["claude", "anthropic/"]);
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert!(d.anthropic.is_none() && d.ctp.is_empty() && d.tool_allowlist.is_none());
     }
 
     #[test]
