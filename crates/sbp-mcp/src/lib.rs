@@ -8,17 +8,49 @@
 //!
 //! The operator configures MCP servers, one per line of the form `name=stdio:<command line>` or
 //! `name=https://host/path` (see [`ServerConfig`]'s `FromStr`). [`Southbound::connect`] starts or
-//! dials every one of them concurrently, runs `initialize` + `tools/list`, and keeps the ones that
-//! answered within the connect timeout; a server that fails is logged and left out, so one broken
-//! server never takes the others down. [`Southbound::tools`] lists `(server, tool)` pairs for the LLM,
+//! dials every one of them concurrently, runs `initialize` + `tools/list` (each bounded by the
+//! connect timeout), and returns; one broken server never takes the others down.
+//! [`Southbound::tools`] lists `(server, tool)` pairs of the servers connected *now* for the LLM,
 //! [`Southbound::call`] runs one call with a deadline and returns a [`ToolOutput`] (the JSON the agent
 //! keeps plus the text an LLM reads), and [`Southbound::shutdown`] closes everything.
+//!
+//! ## Healing
+//!
+//! Every configured server is kept, connected or not. A connection is *dead* when its rmcp service
+//! ended (a stdio child exited and closed its stdout, the HTTP worker gave up) or a call on it failed
+//! at the transport level. A dead or never-connected server is reconnected (the stdio child
+//! re-spawned in a new process group, or HTTP re-initialized, followed by `tools/list`):
+//!
+//! * **in the background**: a task started by `connect` (and stopped by `shutdown`) reconnects every
+//!   server that is down, as soon as its backoff allows, so its tools appear in `tools()` (with the
+//!   tool list it gives at that reconnect) without any call;
+//! * **by a call** to a server that is down, once, within the call's timeout.
+//!
+//! Attempts on one server are at least [`RECONNECT_BACKOFF`] (2 s) apart, measured from the end of a
+//! failed attempt (or the start of a successful one); the gap doubles after each failure up to
+//! [`RECONNECT_BACKOFF_MAX`] (60 s) and is back to 2 s after a success. A successful initial connect
+//! does not count, so a server that dies right after start is reconnected at once. A call that finds
+//! its server down within the backoff fails fast with [`McpError::Unavailable`] (nothing is spawned
+//! or sent). There is at most one attempt per server at a time: calls and the background task that
+//! need the server while an attempt runs wait for that attempt, so a burst of calls after a crash
+//! starts one child.
+//!
+//! **Retry rule.** A call is retried (once, on a new connection) only if its request provably never
+//! reached the server: rmcp's service loop had already ended when the call was handed to it, or
+//! writing the request to a stdio child's stdin failed because nothing reads it any more (`EPIPE`:
+//! no complete request line can have been read). Every other failure is returned and not retried:
+//! an answer (a result, a tool error with `isError`, a JSON-RPC error), a timeout, and a transport
+//! failure after the request was handed over (the child died mid-call, an HTTP POST failed; the
+//! server may have run the call), which fails with [`McpError::Transport`] saying so and has the
+//! connection rebuilt for the next call. So a tool never runs twice because of a retry here.
+//! Expired HTTP sessions (`404`) are re-initialized by rmcp itself, inside the call.
 //!
 //! * **stdio** servers are child processes (rmcp's `TokioChildProcess`), each the leader of its own
 //!   process group so that shutting down also reaches grandchildren (`npx` → `node`). The child's stdout
 //!   carries JSON-RPC only; its stderr is piped and re-logged line by line through `tracing`
 //!   (target `sbp_mcp::server_stderr`, field `server`), never mixed into any stdout.
-//!   Shutdown follows the MCP stdio sequence: close stdin, wait, `SIGTERM`, wait, `SIGKILL`, and reap.
+//!   Closing a connection (shutdown, or retiring a broken one) follows the MCP stdio sequence: close
+//!   stdin, wait, `SIGTERM`, wait, `SIGKILL`, reap, then kill what is left of its process group.
 //! * **http** servers use rmcp's streamable-HTTP client over reqwest 0.13 (rustls), with an optional
 //!   bearer token.
 //!
@@ -86,5 +118,5 @@ pub use northbound::{
     HostError, McpSession, NorthboundOptions, NorthboundService, SurfaceMcpServer, SurfaceToolHost,
     northbound_service,
 };
-pub use southbound::{McpError, Southbound};
+pub use southbound::{McpError, RECONNECT_BACKOFF, RECONNECT_BACKOFF_MAX, Southbound};
 pub use tool::{ToolOutput, ToolSpec};

@@ -221,3 +221,69 @@ async fn authenticate(Path(id): Path<Uuid>, mut request: Request, next: Next) ->
     request.extensions_mut().insert(McpSession(id));
     next.run(request).await
 }
+
+/// Polls `condition` until it holds, for at most `limit`: waiting for an event that has no
+/// notification of its own (a process appearing or going away, a background reconnect).
+pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if condition() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        let path = std::env::temp_dir().join(format!("sbp-mcp-test-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub fn path(&self, file: &str) -> String {
+        self.0.join(file).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The pids the fixture servers started with `SBP_FIXTURE_PIDFILE=<path>` wrote, in start order.
+pub fn started_pids(path: &str) -> Vec<u32> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.parse().expect("a pid per line"))
+        .collect()
+}
+
+pub fn kill9(pid: u32) {
+    use nix::{sys::signal::Signal, unistd::Pid};
+    let raw = i32::try_from(pid).expect("pid fits i32");
+    nix::sys::signal::kill(Pid::from_raw(raw), Signal::SIGKILL).expect("kill -9");
+}
+
+/// Running processes whose command line mentions `needle` (zombies have an empty one).
+pub fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .filter(|pid| process_alive(*pid))
+        .collect()
+}
