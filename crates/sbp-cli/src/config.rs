@@ -21,7 +21,9 @@ pub struct ServeArgs {
     /// Directory for the database file and the generated signing secret. [default: ./sbp-data]
     #[arg(long, env = "SBP_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Storage: `sqlite://PATH`. [default: sqlite://<data-dir>/sbp.db]
+    /// Storage: `sqlite://PATH`, or `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` for PostgreSQL
+    /// (schema migrated at start; a dedicated database, or one whose search_path is set with
+    /// `?options=-c%20search_path%3DSCHEMA`). [default: sqlite://<data-dir>/sbp.db]
     #[arg(long, env = "SBP_DATABASE")]
     pub database: Option<String>,
     /// SQLite durability: `full` (fsync every commit batch) or `normal` (survives a crash of the
@@ -176,6 +178,8 @@ struct CtpRuleFile {
 #[derive(Debug, Clone)]
 pub enum Database {
     Sqlite(PathBuf),
+    /// The URL as given (it may hold a password: never log it, see `redacted_url`).
+    Postgres(String),
 }
 
 #[derive(Debug, Clone)]
@@ -413,9 +417,9 @@ fn parse_database(url: &str) -> anyhow::Result<Database> {
         return Ok(Database::Sqlite(PathBuf::from(rest)));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        bail!("PostgreSQL storage is not available in this build yet; use sqlite://PATH");
+        return Ok(Database::Postgres(url.to_owned()));
     }
-    bail!("--database must look like sqlite://PATH, got '{url}'")
+    bail!("--database must look like sqlite://PATH or postgres://USER@HOST/DB, got '{url}'")
 }
 
 /// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,
@@ -518,7 +522,13 @@ mod tests {
         let rules: Vec<(&str, &str, Option<&str>)> = s
             .ctp
             .iter()
-            .map(|r| (r.device_type.as_str(), r.model.as_str(), r.prompt.as_deref()))
+            .map(|r| {
+                (
+                    r.device_type.as_str(),
+                    r.model.as_str(),
+                    r.prompt.as_deref(),
+                )
+            })
             .collect();
         assert_eq!(
             rules,
@@ -535,6 +545,21 @@ mod tests {
         assert_eq!(prefixes, vec!["claude", "anthropic/"]);
         let d = Settings::resolve(ServeArgs::default()).expect("resolves");
         assert!(d.anthropic.is_none() && d.ctp.is_empty() && d.tool_allowlist.is_none());
+    }
+
+    #[test]
+    fn postgres_urls_are_accepted() {
+        for url in [
+            "postgres://sbp:pw@db.internal:5432/sbp",
+            "postgresql://127.0.0.1/test",
+        ] {
+            let s = Settings::resolve(ServeArgs {
+                database: Some(url.into()),
+                ..Default::default()
+            })
+            .expect("resolves");
+            assert!(matches!(s.database, Database::Postgres(ref u) if u == url));
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ use sbp_llm::{
     AnthropicOptions, AnthropicProvider, EchoProvider, ModelMatch, OpenAiOptions, OpenAiProvider,
     Provider, Router,
 };
+use sbp_store::postgres::{PostgresOptions, PostgresStore, redacted_url};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 
 use crate::config::{Database, Settings, load_secret};
@@ -35,6 +36,13 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
                 Arc::new(store) as Arc<dyn sbp_store::Store>,
                 format!("sqlite://{}", path.display()),
             )
+        }
+        Database::Postgres(url) => {
+            let label = redacted_url(url);
+            let store = PostgresStore::open(url, PostgresOptions::default())
+                .await
+                .with_context(|| format!("opening {label}"))?;
+            (Arc::new(store) as Arc<dyn sbp_store::Store>, label)
         }
     };
     let (provider, upstream_label): (Arc<dyn Provider>, String) = match &s.llm_base_url {

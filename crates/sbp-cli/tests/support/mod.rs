@@ -362,7 +362,10 @@ pub fn role_content(m: &Value) -> (String, String) {
         Value::Null => "",
         c => c.as_str().expect("text content"),
     };
-    (m["role"].as_str().expect("role").to_owned(), content.to_owned())
+    (
+        m["role"].as_str().expect("role").to_owned(),
+        content.to_owned(),
+    )
 }
 
 /// The assistant text of a completion body.

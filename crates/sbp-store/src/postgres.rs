@@ -1,0 +1,444 @@
+//! The PostgreSQL backend: a pool of tokio-postgres connections (deadpool), each with its own
+//! prepared-statement cache. Every write is one transaction that takes the session row's lock
+//! first, so concurrent turns of a session serialise on it while other sessions proceed; an
+//! operation answers only after COMMIT returned (durable with the server's `synchronous_commit`).
+
+mod codec;
+mod ops;
+mod roaming;
+mod schema;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Client, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use tokio_postgres::NoTls;
+use tokio_postgres::config::Host;
+use uuid::Uuid;
+
+pub use self::schema::SCHEMA_VERSION;
+
+use self::codec::db_err;
+use self::ops::Tx;
+use crate::{
+    AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
+    FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
+    MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionRecord, SessionStore,
+    SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
+    TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+};
+
+/// Histories at least this long are encoded on the blocking pool before `adopt_session`'s write.
+const PARALLEL_ENCODE_AT: usize = 512;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresOptions {
+    /// Pooled connections, i.e. how many store operations run at once (0 is taken as 1).
+    pub max_connections: usize,
+    /// Schema holding the tables: set as each connection's `search_path` (it must exist). `None`
+    /// keeps the server's default (normally `public`), or what the URL's `options` set.
+    pub schema: Option<String>,
+    /// How long an operation waits for a free pooled connection before failing with `Backend`.
+    pub acquire_timeout: Duration,
+    /// How long opening one connection may take, unless the URL sets `connect_timeout`.
+    pub connect_timeout: Duration,
+}
+
+impl Default for PostgresOptions {
+    /// 32 connections, the server's schema, 30 s to get a connection, 10 s to open one.
+    fn default() -> Self {
+        Self {
+            max_connections: 32,
+            schema: None,
+            acquire_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A PostgreSQL-backed [`crate::Store`]. Cheap to clone; the connections close when the last clone
+/// is dropped.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+}
+
+type TxFuture<'t, T> = Pin<Box<dyn Future<Output = StoreResult<T>> + Send + 't>>;
+
+/// Whether `name` can be put in `search_path` as it is (no quoting or escaping needed).
+fn plain_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && name.len() < 64
+}
+
+/// `url` without its password and query parameters, for logs and the startup line.
+pub fn redacted_url(url: &str) -> String {
+    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+        return "postgres://(unparsable url)".to_owned();
+    };
+    let user = config
+        .get_user()
+        .map(|u| format!("{u}@"))
+        .unwrap_or_default();
+    let ports = config.get_ports();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let port = ports.get(i).or(ports.first());
+            match (host, port) {
+                (Host::Tcp(h), Some(p)) => format!("{h}:{p}"),
+                (Host::Tcp(h), None) => h.clone(),
+                #[cfg(unix)]
+                (Host::Unix(path), _) => path.display().to_string(),
+            }
+        })
+        .collect();
+    let db = config.get_dbname().unwrap_or_default();
+    format!("postgres://{user}{}/{db}", hosts.join(","))
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user[:password]@host[:port]/db[?options]`), creates the pool
+    /// and migrates the schema. Connections are plaintext: put PostgreSQL on loopback or a private
+    /// network (a URL with `sslmode=require` is refused rather than silently downgraded).
+    pub async fn open(url: &str, opts: PostgresOptions) -> StoreResult<PostgresStore> {
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError::Backend(format!("bad postgres url: {e}")))?;
+        if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+            return Err(StoreError::Backend(
+                "sslmode=require: TLS to PostgreSQL is not supported by this build".to_owned(),
+            ));
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(opts.connect_timeout);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("sbp-gateway");
+        }
+        if let Some(schema) = &opts.schema {
+            if !plain_identifier(schema) {
+                return Err(StoreError::Backend(format!(
+                    "schema {schema:?}: use lowercase letters, digits and _"
+                )));
+            }
+            let options = match config.get_options() {
+                Some(existing) => format!("{existing} -c search_path={schema}"),
+                None => format!("-c search_path={schema}"),
+            };
+            config.options(options);
+        }
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                // A closed connection is noticed without a round trip; a broken one fails its
+                // operation with `Backend` and is then dropped.
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let size = opts.max_connections.max(1);
+        let pool = Pool::builder(manager)
+            .max_size(size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(opts.acquire_timeout))
+            .create_timeout(Some(opts.connect_timeout))
+            .build()
+            .map_err(|e| StoreError::Backend(format!("postgres pool: {e}")))?;
+        let store = PostgresStore { pool };
+        let mut client = store.client().await?;
+        schema::migrate(&mut client).await?;
+        tracing::info!(
+            url = %redacted_url(url),
+            schema = ?opts.schema,
+            connections = size,
+            "postgres store open"
+        );
+        Ok(store)
+    }
+
+    async fn client(&self) -> StoreResult<Client> {
+        self.pool.get().await.map_err(|e| match e {
+            deadpool_postgres::PoolError::Backend(e) => db_err(e),
+            other => StoreError::Backend(format!("postgres pool: {other}")),
+        })
+    }
+
+    /// Runs `work` in a transaction on a pooled connection: COMMIT when it returns `Ok` (and only
+    /// then answers), ROLLBACK when it returns `Err`, so a failed operation leaves nothing behind.
+    async fn write<T, F>(&self, work: F) -> StoreResult<T>
+    where
+        F: for<'t, 'c> FnOnce(&'t Tx<'c>) -> TxFuture<'t, T> + Send,
+        T: Send,
+    {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db_err)?;
+        match work(&tx).await {
+            Ok(v) => {
+                tx.commit().await.map_err(db_err)?;
+                Ok(v)
+            }
+            Err(e) => {
+                // Dropping the transaction would roll back too; doing it here keeps the connection
+                // clean before it goes back to the pool, and a failure is only worth a log line.
+                if let Err(rollback) = tx.rollback().await {
+                    tracing::warn!(error = %rollback, "postgres rollback failed");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl SessionStore for PostgresStore {
+    async fn create_session(&self, session: NewSession) -> StoreResult<()> {
+        ops::insert_session(&self.client().await?, &session).await
+    }
+
+    async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>> {
+        ops::get_session(&self.client().await?, id).await
+    }
+
+    async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>> {
+        ops::find_session_by_token(&self.client().await?, token_hash).await
+    }
+
+    async fn latest_suspended_for_agent(
+        &self,
+        agent_id: &str,
+    ) -> StoreResult<Option<SessionRecord>> {
+        ops::latest_suspended_for_agent(&self.client().await?, agent_id).await
+    }
+
+    async fn update_status(
+        &self,
+        id: Uuid,
+        to: SessionStatus,
+        now: Timestamp,
+    ) -> StoreResult<SessionStatus> {
+        self.write(move |tx| Box::pin(ops::update_status(tx, id, to, now)))
+            .await
+    }
+
+    async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord> {
+        ops::mark_attached(&self.client().await?, id, now).await
+    }
+
+    /// One row per status in `SessionStatus::ALL` order, zero counts included.
+    async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
+        ops::count_sessions_by_status(&self.client().await?).await
+    }
+}
+
+#[async_trait]
+impl MessageStore for PostgresStore {
+    async fn list_messages(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<MessageRecord>> {
+        ops::list_messages(&self.client().await?, session_id, after, Some(limit)).await
+    }
+
+    async fn history(&self, session_id: Uuid) -> StoreResult<Vec<MessageRecord>> {
+        ops::list_messages(&self.client().await?, session_id, None, None).await
+    }
+}
+
+#[async_trait]
+impl SnapshotStore for PostgresStore {
+    async fn latest_snapshot(
+        &self,
+        session_id: Uuid,
+        kind: Option<SnapshotKind>,
+    ) -> StoreResult<Option<SnapshotRecord>> {
+        ops::latest_snapshot(&self.client().await?, session_id, kind).await
+    }
+
+    async fn get_snapshot(&self, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
+        ops::get_snapshot(&self.client().await?, id).await
+    }
+
+    /// Newest first.
+    async fn list_snapshots(
+        &self,
+        session_id: Uuid,
+        limit: u32,
+    ) -> StoreResult<Vec<SnapshotRecord>> {
+        ops::list_snapshots(&self.client().await?, session_id, limit).await
+    }
+}
+
+#[async_trait]
+impl TetherStore for PostgresStore {
+    async fn tether_pending(
+        &self,
+        session_id: Uuid,
+        after: Option<u64>,
+        limit: u32,
+    ) -> StoreResult<Vec<TetherEntry>> {
+        ops::tether_pending(&self.client().await?, session_id, after, limit).await
+    }
+
+    async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64> {
+        ops::tether_count(&self.client().await?, session_id).await
+    }
+
+    async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
+        ops::tether_ack(&self.client().await?, session_id, up_to).await
+    }
+
+    async fn tether_remove(&self, session_id: Uuid, seqs: &[u64]) -> StoreResult<u64> {
+        ops::tether_remove(&self.client().await?, session_id, seqs).await
+    }
+
+    async fn tether_depth_total(&self) -> StoreResult<u64> {
+        ops::tether_depth_total(&self.client().await?).await
+    }
+}
+
+#[async_trait]
+impl TurnStore for PostgresStore {
+    async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
+        self.write(move |tx| Box::pin(ops::begin_turn(tx, begin)))
+            .await
+    }
+
+    async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
+        self.write(move |tx| Box::pin(ops::finish_turn(tx, finish)))
+            .await
+    }
+
+    async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome> {
+        self.write(move |tx| Box::pin(ops::record_progress(tx, progress)))
+            .await
+    }
+
+    async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()> {
+        self.write(move |tx| Box::pin(ops::fail_turn(tx, fail)))
+            .await
+    }
+
+    async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>> {
+        self.write(move |tx| Box::pin(ops::recover_interrupted_turns(tx, now)))
+            .await
+    }
+
+    async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
+        ops::get_turn(&self.client().await?, turn_id).await
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for PostgresStore {
+    async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        ops::get_idempotency(&self.client().await?, key).await
+    }
+}
+
+#[async_trait]
+impl RoamingStore for PostgresStore {
+    async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
+        self.write(move |tx| Box::pin(roaming::create_export(tx, export, bundle)))
+            .await
+    }
+
+    async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>> {
+        roaming::get_export(&self.client().await?, id).await
+    }
+
+    async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+        roaming::get_bundle(&self.client().await?, cid).await
+    }
+
+    async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
+        // A long history is encoded to JSON on the blocking pool, in two halves at once, before the
+        // transaction starts: it is CPU-bound work that would otherwise stall this async worker
+        // while the transaction holds its locks.
+        if adopt.messages.len() < PARALLEL_ENCODE_AT {
+            return self
+                .write(move |tx| Box::pin(roaming::adopt_session(tx, adopt, None)))
+                .await;
+        }
+        let adopt = std::sync::Arc::new(adopt);
+        let half = adopt.messages.len().div_ceil(2);
+        let encode = |range: std::ops::Range<usize>| {
+            let adopt = std::sync::Arc::clone(&adopt);
+            tokio::task::spawn_blocking(move || {
+                adopt.messages[range]
+                    .iter()
+                    .map(|m| codec::json(&m.body))
+                    .collect::<StoreResult<Vec<String>>>()
+            })
+        };
+        let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
+        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
+        let mut bodies = first.map_err(failed)??;
+        bodies.extend(second.map_err(failed)??);
+        let adopt = std::sync::Arc::unwrap_or_clone(adopt);
+        self.write(move |tx| Box::pin(roaming::adopt_session(tx, adopt, Some(bodies))))
+            .await
+    }
+
+    async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage> {
+        roaming::lineage(&self.client().await?, session_id).await
+    }
+
+    async fn get_memory(&self, session_id: Uuid) -> StoreResult<Option<MemoryRecord>> {
+        roaming::get_memory(&self.client().await?, session_id).await
+    }
+
+    async fn put_memory(
+        &self,
+        session_id: Uuid,
+        schema_id: String,
+        payload: serde_json::Value,
+        now: Timestamp,
+    ) -> StoreResult<MemoryRecord> {
+        roaming::put_memory(
+            &self.client().await?,
+            session_id,
+            &schema_id,
+            &payload,
+            &now,
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_password_and_parameters() {
+        assert_eq!(
+            redacted_url("postgres://u:secret@db.internal:6432/sbp?application_name=x"),
+            "postgres://u@db.internal:6432/sbp"
+        );
+        assert_eq!(
+            redacted_url("postgresql://127.0.0.1/test"),
+            "postgres://127.0.0.1:5432/test"
+        );
+        assert!(!redacted_url("postgres://u:secret@h:x:y/db").contains("secret"));
+    }
+
+    #[test]
+    fn schema_names_are_plain() {
+        assert!(plain_identifier("sbp_test_0f3a"));
+        for bad in ["", "Upper", "a b", "a;drop", "1abc", &"x".repeat(64)] {
+            assert!(!plain_identifier(bad), "{bad:?}");
+        }
+    }
+}

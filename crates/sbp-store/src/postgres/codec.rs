@@ -1,0 +1,290 @@
+//! Conversions between the store's records and PostgreSQL columns: `uuid`, `timestamptz`
+//! (microseconds, like SQLite's text), JSON kept as the exact text serde_json wrote, and u64
+//! counters kept as `bigint`.
+
+use std::borrow::Cow;
+
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use serde_json::Value;
+use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
+
+use crate::{
+    IdempotencyRecord, IdempotencyState, MessageRecord, SessionRecord, SnapshotRecord, StoreError,
+    StoreResult, TetherEntry, TurnRecord, TurnState,
+};
+
+/// Maps a PostgreSQL error to the store's error: unique and primary-key violations are the caller's
+/// `Conflict` (as on SQLite); everything else is a backend failure.
+pub(crate) fn db_err(err: tokio_postgres::Error) -> StoreError {
+    match err.as_db_error() {
+        Some(db) if *db.code() == SqlState::UNIQUE_VIOLATION => {
+            StoreError::Conflict(db.message().to_owned())
+        }
+        Some(db) => StoreError::Backend(format!("postgres {}: {}", db.code().code(), db.message())),
+        None => StoreError::Backend(format!("postgres: {}", describe(&err))),
+    }
+}
+
+/// The error with its causes (tokio-postgres's own text omits them: "error connecting to server").
+pub(crate) fn describe(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Whether `err` only says that an earlier statement of the transaction failed: when statements are
+/// pipelined, the first real error is the one to report.
+pub(crate) fn is_aborted(err: &StoreError) -> bool {
+    matches!(err, StoreError::Backend(m) if m.starts_with("postgres 25P02"))
+}
+
+/// The first error of pipelined statements, in statement order, preferring a real cause over
+/// "current transaction is aborted" (which only says that another statement failed).
+pub(crate) fn first_error<const N: usize>(errors: [Option<StoreError>; N]) -> StoreResult<()> {
+    let mut aborted = None;
+    for e in errors.into_iter().flatten() {
+        if !is_aborted(&e) {
+            return Err(e);
+        }
+        aborted.get_or_insert(e);
+    }
+    aborted.map_or(Ok(()), Err)
+}
+
+/// Free text for a `text` column. PostgreSQL's text cannot hold U+0000 (SQLite's can), so it is
+/// stored as U+FFFD: a task label, a tether entry or a label with a NUL in it is kept, not refused.
+/// JSON columns never need this: serde_json writes U+0000 as the escape `\u0000`.
+pub(crate) fn text(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
+pub(crate) fn opt_text(s: &Option<String>) -> Option<Cow<'_, str>> {
+    s.as_deref().map(text)
+}
+
+pub(crate) fn json(v: &Value) -> Result<String, StoreError> {
+    serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("encode json: {e}")))
+}
+
+pub(crate) fn int(v: u64) -> Result<i64, StoreError> {
+    i64::try_from(v).map_err(|_| StoreError::Backend(format!("counter {v} exceeds the i64 range")))
+}
+
+pub(crate) fn turn_state(s: TurnState) -> &'static str {
+    match s {
+        TurnState::Running => "running",
+        TurnState::Done => "done",
+        TurnState::Failed => "failed",
+    }
+}
+
+pub(crate) fn idem_state(s: IdempotencyState) -> &'static str {
+    match s {
+        IdempotencyState::InProgress => "in_progress",
+        IdempotencyState::Failed => "failed",
+        IdempotencyState::Done => "done",
+    }
+}
+
+pub(crate) fn bad(idx: usize, what: impl std::fmt::Display) -> StoreError {
+    StoreError::Backend(format!("column {idx}: {what}"))
+}
+
+/// A column of the row, its conversion failure as `Backend`.
+pub(crate) fn get<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a Row,
+    idx: usize,
+) -> Result<T, StoreError> {
+    row.try_get(idx).map_err(|e| bad(idx, e))
+}
+
+pub(crate) fn col_json(row: &Row, idx: usize) -> Result<Value, StoreError> {
+    let s: &str = get(row, idx)?;
+    serde_json::from_str(s).map_err(|e| bad(idx, format!("json: {e}")))
+}
+
+fn col_opt_json(row: &Row, idx: usize) -> Result<Option<Value>, StoreError> {
+    match get::<Option<&str>>(row, idx)? {
+        None => Ok(None),
+        Some(_) => col_json(row, idx).map(Some),
+    }
+}
+
+pub(crate) fn col_u64(row: &Row, idx: usize) -> Result<u64, StoreError> {
+    let v: i64 = get(row, idx)?;
+    u64::try_from(v).map_err(|_| bad(idx, format!("negative counter {v}")))
+}
+
+pub(crate) fn col_status(row: &Row, idx: usize) -> Result<SessionStatus, StoreError> {
+    let s: &str = get(row, idx)?;
+    SessionStatus::parse(s).ok_or_else(|| bad(idx, format!("session status {s:?}")))
+}
+
+fn col_kind(row: &Row, idx: usize) -> Result<SnapshotKind, StoreError> {
+    let s: &str = get(row, idx)?;
+    SnapshotKind::parse(s).ok_or_else(|| bad(idx, format!("snapshot kind {s:?}")))
+}
+
+fn col_turn_state(row: &Row, idx: usize) -> Result<TurnState, StoreError> {
+    let s: &str = get(row, idx)?;
+    [TurnState::Running, TurnState::Done, TurnState::Failed]
+        .into_iter()
+        .find(|st| turn_state(*st) == s)
+        .ok_or_else(|| bad(idx, format!("turn state {s:?}")))
+}
+
+fn col_idem_state(row: &Row, idx: usize) -> Result<IdempotencyState, StoreError> {
+    let s: &str = get(row, idx)?;
+    [
+        IdempotencyState::InProgress,
+        IdempotencyState::Failed,
+        IdempotencyState::Done,
+    ]
+    .into_iter()
+    .find(|st| idem_state(*st) == s)
+    .ok_or_else(|| bad(idx, format!("idempotency state {s:?}")))
+}
+
+macro_rules! session_cols {
+    () => {
+        "id, agent_id, token_hash, status, step_count, message_count, \
+     last_task, model, tether_enabled, created_at, updated_at, metadata"
+    };
+}
+pub(crate) use session_cols;
+
+pub(crate) fn session_row(row: &Row) -> Result<SessionRecord, StoreError> {
+    Ok(SessionRecord {
+        id: get(row, 0)?,
+        agent_id: get(row, 1)?,
+        token_hash: get(row, 2)?,
+        status: col_status(row, 3)?,
+        step_count: col_u64(row, 4)?,
+        message_count: col_u64(row, 5)?,
+        last_task: get(row, 6)?,
+        model: get(row, 7)?,
+        tether_enabled: get(row, 8)?,
+        created_at: get(row, 9)?,
+        updated_at: get(row, 10)?,
+        metadata: col_json(row, 11)?,
+    })
+}
+
+macro_rules! message_cols {
+    () => {
+        "seq, role, body, model_used, cost_usd, created_at"
+    };
+}
+pub(crate) use message_cols;
+
+pub(crate) fn message_row(row: &Row) -> Result<MessageRecord, StoreError> {
+    Ok(MessageRecord {
+        seq: col_u64(row, 0)?,
+        role: get(row, 1)?,
+        body: col_json(row, 2)?,
+        model_used: get(row, 3)?,
+        cost_usd: get(row, 4)?,
+        created_at: get(row, 5)?,
+    })
+}
+
+macro_rules! snapshot_cols {
+    () => {
+        "id, session_id, kind, step_count, message_count, model, current_task, created_at, state"
+    };
+}
+pub(crate) use snapshot_cols;
+
+pub(crate) fn snapshot_row(row: &Row) -> Result<SnapshotRecord, StoreError> {
+    Ok(SnapshotRecord {
+        id: get(row, 0)?,
+        session_id: get(row, 1)?,
+        kind: col_kind(row, 2)?,
+        step_count: col_u64(row, 3)?,
+        message_count: col_u64(row, 4)?,
+        model: get(row, 5)?,
+        current_task: get(row, 6)?,
+        created_at: get(row, 7)?,
+        state: col_json(row, 8)?,
+    })
+}
+
+macro_rules! tether_cols {
+    () => {
+        "session_id, seq, role, content, model_used, created_at, chunk_id"
+    };
+}
+pub(crate) use tether_cols;
+
+pub(crate) fn tether_row(row: &Row) -> Result<TetherEntry, StoreError> {
+    Ok(TetherEntry {
+        session_id: get(row, 0)?,
+        seq: col_u64(row, 1)?,
+        role: get(row, 2)?,
+        content: get(row, 3)?,
+        model_used: get(row, 4)?,
+        created_at: get(row, 5)?,
+        chunk_id: get(row, 6)?,
+    })
+}
+
+macro_rules! turn_cols {
+    () => {
+        "id, session_id, state, started_at, finished_at, error"
+    };
+}
+pub(crate) use turn_cols;
+
+pub(crate) fn turn_row(row: &Row) -> Result<TurnRecord, StoreError> {
+    Ok(TurnRecord {
+        id: get(row, 0)?,
+        session_id: get(row, 1)?,
+        state: col_turn_state(row, 2)?,
+        started_at: get(row, 3)?,
+        finished_at: get(row, 4)?,
+        error: get(row, 5)?,
+    })
+}
+
+macro_rules! idempotency_cols {
+    () => {
+        "key, session_id, fingerprint, state, created_session, \
+     response_status, response_body, created_at, updated_at"
+    };
+}
+pub(crate) use idempotency_cols;
+
+pub(crate) fn idempotency_row(row: &Row) -> Result<IdempotencyRecord, StoreError> {
+    let status: Option<i32> = get(row, 5)?;
+    Ok(IdempotencyRecord {
+        key: get(row, 0)?,
+        session_id: get(row, 1)?,
+        fingerprint: get(row, 2)?,
+        state: col_idem_state(row, 3)?,
+        created_session: get(row, 4)?,
+        response_status: status
+            .map(|s| u16::try_from(s).map_err(|_| bad(5, format!("response status {s}"))))
+            .transpose()?,
+        response_body: col_opt_json(row, 6)?,
+        created_at: get(row, 7)?,
+        updated_at: get(row, 8)?,
+    })
+}
+
+/// Maps every row with `f`, stopping at the first failure.
+pub(crate) fn rows<T>(
+    rows: &[Row],
+    f: impl Fn(&Row) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    rows.iter().map(f).collect()
+}

@@ -1,0 +1,410 @@
+//! L3 roaming on PostgreSQL: bundles, exports, adopted sessions, lineage links and session memory.
+//! Like `ops`, writes run inside the caller's transaction.
+
+use deadpool_postgres::GenericClient;
+use sbp_protocol::SessionStatus;
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use super::codec::{
+    bad, col_json, col_u64, db_err, first_error, get, int, json, opt_text, rows, session_cols,
+    session_row, text,
+};
+use super::ops::{
+    INSERT_MESSAGES, INSERT_SNAPSHOT, Tx, allowed_from, insert_messages, insert_snapshot, len_i64,
+    prep, refused_transition,
+};
+use crate::{
+    AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
+    NewBundle, NewExport, StoreError, StoreResult, Timestamp,
+};
+
+macro_rules! export_cols {
+    () => {
+        "id, session_id, bundle_cid, label, message_count, created_at, \
+    expires_at, foreign_origin, imported_at, import_session_id"
+    };
+}
+
+fn export_row(row: &Row) -> StoreResult<ExportRecord> {
+    Ok(ExportRecord {
+        id: get(row, 0)?,
+        session_id: get(row, 1)?,
+        bundle_cid: get(row, 2)?,
+        label: get(row, 3)?,
+        message_count: col_u64(row, 4)?,
+        created_at: get(row, 5)?,
+        expires_at: get(row, 6)?,
+        foreign: get(row, 7)?,
+        imported_at: get(row, 8)?,
+        import_session_id: get(row, 9)?,
+    })
+}
+
+macro_rules! link_cols {
+    () => {
+        "id, kind, from_session, to_session, from_agent, to_agent, export_id, \
+    label, reason, fork_point, reused, created_at"
+    };
+}
+
+fn link_row(row: &Row) -> StoreResult<LinkRecord> {
+    let kind: &str = get(row, 1)?;
+    let fork_point = match get::<Option<i64>>(row, 9)? {
+        None => None,
+        Some(_) => Some(col_u64(row, 9)?),
+    };
+    Ok(LinkRecord {
+        id: get(row, 0)?,
+        kind: LinkKind::parse(kind).ok_or_else(|| bad(1, format!("link kind {kind:?}")))?,
+        from_session: get(row, 2)?,
+        to_session: get(row, 3)?,
+        from_agent: get(row, 4)?,
+        to_agent: get(row, 5)?,
+        export_id: get(row, 6)?,
+        label: get(row, 7)?,
+        reason: get(row, 8)?,
+        fork_point,
+        reused: get(row, 10)?,
+        created_at: get(row, 11)?,
+    })
+}
+
+// Content-addressed: an equal CID means equal content, so an existing row is kept as it is.
+const INSERT_BUNDLE: &str = "INSERT INTO bundles (cid, body, created_at) VALUES ($1, $2, $3) \
+     ON CONFLICT (cid) DO NOTHING";
+
+const INSERT_EXPORT: &str = "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, \
+     created_at, expires_at, foreign_origin) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+     ON CONFLICT (id) DO NOTHING";
+
+async fn insert_bundle(tx: &Tx<'_>, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
+    let st = prep(tx, INSERT_BUNDLE).await?;
+    tx.execute(&st, &[&bundle.cid, &bundle.bytes, now])
+        .await
+        .map_err(db_err)?;
+    Ok(())
+}
+
+/// Inserts the export unless one with its id exists; returns whether it inserted.
+async fn insert_export(tx: &Tx<'_>, e: &NewExport) -> StoreResult<bool> {
+    let st = prep(tx, INSERT_EXPORT).await?;
+    let message_count = int(e.message_count)?;
+    let n = tx
+        .execute(
+            &st,
+            &[
+                &e.id,
+                &e.session_id,
+                &e.bundle_cid,
+                &opt_text(&e.label),
+                &message_count,
+                &e.created_at,
+                &e.expires_at,
+                &e.foreign,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+    Ok(n == 1)
+}
+
+pub(crate) async fn create_export(
+    tx: &Tx<'_>,
+    export: NewExport,
+    bundle: NewBundle,
+) -> StoreResult<()> {
+    insert_bundle(tx, &bundle, &export.created_at).await?;
+    if insert_export(tx, &export).await? {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("export {} exists", export.id)))
+    }
+}
+
+pub(crate) async fn get_export(
+    c: &impl GenericClient,
+    id: Uuid,
+) -> StoreResult<Option<ExportRecord>> {
+    let st = prep(
+        c,
+        concat!("SELECT ", export_cols!(), " FROM exports WHERE id = $1"),
+    )
+    .await?;
+    c.query_opt(&st, &[&id])
+        .await
+        .map_err(db_err)?
+        .map(|r| export_row(&r))
+        .transpose()
+}
+
+pub(crate) async fn get_bundle(c: &impl GenericClient, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+    let st = prep(c, "SELECT body FROM bundles WHERE cid = $1").await?;
+    c.query_opt(&st, &[&cid])
+        .await
+        .map_err(db_err)?
+        .map(|r| get(&r, 0))
+        .transpose()
+}
+
+/// The single-use check: the conditional UPDATE locks the export row, so of concurrent imports one
+/// sets `imported_at` and the others, once it commits, find it set and change nothing.
+async fn consume_export(tx: &Tx<'_>, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
+    let st = prep(
+        tx,
+        "UPDATE exports SET imported_at = $2, import_session_id = $3 \
+         WHERE id = $1 AND imported_at IS NULL",
+    )
+    .await?;
+    let changed = tx
+        .execute(&st, &[&export, now, &by])
+        .await
+        .map_err(db_err)?;
+    if changed == 1 {
+        return Ok(());
+    }
+    match get_export(tx, export).await? {
+        Some(_) => Err(StoreError::Consumed),
+        None => Err(StoreError::NotFound),
+    }
+}
+
+const INSERT_LINK: &str = "INSERT INTO lineage (id, kind, from_session, to_session, from_agent, \
+     to_agent, export_id, label, reason, fork_point, reused, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
+async fn insert_link(tx: &Tx<'_>, l: &LinkRecord) -> StoreResult<()> {
+    let st = prep(tx, INSERT_LINK).await?;
+    let fork_point = l.fork_point.map(int).transpose()?;
+    tx.execute(
+        &st,
+        &[
+            &l.id,
+            &l.kind.as_str(),
+            &l.from_session,
+            &l.to_session,
+            &opt_text(&l.from_agent),
+            &opt_text(&l.to_agent),
+            &l.export_id,
+            &opt_text(&l.label),
+            &opt_text(&l.reason),
+            &fork_point,
+            &l.reused,
+            &l.created_at,
+        ],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// Inserts or replaces the memory of an existing session; `None` when there is no such session.
+const UPSERT_MEMORY: &str = "INSERT INTO session_memory (session_id, schema_id, payload, updated_at) \
+     SELECT id, $2, $3, $4 FROM sessions WHERE id = $1 \
+     ON CONFLICT (session_id) DO UPDATE SET schema_id = excluded.schema_id, \
+     payload = excluded.payload, updated_at = excluded.updated_at \
+     RETURNING schema_id, payload, updated_at";
+
+async fn upsert_memory(
+    c: &impl GenericClient,
+    session: Uuid,
+    schema_id: &str,
+    payload: &serde_json::Value,
+    now: &Timestamp,
+) -> StoreResult<Option<MemoryRecord>> {
+    let st = prep(c, UPSERT_MEMORY).await?;
+    let payload = json(payload)?;
+    c.query_opt(&st, &[&session, &text(schema_id), &payload, now])
+        .await
+        .map_err(db_err)?
+        .map(|r| memory_row(&r))
+        .transpose()
+}
+
+fn memory_row(row: &Row) -> StoreResult<MemoryRecord> {
+    Ok(MemoryRecord {
+        schema_id: get(row, 0)?,
+        payload: col_json(row, 1)?,
+        updated_at: get(row, 2)?,
+    })
+}
+
+/// `bodies`: the messages' bodies encoded as JSON text ahead of the write, or `None`.
+pub(crate) async fn adopt_session(
+    tx: &Tx<'_>,
+    a: AdoptSession,
+    bodies: Option<Vec<String>>,
+) -> StoreResult<AdoptOutcome> {
+    let new_id = a.session.id;
+    if let Some(bundle) = &a.bundle {
+        insert_bundle(tx, bundle, &a.now).await?;
+    }
+    if let Some(export) = &a.export {
+        // A foreign export already recorded by an earlier import stays as it is.
+        insert_export(tx, export).await?;
+    }
+    // First, so a losing import fails before writing thousands of messages.
+    if let Some(export) = a.consume_export {
+        consume_export(tx, export, new_id, &a.now).await?;
+    }
+    if let Some(source) = a.suspend {
+        let st = prep(
+            tx,
+            "UPDATE sessions SET status = $2, updated_at = $3 WHERE id = $1 AND status = ANY($4)",
+        )
+        .await?;
+        let to = SessionStatus::Suspended;
+        let n = tx
+            .execute(&st, &[&source, &to.as_str(), &a.now, &allowed_from(to)])
+            .await
+            .map_err(db_err)?;
+        if n == 0 {
+            return Err(refused_transition(tx, source, to).await);
+        }
+    }
+    let (session, messages, snapshot) = tokio::try_join!(
+        prep(
+            tx,
+            concat!(
+                "INSERT INTO sessions (id, agent_id, token_hash, status, step_count, \
+                 message_count, last_task, model, created_at, updated_at, metadata) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING ",
+                session_cols!()
+            )
+        ),
+        prep(tx, INSERT_MESSAGES),
+        prep(tx, INSERT_SNAPSHOT),
+    )?;
+    let (steps, count) = (int(a.step_count)?, len_i64(&a.messages)?);
+    let metadata = json(&a.session.metadata)?;
+    // The session first (the rest refers to it); everything after it is sent at once.
+    let session = async {
+        let row = tx
+            .query_one(
+                &session,
+                &[
+                    &new_id,
+                    &text(&a.session.agent_id),
+                    &a.session.token_hash,
+                    &a.status.as_str(),
+                    &steps,
+                    &count,
+                    &opt_text(&a.last_task),
+                    &opt_text(&a.model),
+                    &a.session.created_at,
+                    &a.now,
+                    &metadata,
+                ],
+            )
+            .await
+            .map_err(db_err)?;
+        session_row(&row)
+    };
+    let messages = insert_messages(tx, &messages, new_id, 0, &a.messages, bodies);
+    let snapshot = async {
+        match &a.snapshot {
+            Some(r) => insert_snapshot(
+                tx,
+                &snapshot,
+                new_id,
+                (r.step_count, r.message_count),
+                &r.snapshot,
+            )
+            .await
+            .map(drop),
+            None => Ok(()),
+        }
+    };
+    let memory = async {
+        match &a.memory {
+            Some((schema_id, payload)) => upsert_memory(tx, new_id, schema_id, payload, &a.now)
+                .await
+                .map(drop),
+            None => Ok(()),
+        }
+    };
+    let link = async {
+        match &a.link {
+            Some(link) => insert_link(tx, link).await,
+            None => Ok(()),
+        }
+    };
+    let (session, messages, snapshot, memory, link) =
+        tokio::join!(session, messages, snapshot, memory, link);
+    first_error([
+        session.as_ref().err().cloned(),
+        messages.err(),
+        snapshot.err(),
+        memory.err(),
+        link.err(),
+    ])?;
+    session
+}
+
+pub(crate) async fn lineage(c: &impl GenericClient, session: Uuid) -> StoreResult<Lineage> {
+    let (exports, outgoing, incoming) = tokio::try_join!(
+        prep(
+            c,
+            concat!(
+                "SELECT ",
+                export_cols!(),
+                " FROM exports WHERE session_id = $1 ORDER BY created_at, id"
+            )
+        ),
+        prep(
+            c,
+            concat!(
+                "SELECT ",
+                link_cols!(),
+                " FROM lineage WHERE from_session = $1 ORDER BY created_at, id"
+            )
+        ),
+        prep(
+            c,
+            concat!(
+                "SELECT ",
+                link_cols!(),
+                " FROM lineage WHERE to_session = $1 ORDER BY created_at, id"
+            )
+        ),
+    )?;
+    let (exports, outgoing, incoming) = tokio::try_join!(
+        async { c.query(&exports, &[&session]).await.map_err(db_err) },
+        async { c.query(&outgoing, &[&session]).await.map_err(db_err) },
+        async { c.query(&incoming, &[&session]).await.map_err(db_err) },
+    )?;
+    Ok(Lineage {
+        exports: rows(&exports, export_row)?,
+        outgoing: rows(&outgoing, link_row)?,
+        incoming: rows(&incoming, link_row)?,
+    })
+}
+
+pub(crate) async fn get_memory(
+    c: &impl GenericClient,
+    session: Uuid,
+) -> StoreResult<Option<MemoryRecord>> {
+    let st = prep(
+        c,
+        "SELECT schema_id, payload, updated_at FROM session_memory WHERE session_id = $1",
+    )
+    .await?;
+    c.query_opt(&st, &[&session])
+        .await
+        .map_err(db_err)?
+        .map(|r| memory_row(&r))
+        .transpose()
+}
+
+/// One statement: it writes only when the session exists, and `NotFound` otherwise.
+pub(crate) async fn put_memory(
+    c: &impl GenericClient,
+    session: Uuid,
+    schema_id: &str,
+    payload: &serde_json::Value,
+    now: &Timestamp,
+) -> StoreResult<MemoryRecord> {
+    upsert_memory(c, session, schema_id, payload, now)
+        .await?
+        .ok_or(StoreError::NotFound)
+}

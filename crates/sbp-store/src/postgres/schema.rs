@@ -1,0 +1,211 @@
+//! The PostgreSQL schema as an ordered list of migrations, applied at open. `sbp_schema_version`
+//! keeps one row per applied migration, so a later version appends one and never edits an old one.
+//! Several gateways starting at once take turns through a transaction-scoped advisory lock.
+
+use deadpool_postgres::Client;
+
+use super::codec::db_err;
+use crate::{StoreError, StoreResult};
+
+/// First key of the advisory lock that serialises migrations ("sbp" in ASCII); the second is a
+/// hash of the schema, so stores in different schemas of one database do not wait for each other.
+const LOCK_CLASS: i32 = 0x0073_6270;
+
+/// Migration `i` moves the schema from version `i` to `i + 1`.
+///
+/// Same tables, keys and meaning as the SQLite schema (`sqlite/schema.rs`). JSON is kept as the
+/// exact text serde_json wrote, not `jsonb`, which would normalise it (`-0.0`, `1e-7`, duplicate
+/// keys, `\u0000`) and change what a re-canonicalised bundle hashes to.
+const MIGRATIONS: &[&str] = &[
+    // v1: the schema of SQLite v2 (core + L3 roaming).
+    r#"
+    CREATE TABLE sessions (
+        id             uuid PRIMARY KEY,
+        -- Insertion order (SQLite's rowid): breaks ties between sessions updated in the same
+        -- microsecond in `latest_suspended_for_agent`.
+        ord            bigint GENERATED ALWAYS AS IDENTITY,
+        agent_id       text NOT NULL,
+        token_hash     text NOT NULL,
+        status         text NOT NULL,
+        step_count     bigint NOT NULL DEFAULT 0,
+        message_count  bigint NOT NULL DEFAULT 0,
+        last_task      text,
+        model          text,
+        tether_enabled boolean NOT NULL DEFAULT false,
+        -- The next tether seq to hand out; only ever grows, so a seq is never reused.
+        tether_seq     bigint NOT NULL DEFAULT 1,
+        created_at     timestamptz NOT NULL,
+        updated_at     timestamptz NOT NULL,
+        metadata       text NOT NULL
+    );
+    CREATE UNIQUE INDEX sessions_token_hash ON sessions (token_hash);
+    -- Partial: every turn rewrites updated_at, and only suspended sessions are looked up by it.
+    CREATE INDEX sessions_suspended_by_agent ON sessions (agent_id, updated_at DESC, ord DESC)
+        WHERE status = 'suspended';
+    CREATE INDEX sessions_status ON sessions (status);
+
+    CREATE TABLE messages (
+        session_id uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        seq        bigint NOT NULL,
+        role       text NOT NULL,
+        body       text NOT NULL,
+        model_used text,
+        cost_usd   double precision,
+        created_at timestamptz NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    );
+
+    CREATE TABLE snapshots (
+        -- Insertion order: "latest" means the last written, never a timestamp tie. Writes of one
+        -- session hold its row lock, so within a session this is also commit order.
+        ord           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        id            uuid NOT NULL UNIQUE,
+        session_id    uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        kind          text NOT NULL,
+        step_count    bigint NOT NULL,
+        message_count bigint NOT NULL,
+        model         text,
+        current_task  text,
+        created_at    timestamptz NOT NULL,
+        state         text NOT NULL
+    );
+    CREATE INDEX snapshots_session ON snapshots (session_id, ord);
+    CREATE INDEX snapshots_session_kind ON snapshots (session_id, kind, ord);
+
+    CREATE TABLE tether (
+        session_id uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        seq        bigint NOT NULL,
+        role       text NOT NULL,
+        content    text,
+        model_used text,
+        created_at timestamptz NOT NULL,
+        chunk_id   uuid NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    );
+
+    CREATE TABLE turns (
+        id          uuid PRIMARY KEY,
+        session_id  uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        state       text NOT NULL,
+        started_at  timestamptz NOT NULL,
+        finished_at timestamptz,
+        error       text
+    );
+    -- Only running turns are ever looked up by state (restart recovery).
+    CREATE INDEX turns_running ON turns (state) WHERE state = 'running';
+
+    CREATE TABLE idempotency (
+        key             text PRIMARY KEY,
+        session_id      uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        -- The turn that claimed (or re-claimed) the key, so restart recovery can release it.
+        turn_id         uuid,
+        fingerprint     text NOT NULL,
+        state           text NOT NULL,
+        created_session boolean NOT NULL,
+        response_status integer,
+        response_body   text,
+        created_at      timestamptz NOT NULL,
+        updated_at      timestamptz NOT NULL
+    );
+    CREATE INDEX idempotency_turn ON idempotency (turn_id);
+
+    -- Content-addressed: the canonical bytes of the sealed bundle (`bundle_cid` included).
+    CREATE TABLE bundles (
+        cid        text PRIMARY KEY,
+        body       bytea NOT NULL,
+        created_at timestamptz NOT NULL
+    );
+
+    -- No foreign key to sessions: a foreign export names a session of another gateway.
+    CREATE TABLE exports (
+        id                uuid PRIMARY KEY,
+        session_id        uuid NOT NULL,
+        bundle_cid        text NOT NULL REFERENCES bundles (cid),
+        label             text,
+        message_count     bigint NOT NULL,
+        created_at        timestamptz NOT NULL,
+        expires_at        timestamptz NOT NULL,
+        foreign_origin    boolean NOT NULL,
+        imported_at       timestamptz,
+        import_session_id uuid
+    );
+    CREATE INDEX exports_session ON exports (session_id, created_at);
+
+    CREATE TABLE lineage (
+        id           uuid PRIMARY KEY,
+        kind         text NOT NULL,
+        from_session uuid,
+        to_session   uuid NOT NULL,
+        from_agent   text,
+        to_agent     text,
+        export_id    uuid,
+        label        text,
+        reason       text,
+        fork_point   bigint,
+        reused       boolean NOT NULL,
+        created_at   timestamptz NOT NULL
+    );
+    CREATE INDEX lineage_from ON lineage (from_session, created_at);
+    CREATE INDEX lineage_to ON lineage (to_session, created_at);
+
+    CREATE TABLE session_memory (
+        session_id uuid PRIMARY KEY REFERENCES sessions (id) ON DELETE CASCADE,
+        schema_id  text NOT NULL,
+        payload    text NOT NULL,
+        updated_at timestamptz NOT NULL
+    );
+    "#,
+];
+
+/// How many migrations this build knows, i.e. the schema version it runs on.
+pub const SCHEMA_VERSION: usize = MIGRATIONS.len();
+
+/// Brings the schema up to date in one transaction under the advisory lock: of several gateways
+/// starting at once, one migrates and the others find the work done.
+pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
+    let tx = client.transaction().await.map_err(db_err)?;
+    // Without a schema to create in (a search_path naming none that exists), current_schema() is
+    // NULL; the CREATE below then fails with PostgreSQL's own clear message.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))",
+        &[&LOCK_CLASS],
+    )
+    .await
+    .map_err(db_err)?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS sbp_schema_version (
+             version    integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .await
+    .map_err(db_err)?;
+    let applied: i32 = tx
+        .query_one(
+            "SELECT COALESCE(MAX(version), 0) FROM sbp_schema_version",
+            &[],
+        )
+        .await
+        .map_err(db_err)?
+        .get(0);
+    let applied = usize::try_from(applied)
+        .map_err(|_| StoreError::Backend(format!("bad schema version {applied}")))?;
+    if applied > SCHEMA_VERSION {
+        return Err(StoreError::Backend(format!(
+            "database schema version {applied} is newer than this build knows ({SCHEMA_VERSION})"
+        )));
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(applied) {
+        let version = i32::try_from(i + 1)
+            .map_err(|_| StoreError::Backend("too many migrations".to_owned()))?;
+        tx.batch_execute(sql).await.map_err(db_err)?;
+        tx.execute(
+            "INSERT INTO sbp_schema_version (version) VALUES ($1)",
+            &[&version],
+        )
+        .await
+        .map_err(db_err)?;
+        tracing::info!(version, "applied postgres migration");
+    }
+    tx.commit().await.map_err(db_err)
+}
