@@ -26,8 +26,55 @@ fn pairs(v: &[(&str, &str)]) -> Transcript {
 /// attached, which a surface attaching to the restarted gateway drains in order.
 #[tokio::test]
 async fn acknowledged_writes_survive_kill_9() {
+    acknowledged_writes_survive_kill_9_on(&[]).await;
+}
+
+/// The same on PostgreSQL (a fresh schema of the test database, dropped afterwards).
+#[tokio::test]
+async fn acknowledged_writes_survive_kill_9_on_postgres() {
+    let base = std::env::var("SBP_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("sbp_bin_{}", uuid_simple());
+    psql(&base, &format!("CREATE SCHEMA {schema}"));
+    let url = format!("{base}?options=-c%20search_path%3D{schema}");
+    acknowledged_writes_survive_kill_9_on(&["--database", &url]).await;
+    psql(&base, &format!("DROP SCHEMA {schema} CASCADE"));
+}
+
+/// Runs SQL with the machine's psql (installed with PostgreSQL by scripts/services.sh).
+fn psql(url: &str, sql: &str) {
+    let out = std::process::Command::new("psql")
+        .args([url, "-v", "ON_ERROR_STOP=1", "-qc", sql])
+        .output()
+        .expect("psql runs (scripts/services.sh installs PostgreSQL and its client)");
+    assert!(
+        out.status.success(),
+        "psql {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn uuid_simple() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{:x}{:x}", nanos, std::process::id())
+}
+
+async fn acknowledged_writes_survive_kill_9_on(extra: &[&str]) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut gw = Sbp::start(dir.path(), &[]).await;
+    let mut gw = Sbp::start(dir.path(), extra).await;
+    let backend = if extra.is_empty() {
+        "sqlite://"
+    } else {
+        "postgres://"
+    };
+    assert!(
+        gw.banner.contains(&format!("storage {backend}")),
+        "{}",
+        gw.banner
+    );
 
     // (id, token, expected transcript)
     let mut sessions: Vec<(String, String, Transcript)> = Vec::new();
@@ -91,7 +138,7 @@ async fn acknowledged_writes_survive_kill_9() {
     let status = gw.proc.kill9();
     assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status}");
 
-    let gw = Sbp::start(dir.path(), &[]).await;
+    let gw = Sbp::start(dir.path(), extra).await;
     for (n, (id, token, transcript)) in sessions.iter().enumerate() {
         let view = gw.session(id, token).await;
         assert_eq!(view["session_id"], id.as_str(), "{view}");
