@@ -3,22 +3,20 @@
 //! one session are serialised by a striped async lock so a displaced socket's close cannot suspend a
 //! session a new surface has just attached to.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use sbp_protocol::SurfaceContext;
 use sbp_protocol::frames::ToolCall;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use uuid::Uuid;
 
 /// Capacity of a connection's inbox. A producer that finds it full stops streaming live to that
 /// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
 pub const CONN_INBOX: usize = 1024;
 const LOCK_STRIPES: usize = 64;
-/// Capacity of a connection's TOOL_CALL channel (calls in flight at once before senders wait).
-pub const CALLS_INBOX: usize = 64;
 /// The error result of a tool call whose surface went away.
 pub const DISCONNECTED: &str = "surface disconnected";
 
@@ -34,13 +32,60 @@ pub enum ConnMsg {
     Displaced,
 }
 
-/// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own channel so
+/// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own queue so
 /// a call never waits behind a backlog of chunks or a CTP rewrite.
 #[derive(Debug)]
 pub struct Inbox {
     pub msgs: mpsc::Receiver<ConnMsg>,
-    /// TOOL_CALLs to send; each TOOL_RESULT goes back through `Hub::complete_call`.
-    pub calls: mpsc::Receiver<ToolCall>,
+    pub calls: Arc<CallQueue>,
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // Calls pushed from now on fail at once instead of waiting for a reader that is gone.
+        self.calls.close();
+    }
+}
+
+/// TOOL_CALLs waiting to be written to one connection. A queue and a `Notify` rather than a second
+/// channel: a channel allocates its first block of slots up front, which thousands of idle surfaces
+/// would pay for; this costs nothing until a call is made.
+#[derive(Debug, Default)]
+pub struct CallQueue {
+    queue: Mutex<VecDeque<Box<ToolCall>>>,
+    ready: Notify,
+    closed: AtomicBool,
+}
+
+impl CallQueue {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Box<ToolCall>>> {
+        // push/pop cannot leave the queue half-updated, so a poisoned lock is still usable.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a call for the connection; false when the connection is gone.
+    pub fn push(&self, call: Box<ToolCall>) -> bool {
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        self.queue().push_back(call);
+        self.ready.notify_one();
+        true
+    }
+
+    pub fn pop(&self) -> Option<Box<ToolCall>> {
+        self.queue().pop_front()
+    }
+
+    /// Resolves when calls may be waiting (a permit is kept if nobody is waiting yet).
+    pub async fn ready(&self) {
+        self.ready.notified().await;
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.queue().clear();
+    }
 }
 
 /// The outcome of one surface tool call, as the LLM (or a backend) gets it.
@@ -75,7 +120,7 @@ pub struct TurnDone {
 pub struct Attachment {
     pub conn_id: u64,
     pub tx: mpsc::Sender<ConnMsg>,
-    pub calls: mpsc::Sender<ToolCall>,
+    pub calls: Arc<CallQueue>,
     pub surface: Arc<SurfaceContext>,
 }
 
@@ -190,15 +235,15 @@ impl Hub {
     }
 
     /// Registers a connection for `session`, displacing (and notifying) the previous one.
-    pub fn register(&self, session: Uuid, surface: SurfaceContext) -> (u64, Inbox) {
+    pub fn register(&self, session: Uuid, surface: Arc<SurfaceContext>) -> (u64, Inbox) {
         let conn_id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(CONN_INBOX);
-        let (calls, calls_rx) = mpsc::channel(CALLS_INBOX);
+        let calls = Arc::new(CallQueue::default());
         let att = Attachment {
             conn_id,
             tx,
-            calls,
-            surface: Arc::new(surface),
+            calls: calls.clone(),
+            surface,
         };
         let old = self.conns().insert(session, att);
         if let Some(old) = old {
@@ -206,13 +251,7 @@ impl Hub {
             // map, and it checks `is_current` when it drains.
             let _ = old.tx.try_send(ConnMsg::Displaced);
         }
-        (
-            conn_id,
-            Inbox {
-                msgs: rx,
-                calls: calls_rx,
-            },
-        )
+        (conn_id, Inbox { msgs: rx, calls })
     }
 
     /// Removes the connection if it is still the session's current one.

@@ -89,7 +89,7 @@ impl Gateway {
         let id = Uuid::parse_str(path_id)
             .map_err(|_| AttachError::NotFound(format!("No session with ID {path_id}")))?;
         self.check_token(id, &frame.session_token).await?;
-        let surface = frame.surface_context.clone().unwrap_or_default();
+        let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
         let (conn_id, inbox) = {
             let _guard = self.hub().session_lock(id).lock().await;
             self.store()
@@ -115,7 +115,7 @@ impl Gateway {
             last_sent: after,
             tether_index: 0,
             renderer: Renderer::new(self.rendering_for(&surface)),
-            surface: Arc::new(surface.clone()),
+            surface: surface.clone(),
         };
         let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
         let drained: Vec<_> = pending.iter().map(|e| delivery.tether_frame(e)).collect();

@@ -322,17 +322,9 @@ impl Gateway {
         };
         self.metrics().tool_calls.fetch_add(1, Relaxed);
         tracing::info!(session_id = %session, %call_id, tool, conn_id = att.conn_id, "TOOL_CALL sent");
-        // The inbox may be full of live chunks: wait for room, but not past the call's deadline.
-        match tokio::time::timeout_at(deadline, att.calls.send(frame)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                self.hub()
-                    .finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
-            }
-            Err(_) => {
-                self.hub()
-                    .finish_call(call_id, ToolReply::Error(TIMEOUT.into()));
-            }
+        if !att.calls.push(Box::new(frame)) {
+            self.hub()
+                .finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
         }
         let reply = match tokio::time::timeout_at(deadline, &mut rx).await {
             Ok(Ok(reply)) => reply,

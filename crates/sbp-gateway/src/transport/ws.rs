@@ -159,7 +159,9 @@ async fn run(gw: Gateway, path_id: String, mut socket: WebSocket) {
             .await;
         }
     };
-    let attached = match gw.attach(&path_id, attach).await {
+    // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
+    // as long as the surface stays attached, so only the small idle loop should live inline.
+    let attached = match Box::pin(gw.attach(&path_id, attach)).await {
         Ok(a) => a,
         Err(e) => {
             let (frame, code, reason) = match e {
@@ -191,11 +193,18 @@ async fn run(gw: Gateway, path_id: String, mut socket: WebSocket) {
     let mut delivery = attached.delivery;
     let mut inbox = attached.inbox;
     let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
-        connection_loop(&gw, &mut socket, &mut delivery, &mut inbox, attached.ctp).await
+        Box::pin(connection_loop(
+            &gw,
+            &mut socket,
+            &mut delivery,
+            &mut inbox,
+            attached.ctp,
+        ))
+        .await
     } else {
         "socket write failed"
     };
-    gw.detach(&delivery, reason).await;
+    Box::pin(gw.detach(&delivery, reason)).await;
 }
 
 /// Writes frames in order; after each frame that carries a tether seq, reports it sent.
@@ -214,7 +223,9 @@ async fn send_all(
         }
         sent.extend(seq);
     }
-    gw.sent(d, &sent).await;
+    if !sent.is_empty() {
+        Box::pin(gw.sent(d, &sent)).await;
+    }
     ok
 }
 
@@ -318,10 +329,10 @@ async fn connection_loop(
                         return "DETACH";
                     }
                     Ok(ClientFrame::Pong) => pong_deadline = None,
-                    Ok(ClientFrame::Ack { seq }) => gw.ack(d, seq).await,
+                    Ok(ClientFrame::Ack { seq }) => Box::pin(gw.ack(d, seq)).await,
                     Ok(ClientFrame::ToolResult(r)) => gw.tool_result(d.session_id, d.conn_id, r),
                     Ok(ClientFrame::Attach(a)) => {
-                        if let Err(reason) = reattach(gw, socket, d, &mut ctp, a).await {
+                        if let Err(reason) = Box::pin(reattach(gw, socket, d, &mut ctp, a)).await {
                             return reason;
                         }
                     }
@@ -331,9 +342,11 @@ async fn connection_loop(
                 },
             },
             // While a CTP rewrite streams, the inbox waits: later turns must not overtake it.
-            Some(call) = inbox.calls.recv() => {
-                if !send(socket, &ServerFrame::ToolCall(call)).await {
-                    return "socket write failed";
+            () = inbox.calls.ready() => {
+                while let Some(call) = inbox.calls.pop() {
+                    if !send(socket, &ServerFrame::ToolCall(*call)).await {
+                        return "socket write failed";
+                    }
                 }
             }
             msg = inbox.msgs.recv(), if ctp.is_none() => {
@@ -346,7 +359,7 @@ async fn connection_loop(
                         gw.live_chunk(d, chunk_id, &delta).map(|f| (f, None)).into_iter().collect()
                     }
                     Some(ConnMsg::TurnDone(done)) => {
-                        let turn = gw.on_turn_done(d, *done).await;
+                        let turn = Box::pin(gw.on_turn_done(d, *done)).await;
                         ctp = turn.ctp;
                         turn.frames
                     }
@@ -378,7 +391,7 @@ async fn connection_loop(
                 if ctp.is_some() {
                     continue;
                 }
-                let missed = gw.catch_up(d).await;
+                let missed = Box::pin(gw.catch_up(d)).await;
                 if !send_all(gw, socket, d, missed).await {
                     return "socket write failed";
                 }
