@@ -104,107 +104,108 @@ fn protocol_error(detail: String) -> ServerFrame {
     ServerFrame::ProtocolError { detail }
 }
 
-async fn run(gw: Gateway, path_id: String, mut socket: WebSocket) {
-    gw.metrics()
-        .ws_connections
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let timeout = gw.config().attach_timeout;
-    let first = match tokio::time::timeout(timeout, next_frame(&mut socket)).await {
-        Err(_) => {
-            let detail = format!("Expected ATTACH_SESSION within {} s", timeout.as_secs_f64());
-            return refuse(
-                &mut socket,
-                protocol_error(detail),
-                CLOSE_PROTOCOL_ERROR,
-                "attach timeout",
-            )
-            .await;
-        }
-        Ok(Incoming::Closed) => return,
-        Ok(Incoming::TooBig) => return close(&mut socket, CLOSE_TOO_BIG, "frame too large").await,
-        Ok(Incoming::Binary) => {
-            let detail = "Expected ATTACH_SESSION as first frame, got a binary frame".to_owned();
-            return refuse(
-                &mut socket,
-                protocol_error(detail),
-                CLOSE_PROTOCOL_ERROR,
-                "protocol error",
-            )
-            .await;
-        }
-        Ok(Incoming::Text(t)) => t,
-    };
-    let attach = match ClientFrame::parse(&first) {
-        Ok(ClientFrame::Attach(a)) => a,
-        Ok(other) => {
-            let detail = format!(
-                "Expected ATTACH_SESSION as first frame, got '{}'",
-                other.type_name()
-            );
-            return refuse(
-                &mut socket,
-                protocol_error(detail),
-                CLOSE_PROTOCOL_ERROR,
-                "protocol error",
-            )
-            .await;
-        }
-        Err(e) => {
-            return refuse(
-                &mut socket,
-                protocol_error(e.to_string()),
-                CLOSE_PROTOCOL_ERROR,
-                "protocol error",
-            )
-            .await;
-        }
-    };
-    // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
-    // as long as the surface stays attached, so only the small idle loop should live inline.
-    let attached = match Box::pin(gw.attach(&path_id, attach)).await {
-        Ok(a) => a,
-        Err(e) => {
-            let (frame, code, reason) = match e {
-                AttachError::NotFound(d) => (
-                    ServerFrame::SessionNotFound { detail: d },
-                    CLOSE_NOT_FOUND,
-                    "session not found",
-                ),
-                AttachError::Forbidden(d) => (
-                    ServerFrame::Forbidden { detail: d },
-                    CLOSE_FORBIDDEN,
-                    "forbidden",
-                ),
-                AttachError::Protocol(d) => {
-                    (protocol_error(d), CLOSE_PROTOCOL_ERROR, "protocol error")
-                }
-                AttachError::Internal(d) => {
-                    tracing::error!(error = %d, "attach failed");
-                    (
-                        protocol_error("internal error during attach".into()),
-                        CLOSE_INTERNAL,
-                        "internal error",
-                    )
-                }
-            };
-            return refuse(&mut socket, frame, code, reason).await;
-        }
-    };
-    let mut delivery = attached.delivery;
-    let mut inbox = attached.inbox;
-    let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
-        Box::pin(connection_loop(
-            &gw,
-            &mut socket,
-            &mut delivery,
-            &mut inbox,
-            attached.ctp,
-        ))
-        .await
-    } else {
-        "socket write failed"
-    };
-    Box::pin(gw.detach(&delivery, reason)).await;
+/// The connection task. A plain function returning an `async move` block rather than an `async fn`:
+/// an async fn keeps its arguments twice in its state (once as captured, once as locals), and this
+/// state lives as long as the surface stays attached.
+fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Output = ()> + Send {
+    async move {
+        gw.metrics()
+            .ws_connections
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let timeout = gw.config().attach_timeout;
+        let first = match tokio::time::timeout(timeout, next_frame(&mut socket)).await {
+            Err(_) => {
+                let detail = format!("Expected ATTACH_SESSION within {} s", timeout.as_secs_f64());
+                return refuse(
+                    &mut socket,
+                    protocol_error(detail),
+                    CLOSE_PROTOCOL_ERROR,
+                    "attach timeout",
+                )
+                .await;
+            }
+            Ok(Incoming::Closed) => return,
+            Ok(Incoming::TooBig) => {
+                return close(&mut socket, CLOSE_TOO_BIG, "frame too large").await;
+            }
+            Ok(Incoming::Binary) => {
+                let detail =
+                    "Expected ATTACH_SESSION as first frame, got a binary frame".to_owned();
+                return refuse(
+                    &mut socket,
+                    protocol_error(detail),
+                    CLOSE_PROTOCOL_ERROR,
+                    "protocol error",
+                )
+                .await;
+            }
+            Ok(Incoming::Text(t)) => t,
+        };
+        let attach = match ClientFrame::parse(&first) {
+            Ok(ClientFrame::Attach(a)) => a,
+            Ok(other) => {
+                let detail = format!(
+                    "Expected ATTACH_SESSION as first frame, got '{}'",
+                    other.type_name()
+                );
+                return refuse(
+                    &mut socket,
+                    protocol_error(detail),
+                    CLOSE_PROTOCOL_ERROR,
+                    "protocol error",
+                )
+                .await;
+            }
+            Err(e) => {
+                return refuse(
+                    &mut socket,
+                    protocol_error(e.to_string()),
+                    CLOSE_PROTOCOL_ERROR,
+                    "protocol error",
+                )
+                .await;
+            }
+        };
+        // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
+        // as long as the surface stays attached, so only the small idle loop should live inline.
+        let attached = match Box::pin(gw.attach(&path_id, attach)).await {
+            Ok(a) => a,
+            Err(e) => {
+                let (frame, code, reason) = match e {
+                    AttachError::NotFound(d) => (
+                        ServerFrame::SessionNotFound { detail: d },
+                        CLOSE_NOT_FOUND,
+                        "session not found",
+                    ),
+                    AttachError::Forbidden(d) => (
+                        ServerFrame::Forbidden { detail: d },
+                        CLOSE_FORBIDDEN,
+                        "forbidden",
+                    ),
+                    AttachError::Protocol(d) => {
+                        (protocol_error(d), CLOSE_PROTOCOL_ERROR, "protocol error")
+                    }
+                    AttachError::Internal(d) => {
+                        tracing::error!(error = %d, "attach failed");
+                        (
+                            protocol_error("internal error during attach".into()),
+                            CLOSE_INTERNAL,
+                            "internal error",
+                        )
+                    }
+                };
+                return refuse(&mut socket, frame, code, reason).await;
+            }
+        };
+        let mut delivery = attached.delivery;
+        let mut inbox = attached.inbox;
+        let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
+            connection_loop(&gw, &mut socket, &mut delivery, &mut inbox, attached.ctp).await
+        } else {
+            "socket write failed"
+        };
+        Box::pin(gw.detach(&delivery, reason)).await;
+    }
 }
 
 /// Writes frames in order; after each frame that carries a tether seq, reports it sent.
@@ -316,12 +317,12 @@ async fn connection_loop(
                     return "frame too large";
                 }
                 Incoming::Binary => {
-                    refuse(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error").await;
+                    Box::pin(refuse(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error")).await;
                     return "protocol error";
                 }
                 Incoming::Text(text) => match ClientFrame::parse(&text) {
                     Err(e) => {
-                        refuse(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error").await;
+                        Box::pin(refuse(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error")).await;
                         return "protocol error";
                     }
                     Ok(ClientFrame::Detach) => {
@@ -364,7 +365,7 @@ async fn connection_loop(
                         turn.frames
                     }
                 };
-                if !send_all(gw, socket, d, frames).await {
+                if !Box::pin(send_all(gw, socket, d, frames)).await {
                     return "socket write failed";
                 }
             }
@@ -375,7 +376,7 @@ async fn connection_loop(
                     return "displaced";
                 }
                 Some(frame) => {
-                    if !send_all(gw, socket, d, vec![frame]).await {
+                    if !Box::pin(send_all(gw, socket, d, vec![frame])).await {
                         return "socket write failed";
                     }
                 }
@@ -392,7 +393,7 @@ async fn connection_loop(
                     continue;
                 }
                 let missed = Box::pin(gw.catch_up(d)).await;
-                if !send_all(gw, socket, d, missed).await {
+                if !Box::pin(send_all(gw, socket, d, missed)).await {
                     return "socket write failed";
                 }
             }
