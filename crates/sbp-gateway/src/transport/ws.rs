@@ -107,6 +107,7 @@ fn protocol_error(detail: String) -> ServerFrame {
 /// The connection task. A plain function returning an `async move` block rather than an `async fn`:
 /// an async fn keeps its arguments twice in its state (once as captured, once as locals), and this
 /// state lives as long as the surface stays attached.
+#[allow(clippy::manual_async_fn)] // deliberate: see above
 fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Output = ()> + Send {
     async move {
         gw.metrics()
