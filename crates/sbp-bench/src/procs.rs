@@ -21,6 +21,19 @@ pub struct Env {
     pub bin_dir: PathBuf,
     pub log_dir: PathBuf,
     pub data_root: PathBuf,
+    /// PostgreSQL base URL (`postgres://user@host:port/db`): the gateway stores there, in a fresh
+    /// schema per start, instead of in SQLite.
+    pub database: Option<String>,
+}
+
+impl Env {
+    /// What the gateway stores on, for labels: `full` / `normal` (SQLite) or `pg`.
+    pub fn storage(&self, sync: Sync) -> &'static str {
+        match self.database {
+            Some(_) => "pg",
+            None => sync.as_str(),
+        }
+    }
 }
 
 /// A started child process that prints `... listening on http://ADDR...` on stdout.
@@ -142,12 +155,89 @@ impl Sync {
     }
 }
 
-/// A fake upstream and a gateway in front of it, with the gateway's fresh data directory.
+/// A fake upstream and a gateway in front of it, with the gateway's fresh data directory (and,
+/// on PostgreSQL, its fresh schema).
 pub struct Stack {
     pub fake: Service,
     pub gateway: Service,
     /// Deleted (with the database) on drop.
     data: tempfile::TempDir,
+    /// Dropped (with every table in it) on stop, or on drop.
+    schema: Option<Schema>,
+}
+
+/// A schema made for one gateway run on PostgreSQL. [`Schema::drop_now`] removes it; dropping
+/// the value without that removes it too, from a short-lived thread (an error path or Ctrl-C).
+pub struct Schema {
+    base: String,
+    pub name: String,
+    dropped: bool,
+}
+
+impl Schema {
+    /// Creates `sbp_bench_<pid>_<n>` on `base`.
+    pub async fn create(base: &str) -> anyhow::Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "sbp_bench_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        pg_exec(base, &format!("CREATE SCHEMA {name}")).await?;
+        Ok(Self {
+            base: base.to_owned(),
+            name,
+            dropped: false,
+        })
+    }
+
+    /// The gateway's `--database`: `base` with the schema as its `search_path`.
+    pub fn url(&self) -> String {
+        let sep = if self.base.contains('?') { '&' } else { '?' };
+        format!("{}{sep}options=-c%20search_path%3D{}", self.base, self.name)
+    }
+
+    pub async fn drop_now(mut self) -> anyhow::Result<()> {
+        self.dropped = true;
+        pg_exec(&self.base, &self.drop_sql()).await
+    }
+
+    fn drop_sql(&self) -> String {
+        format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name)
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        if self.dropped {
+            return;
+        }
+        let (base, sql) = (self.base.clone(), self.drop_sql());
+        // Its own thread and runtime: this may run inside the bench's runtime, which cannot be
+        // blocked on from here.
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(pg_exec(&base, &sql))
+        })
+        .join();
+        if !matches!(done, Ok(Ok(()))) {
+            eprintln!("could not drop schema {}; drop it by hand", self.name);
+        }
+    }
+}
+
+/// Runs one statement on a fresh connection to `url`.
+pub async fn pg_exec(url: &str, sql: &str) -> anyhow::Result<()> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    let conn = tokio::spawn(conn);
+    let result = client.batch_execute(sql).await;
+    drop(client);
+    let _ = conn.await;
+    result.with_context(|| format!("running {sql:?}"))
 }
 
 impl Stack {
@@ -158,6 +248,16 @@ impl Stack {
             .prefix("sbp-bench-")
             .tempdir_in(&env.data_root)
             .with_context(|| format!("creating a data dir in {}", env.data_root.display()))?;
+        let schema = match &env.database {
+            Some(base) => match Schema::create(base).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    let _ = fake.stop().await;
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let mut cmd = Command::new(binary(env, "sbp")?);
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0"])
@@ -173,6 +273,9 @@ impl Stack {
             .env_remove("SBP_DATABASE")
             .env_remove("SBP_API_KEYS")
             .env_remove("SBP_STRICT_SBP");
+        if let Some(schema) = &schema {
+            cmd.arg("--database").arg(schema.url());
+        }
         let log = env.log_dir.join(format!("{label}-gateway.log"));
         let gateway = match Service::spawn("gateway", cmd, log).await {
             Ok(g) => g,
@@ -182,25 +285,31 @@ impl Stack {
             }
         };
         // The pids are printed so a run can be profiled (`perf record -g -p PID`).
+        let storage = match &schema {
+            Some(s) => format!("postgres schema {}", s.name),
+            None => format!("sqlite, sync {}", sync.as_str()),
+        };
         println!(
-            "  gateway pid {} on {} (sync {}), fake upstream pid {} on {}",
-            gateway.pid,
-            gateway.addr,
-            sync.as_str(),
-            fake.pid,
-            fake.addr
+            "  gateway pid {} on {} ({storage}), fake upstream pid {} on {}",
+            gateway.pid, gateway.addr, fake.pid, fake.addr
         );
         Ok(Self {
             fake,
             gateway,
             data,
+            schema,
         })
     }
 
     pub async fn stop(self) -> anyhow::Result<()> {
         let a = self.gateway.stop().await;
         let b = self.fake.stop().await;
-        a.and(b)
+        // After the gateway is gone, so none of its connections holds a lock on the tables.
+        let c = match self.schema {
+            Some(s) => s.drop_now().await,
+            None => Ok(()),
+        };
+        a.and(b).and(c)
     }
 
     /// Starts the processes, runs `measure` against them and always stops them. A process that died
@@ -320,6 +429,8 @@ pub struct CpuSnapshot {
     at: Instant,
     procs: Vec<(String, u32, u64)>,
     threads: Vec<BTreeMap<String, u64>>,
+    /// Ticks of every process named `postgres` (server, backends, WAL writer, checkpointer...).
+    postgres: BTreeMap<u32, u64>,
     machine_busy: u64,
     machine_steal: u64,
     machine_total: u64,
@@ -391,6 +502,27 @@ fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
     out
 }
 
+/// Ticks of each process whose name is `name`.
+fn ticks_by_name(name: &str) -> BTreeMap<u32, u64> {
+    let mut out = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        if let Some((_, t)) = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|t| stat_ticks(&t))
+            .filter(|(comm, _)| comm == name)
+        {
+            out.insert(pid, t);
+        }
+    }
+    out
+}
+
 /// (busy, steal, total) ticks of all cores.
 fn machine_ticks() -> (u64, u64, u64) {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -419,6 +551,7 @@ impl CpuSnapshot {
         Self {
             at: Instant::now(),
             threads: all.iter().map(|(_, pid)| thread_ticks(*pid)).collect(),
+            postgres: ticks_by_name("postgres"),
             procs: all
                 .into_iter()
                 .map(|(n, pid)| {
@@ -453,6 +586,16 @@ impl CpuSnapshot {
                 }
             }
             thread_pct.insert(name.clone(), per);
+        }
+        // All PostgreSQL processes as one (a backend that started during the interval counts whole),
+        // when the machine runs one: with `--database` it does the storage work.
+        if !now.postgres.is_empty() {
+            let ticks: u64 = now
+                .postgres
+                .iter()
+                .map(|(pid, t)| t.saturating_sub(self.postgres.get(pid).copied().unwrap_or(0)))
+                .sum();
+            process_pct.insert("postgres".to_owned(), round1(pct(ticks)));
         }
         let busy = now.machine_busy.saturating_sub(self.machine_busy) as f64;
         let steal = now.machine_steal.saturating_sub(self.machine_steal) as f64;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use sbp_gateway::CtpRule;
+use sbp_store::redis_tether::TetherMode;
 use serde::Deserialize;
 
 #[derive(Debug, Args, Default)]
@@ -30,6 +31,21 @@ pub struct ServeArgs {
     /// process, not of the machine). [default: full]
     #[arg(long, env = "SBP_SQLITE_SYNCHRONOUS")]
     pub sqlite_synchronous: Option<String>,
+    /// Keep the Tether in Redis Streams: `redis://[USER:PASSWORD@]HOST[:PORT][/DB]`. Turns are still
+    /// committed to the database with their tether entry and then streamed to
+    /// `<prefix>tether:<session>`; acknowledgements (ACK, `last_seq`) trim the stream. Without it
+    /// the Tether lives in the database. [default: the database]
+    #[arg(long, env = "SBP_TETHER")]
+    pub tether: Option<String>,
+    /// What the database keeps once a turn is in Redis: `mirror` (every unacknowledged turn, so
+    /// nothing is lost whatever Redis persists; one more database write per ACK), `handoff` (nothing:
+    /// Redis owns the turn, durable only with `appendonly yes` + `appendfsync always`), or `auto`
+    /// (handoff when Redis reports exactly that persistence, mirror otherwise). [default: auto]
+    #[arg(long, env = "SBP_TETHER_MODE")]
+    pub tether_mode: Option<String>,
+    /// Prefix of the Tether's Redis keys (to share one Redis between deployments). [default: sbp:]
+    #[arg(long, env = "SBP_TETHER_PREFIX")]
+    pub tether_prefix: Option<String>,
     /// Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:11434/v1 (Ollama),
     /// http://127.0.0.1:8000/v1 (vLLM), http://127.0.0.1:8081/v1 (llama.cpp), https://api.openai.com/v1.
     /// Without it turns are answered by the built-in offline model `sbp/echo`.
@@ -135,6 +151,9 @@ struct FileConfig {
     data_dir: Option<PathBuf>,
     database: Option<String>,
     sqlite_synchronous: Option<String>,
+    tether: Option<String>,
+    tether_mode: Option<String>,
+    tether_prefix: Option<String>,
     llm_base_url: Option<String>,
     llm_api_key: Option<String>,
     default_model: Option<String>,
@@ -182,12 +201,22 @@ pub enum Database {
     Postgres(String),
 }
 
+/// Where the Tether lives when not in the database (`--tether`).
+#[derive(Debug, Clone)]
+pub struct TetherSettings {
+    /// The URL as given (it may hold a password: log `redacted_redis_url` of it).
+    pub url: String,
+    pub mode: TetherMode,
+    pub prefix: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub database: Database,
     pub sqlite_full_sync: bool,
+    pub tether: Option<TetherSettings>,
     pub llm_base_url: Option<String>,
     pub llm_api_key: Option<String>,
     pub default_model: Option<String>,
@@ -259,6 +288,11 @@ impl Settings {
             "normal" => false,
             other => bail!("--sqlite-synchronous must be full or normal, got '{other}'"),
         };
+        let tether = parse_tether(
+            args.tether.or(file.tether),
+            args.tether_mode.or(file.tether_mode),
+            args.tether_prefix.or(file.tether_prefix),
+        )?;
         let mut api_keys: Vec<String> = args
             .api_keys
             .into_iter()
@@ -346,6 +380,7 @@ impl Settings {
             data_dir,
             database,
             sqlite_full_sync,
+            tether,
             llm_base_url: args
                 .llm_base_url
                 .or(file.llm_base_url)
@@ -420,6 +455,33 @@ fn parse_database(url: &str) -> anyhow::Result<Database> {
         return Ok(Database::Postgres(url.to_owned()));
     }
     bail!("--database must look like sqlite://PATH or postgres://USER@HOST/DB, got '{url}'")
+}
+
+fn parse_tether(
+    url: Option<String>,
+    mode: Option<String>,
+    prefix: Option<String>,
+) -> anyhow::Result<Option<TetherSettings>> {
+    let Some(url) = url.filter(|u| !u.trim().is_empty()) else {
+        if mode.is_some() || prefix.is_some() {
+            bail!("--tether-mode and --tether-prefix need --tether redis://...");
+        }
+        return Ok(None);
+    };
+    if !url.starts_with("redis://") {
+        bail!("--tether must look like redis://HOST[:PORT][/DB], got '{url}'");
+    }
+    let mode = match mode {
+        None => TetherMode::Auto,
+        Some(m) => m
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--tether-mode: {e}"))?,
+    };
+    let prefix = prefix.unwrap_or_else(|| "sbp:".to_owned());
+    if prefix.is_empty() || prefix.chars().any(|c| c.is_whitespace() || c == '*') {
+        bail!("--tether-prefix must be non-empty, without spaces or '*'");
+    }
+    Ok(Some(TetherSettings { url, mode, prefix }))
 }
 
 /// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,
@@ -559,6 +621,54 @@ mod tests {
             })
             .expect("resolves");
             assert!(matches!(s.database, Database::Postgres(ref u) if u == url));
+        }
+    }
+
+    #[test]
+    fn tether_in_redis() {
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert!(d.tether.is_none(), "the database's own tether by default");
+        let s = Settings::resolve(ServeArgs {
+            tether: Some("redis://:pw@10.0.0.2:6380/1".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        let t = s.tether.expect("tether configured");
+        assert_eq!(
+            (t.url.as_str(), t.mode, t.prefix.as_str()),
+            ("redis://:pw@10.0.0.2:6380/1", TetherMode::Auto, "sbp:")
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "tether = \"redis://127.0.0.1\"\ntether_mode = \"mirror\"\ntether_prefix = \"a:\"\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            tether_mode: Some("handoff".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        let t = s.tether.expect("tether from the file");
+        assert_eq!((t.mode, t.prefix.as_str()), (TetherMode::Handoff, "a:"));
+        for args in [
+            ServeArgs {
+                tether: Some("postgres://x".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                tether: Some("redis://x".into()),
+                tether_mode: Some("sometimes".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                tether_mode: Some("mirror".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(Settings::resolve(args).is_err());
         }
     }
 

@@ -10,6 +10,7 @@ use sbp_llm::{
     Provider, Router,
 };
 use sbp_store::postgres::{PostgresOptions, PostgresStore, redacted_url};
+use sbp_store::redis_tether::{RedisTetherOptions, TetheredStore, redacted_redis_url};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 
 use crate::config::{Database, Settings, load_secret};
@@ -43,6 +44,25 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("opening {label}"))?;
             (Arc::new(store) as Arc<dyn sbp_store::Store>, label)
+        }
+    };
+    let (store, storage_label) = match &s.tether {
+        None => (store, storage_label),
+        Some(t) => {
+            let label = redacted_redis_url(&t.url);
+            let opts = RedisTetherOptions {
+                prefix: t.prefix.clone(),
+                mode: t.mode,
+                ..RedisTetherOptions::default()
+            };
+            let tethered = TetheredStore::open(store, &t.url, opts)
+                .await
+                .with_context(|| format!("opening the tether at {label}"))?;
+            let mode = format!("{:?}", tethered.mode()).to_lowercase();
+            (
+                Arc::new(tethered) as Arc<dyn sbp_store::Store>,
+                format!("{storage_label}, tether {label} ({mode})"),
+            )
         }
     };
     let (provider, upstream_label): (Arc<dyn Provider>, String) = match &s.llm_base_url {

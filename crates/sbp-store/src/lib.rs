@@ -4,6 +4,7 @@
 
 pub mod postgres;
 pub mod records;
+pub mod redis_tether;
 pub mod roaming;
 pub mod sqlite;
 

@@ -125,6 +125,15 @@ impl PostgresStore {
         if config.get_application_name().is_none() {
             config.application_name("sbp-gateway");
         }
+        // Every statement here is prepared once per connection and looks rows up by key, so one
+        // generic plan per statement serves every call. Left to choose, PostgreSQL keeps planning
+        // the turn's statements afresh on every call: a custom plan sees the arrays' real lengths
+        // and looks cheaper than the generic one. First, so options in the URL can override it.
+        let options = match config.get_options() {
+            Some(existing) => format!("-c plan_cache_mode=force_generic_plan {existing}"),
+            None => "-c plan_cache_mode=force_generic_plan".to_owned(),
+        };
+        config.options(options);
         if let Some(schema) = &opts.schema {
             if !plain_identifier(schema) {
                 return Err(StoreError::Backend(format!(
@@ -175,26 +184,77 @@ impl PostgresStore {
 
     /// Runs `work` in a transaction on a pooled connection: COMMIT when it returns `Ok` (and only
     /// then answers), ROLLBACK when it returns `Err`, so a failed operation leaves nothing behind.
+    ///
+    /// BEGIN is not waited for: it is sent, and `work`'s first statements right behind it on the
+    /// same connection, so opening the transaction costs no round trip of its own. (Had BEGIN failed,
+    /// the connection is broken and those statements fail too.)
     async fn write<T, F>(&self, work: F) -> StoreResult<T>
     where
-        F: for<'t, 'c> FnOnce(&'t Tx<'c>) -> TxFuture<'t, T> + Send,
+        F: for<'t> FnOnce(&'t Tx) -> TxFuture<'t, T> + Send,
         T: Send,
     {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db_err)?;
-        match work(&tx).await {
-            Ok(v) => {
-                tx.commit().await.map_err(db_err)?;
+        let open = OpenTx(Some(self.client().await?));
+        let client: &Tx = open.client()?;
+        // `join!` polls in order, so BEGIN is queued on the connection before the first statement.
+        let (begun, done) = tokio::join!(client.batch_execute("BEGIN"), work(client));
+        let end = match (&begun, &done) {
+            (Ok(()), Ok(_)) => "COMMIT",
+            _ => "ROLLBACK",
+        };
+        let ended = client.batch_execute(end).await;
+        match (begun, done, ended) {
+            (Ok(()), Ok(v), Ok(())) => {
+                open.finish();
                 Ok(v)
             }
-            Err(e) => {
-                // Dropping the transaction would roll back too; doing it here keeps the connection
-                // clean before it goes back to the pool, and a failure is only worth a log line.
-                if let Err(rollback) = tx.rollback().await {
-                    tracing::warn!(error = %rollback, "postgres rollback failed");
+            (Ok(()), Ok(_), Err(commit)) => Err(db_err(commit)),
+            // The operation's own error says more than BEGIN's "transaction is aborted".
+            (_, Err(e), ended) => {
+                match ended {
+                    Ok(()) => open.finish(),
+                    // The connection is dropped with `open`, not reused in an unknown state.
+                    Err(rollback) => tracing::warn!(error = %rollback, "postgres rollback failed"),
                 }
                 Err(e)
             }
+            (Err(begin), Ok(_), _) => Err(db_err(begin)),
+        }
+    }
+
+    /// Runs one statement outside an explicit transaction: PostgreSQL commits it on its own before
+    /// it answers (durable with `synchronous_commit`), in one round trip.
+    async fn autocommit<T>(
+        &self,
+        work: impl for<'t> FnOnce(&'t Tx) -> TxFuture<'t, T>,
+    ) -> StoreResult<T> {
+        let client = self.client().await?;
+        work(&client).await
+    }
+}
+
+/// A pooled connection with a transaction open on it. Dropped before [`OpenTx::finish`] (the
+/// operation failed to end it, or its future was dropped mid-way), the connection is taken out of
+/// the pool and closed, so the server rolls the transaction back and no later operation runs
+/// inside it.
+struct OpenTx(Option<Client>);
+
+impl OpenTx {
+    fn client(&self) -> StoreResult<&Tx> {
+        self.0
+            .as_ref()
+            .ok_or_else(|| StoreError::Backend("postgres connection already released".to_owned()))
+    }
+
+    /// The transaction has ended: the connection goes back to the pool.
+    fn finish(mut self) {
+        self.0.take();
+    }
+}
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(deadpool_postgres::Object::take(client));
         }
     }
 }
@@ -311,11 +371,21 @@ impl TetherStore for PostgresStore {
 #[async_trait]
 impl TurnStore for PostgresStore {
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
+        if ops::begin_is_one_statement(&begin) {
+            return self
+                .autocommit(move |c| Box::pin(ops::begin_turn(c, begin)))
+                .await;
+        }
         self.write(move |tx| Box::pin(ops::begin_turn(tx, begin)))
             .await
     }
 
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
+        if ops::finish_is_one_statement(&finish) {
+            return self
+                .autocommit(move |c| Box::pin(ops::finish_turn(c, finish)))
+                .await;
+        }
         self.write(move |tx| Box::pin(ops::finish_turn(tx, finish)))
             .await
     }

@@ -1,6 +1,8 @@
 //! Runs the storage conformance suite against every backend: SQLite (each case on a fresh database
 //! file in its own temp dir) and PostgreSQL (each case in a fresh schema of the database named by
-//! `SBP_TEST_DATABASE_URL`, dropped afterwards).
+//! `SBP_TEST_DATABASE_URL`, dropped afterwards), and both again with the tether in Redis Streams
+//! (`SBP_TEST_REDIS_URL`, each case under a key prefix of its own, deleted afterwards) in mirror and
+//! handoff mode.
 
 mod suite;
 
@@ -149,8 +151,8 @@ mod postgres {
     }
 
     /// A fresh schema for one test, dropped by [`TestSchema::drop`].
-    struct TestSchema {
-        url: String,
+    pub(crate) struct TestSchema {
+        pub(crate) url: String,
         name: String,
     }
 
@@ -175,7 +177,7 @@ mod postgres {
     }
 
     impl TestSchema {
-        async fn create() -> TestSchema {
+        pub(crate) async fn create() -> TestSchema {
             let url = url();
             let name = format!("sbp_test_{}", uuid::Uuid::new_v4().simple());
             admin(&url)
@@ -186,7 +188,7 @@ mod postgres {
             TestSchema { url, name }
         }
 
-        fn options(&self) -> PostgresOptions {
+        pub(crate) fn options(&self) -> PostgresOptions {
             PostgresOptions {
                 // Two cases run at once by default; leave room below max_connections = 100.
                 max_connections: 16,
@@ -195,7 +197,7 @@ mod postgres {
             }
         }
 
-        async fn open(&self) -> Arc<dyn Store> {
+        pub(crate) async fn open(&self) -> Arc<dyn Store> {
             Arc::new(
                 PostgresStore::open(&self.url, self.options())
                     .await
@@ -204,7 +206,7 @@ mod postgres {
         }
 
         /// Best effort: a schema left behind by a crash only costs space.
-        async fn drop(self) {
+        pub(crate) async fn drop(self) {
             let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name);
             if let Err(e) = admin(&self.url).await.batch_execute(&sql).await {
                 eprintln!("could not drop schema {}: {e}", self.name);
@@ -383,5 +385,450 @@ mod postgres {
                 }
             })
             .await;
+    }
+}
+
+/// The suite again with the tether in Redis Streams over each SQL backend, in both modes, plus the
+/// cases only a split tether has: entries committed but never streamed, replays, Redis losing its
+/// data, handoff of the outbox.
+mod redis_tether {
+    use std::future::Future;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use sbp_store::Store;
+    use sbp_store::redis_tether::{RedisTetherOptions, TetherMode, TetheredStore};
+    use sbp_store::sqlite::{SqliteOptions, SqliteStore};
+    use tempfile::TempDir;
+
+    use crate::postgres::TestSchema;
+
+    /// What scripts/test.sh exports; used when the variable is unset.
+    const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
+    fn url() -> String {
+        std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+    }
+
+    enum Backing {
+        Sqlite(TempDir),
+        Postgres(TestSchema),
+    }
+
+    /// One case's SQL store and Redis key prefix; [`Fixture::run`] deletes both afterwards.
+    pub(crate) struct Fixture {
+        backing: Backing,
+        prefix: String,
+        mode: TetherMode,
+        relay_interval: Duration,
+    }
+
+    impl Fixture {
+        pub(crate) async fn new(postgres: bool, mode: TetherMode) -> Fixture {
+            let backing = if postgres {
+                Backing::Postgres(TestSchema::create().await)
+            } else {
+                Backing::Sqlite(tempfile::tempdir().expect("temp dir"))
+            };
+            Fixture {
+                backing,
+                prefix: format!("sbptest:{}:", uuid::Uuid::new_v4().simple()),
+                mode,
+                // Short, so the relay's handoffs race the cases' own calls.
+                relay_interval: Duration::from_millis(20),
+            }
+        }
+
+        fn options(&self) -> RedisTetherOptions {
+            RedisTetherOptions {
+                prefix: self.prefix.clone(),
+                mode: self.mode,
+                relay_interval: self.relay_interval,
+                ..RedisTetherOptions::default()
+            }
+        }
+
+        fn sqlite_path(dir: &TempDir) -> PathBuf {
+            dir.path().join("sbp.sqlite3")
+        }
+
+        /// Opens the SQL store and wraps it; every call opens a new pair on the same data (a
+        /// restart, or another replica when the backend is PostgreSQL).
+        pub(crate) async fn tethered(&self) -> Arc<TetheredStore<dyn Store>> {
+            let inner: Arc<dyn Store> = match &self.backing {
+                Backing::Sqlite(dir) => Arc::new(
+                    SqliteStore::open(SqliteOptions::new(Self::sqlite_path(dir)))
+                        .await
+                        .expect("open sqlite store"),
+                ),
+                Backing::Postgres(schema) => schema.open().await,
+            };
+            let url = url();
+            let store = TetheredStore::open(inner, &url, self.options())
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "Redis at {url} is not reachable ({e}). The Redis tether cases need it: \
+                         run `bash scripts/services.sh` to start it, or set SBP_TEST_REDIS_URL."
+                    )
+                });
+            Arc::new(store)
+        }
+
+        pub(crate) async fn open(&self) -> Arc<dyn Store> {
+            self.tethered().await
+        }
+
+        /// Runs `case` in its own task, deletes the keys and the SQL data, then passes a panic on.
+        pub(crate) async fn run<F>(self, case: F)
+        where
+            F: Future<Output = ()> + Send + 'static,
+        {
+            let outcome = tokio::spawn(case).await;
+            if let Err(e) = delete_prefix(&self.prefix).await {
+                eprintln!("could not delete redis keys {}*: {e}", self.prefix);
+            }
+            match self.backing {
+                Backing::Sqlite(dir) => drop(dir),
+                Backing::Postgres(schema) => schema.drop().await,
+            }
+            if let Err(e) = outcome {
+                match e.try_into_panic() {
+                    Ok(panic) => std::panic::resume_unwind(panic),
+                    Err(e) => panic!("case did not finish: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Deletes every key under `prefix` (also how a test makes Redis "lose its data").
+    pub(crate) async fn delete_prefix(prefix: &str) -> redis::RedisResult<()> {
+        let client = redis::Client::open(url())?;
+        let mut con = client.get_multiplexed_async_connection().await?;
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut con)
+                .await?;
+            if !keys.is_empty() {
+                redis::cmd("DEL")
+                    .arg(&keys)
+                    .query_async::<()>(&mut con)
+                    .await?;
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    macro_rules! tethered_cases {
+        ($($case:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let fx = fixture().await;
+                    let store = fx.open().await;
+                    fx.run(crate::suite::$case(store)).await;
+                }
+            )*
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn survives_reopen() {
+                let fx = fixture().await;
+                let store = fx.open().await;
+                let fx = std::sync::Arc::new(fx);
+                let again = std::sync::Arc::clone(&fx);
+                let reopen = move || async move { again.open().await };
+                let case = crate::suite::survives_reopen(store, reopen);
+                // The case holds one reference to the fixture until it ends.
+                let outcome = tokio::spawn(case).await;
+                let fx = std::sync::Arc::try_unwrap(fx)
+                    .unwrap_or_else(|_| panic!("fixture still shared"));
+                fx.run(async move {
+                    if let Err(e) = outcome {
+                        std::panic::resume_unwind(e.into_panic());
+                    }
+                })
+                .await;
+            }
+        };
+    }
+
+    mod sqlite_mirror {
+        use super::*;
+        async fn fixture() -> Fixture {
+            Fixture::new(false, TetherMode::Mirror).await
+        }
+        for_each_case!(tethered_cases);
+    }
+
+    mod sqlite_handoff {
+        use super::*;
+        async fn fixture() -> Fixture {
+            Fixture::new(false, TetherMode::Handoff).await
+        }
+        for_each_case!(tethered_cases);
+    }
+
+    mod postgres_mirror {
+        use super::*;
+        async fn fixture() -> Fixture {
+            Fixture::new(true, TetherMode::Mirror).await
+        }
+        for_each_case!(tethered_cases);
+    }
+
+    mod postgres_handoff {
+        use super::*;
+        async fn fixture() -> Fixture {
+            Fixture::new(true, TetherMode::Handoff).await
+        }
+        for_each_case!(tethered_cases);
+    }
+
+    mod split {
+        //! What only a tether split between SQL and Redis can get wrong.
+
+        use super::*;
+        use chrono::Utc;
+        use sbp_store::{
+            FinishTurn, NewSession, NewTetherEntry, TetherEntry, TetherStore, TurnStore,
+        };
+        use uuid::Uuid;
+
+        /// A fixture whose relay never runs on its own: the test calls `relay_once`.
+        async fn manual(mode: TetherMode) -> Fixture {
+            let mut fx = Fixture::new(false, mode).await;
+            fx.relay_interval = Duration::from_secs(3600);
+            fx
+        }
+
+        async fn session(store: &dyn Store) -> Uuid {
+            let id = Uuid::new_v4();
+            store
+                .create_session(NewSession {
+                    id,
+                    agent_id: "agent-r".to_owned(),
+                    token_hash: format!("{}{}", id.simple(), Uuid::new_v4().simple()),
+                    created_at: Utc::now(),
+                    metadata: serde_json::json!({}),
+                })
+                .await
+                .expect("create");
+            id
+        }
+
+        /// A pushed turn with a tether entry; returns its seq.
+        async fn push(store: &dyn TurnStore, sid: Uuid, text: &str) -> u64 {
+            let out = store
+                .finish_turn(FinishTurn {
+                    session_id: sid,
+                    turn_id: None,
+                    messages: Vec::new(),
+                    count_step: false,
+                    post_action: None,
+                    checkpoint: None,
+                    tether: Some(NewTetherEntry {
+                        role: "assistant".to_owned(),
+                        content: Some(text.to_owned()),
+                        model_used: None,
+                        created_at: Utc::now(),
+                        chunk_id: Uuid::new_v4(),
+                    }),
+                    tether_only_if_enabled: false,
+                    idempotency_done: None,
+                    now: Utc::now(),
+                })
+                .await
+                .expect("finish");
+            out.tether_seq.expect("tethered")
+        }
+
+        async fn pending(store: &dyn TetherStore, sid: Uuid) -> Vec<(u64, String)> {
+            store
+                .tether_pending(sid, None, 100)
+                .await
+                .expect("pending")
+                .into_iter()
+                .map(|e: TetherEntry| (e.seq, e.content.unwrap_or_default()))
+                .collect()
+        }
+
+        fn texts(v: &[(u64, &str)]) -> Vec<(u64, String)> {
+            v.iter().map(|(s, t)| (*s, (*t).to_owned())).collect()
+        }
+
+        /// A gateway that committed turns and died before streaming them (simulated by writing
+        /// through the SQL store alone): the next turn, any read, and another replica see them, in
+        /// order and once.
+        async fn committed_but_not_streamed(mode: TetherMode) {
+            let fx = manual(mode).await;
+            let store = fx.tethered().await;
+            let other = fx.tethered().await;
+            fx.run(async move {
+                let sid = session(&*store).await;
+                assert_eq!(push(&**store.inner(), sid, "a").await, 1);
+                assert_eq!(push(&**store.inner(), sid, "b").await, 2);
+                assert_eq!(store.tether_count(sid).await.expect("count"), 2);
+                assert_eq!(push(&*store, sid, "c").await, 3);
+                let want = texts(&[(1, "a"), (2, "b"), (3, "c")]);
+                assert_eq!(pending(&*store, sid).await, want);
+                assert_eq!(pending(&*other, sid).await, want, "another replica");
+                assert_eq!(other.tether_count(sid).await.expect("count"), 3);
+                assert_eq!(push(&**store.inner(), sid, "d").await, 4);
+                assert_eq!(push(&*store, sid, "e").await, 5, "a gap is filled first");
+                assert_eq!(
+                    pending(&*other, sid)
+                        .await
+                        .iter()
+                        .map(|e| e.0)
+                        .collect::<Vec<_>>(),
+                    vec![1, 2, 3, 4, 5]
+                );
+            })
+            .await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn committed_but_not_streamed_mirror() {
+            committed_but_not_streamed(TetherMode::Mirror).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn committed_but_not_streamed_handoff() {
+            committed_but_not_streamed(TetherMode::Handoff).await;
+        }
+
+        /// Reconciling again and again appends nothing twice, and an acknowledged seq never comes
+        /// back from the outbox (its row is still there in handoff mode until the relay runs).
+        async fn replays_are_idempotent(mode: TetherMode) {
+            let fx = manual(mode).await;
+            let store = fx.tethered().await;
+            fx.run(async move {
+                let sid = session(&*store).await;
+                for t in ["a", "b", "c"] {
+                    push(&*store, sid, t).await;
+                }
+                assert_eq!(store.tether_ack(sid, 2).await.expect("ack"), 2);
+                for _ in 0..3 {
+                    assert_eq!(pending(&*store, sid).await, texts(&[(3, "c")]));
+                    assert_eq!(store.tether_count(sid).await.expect("count"), 1);
+                }
+                let outbox = store.inner().tether_count(sid).await.expect("outbox");
+                match mode {
+                    TetherMode::Mirror => assert_eq!(outbox, 1, "acks reach SQL"),
+                    _ => assert_eq!(outbox, 3, "rows wait for the relay"),
+                }
+                store.relay_once().await.expect("relay");
+                let outbox = store.inner().tether_count(sid).await.expect("outbox");
+                match mode {
+                    TetherMode::Mirror => assert_eq!(outbox, 1, "mirror keeps the row"),
+                    _ => assert_eq!(outbox, 0, "handed off"),
+                }
+                assert_eq!(pending(&*store, sid).await, texts(&[(3, "c")]));
+                assert_eq!(store.tether_remove(sid, &[3]).await.expect("remove"), 1);
+                assert_eq!(push(&*store, sid, "d").await, 4);
+                assert_eq!(pending(&*store, sid).await, texts(&[(4, "d")]));
+                assert_eq!(store.tether_depth_total().await.expect("depth"), 1);
+            })
+            .await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn replays_are_idempotent_mirror() {
+            replays_are_idempotent(TetherMode::Mirror).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn replays_are_idempotent_handoff() {
+            replays_are_idempotent(TetherMode::Handoff).await;
+        }
+
+        /// Mirror mode: Redis restarting empty (no persistence, simulated by deleting the keys)
+        /// loses nothing and brings back nothing acknowledged.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn mirror_rebuilds_after_redis_loses_its_data() {
+            let fx = manual(TetherMode::Mirror).await;
+            let store = fx.tethered().await;
+            let prefix = fx.prefix.clone();
+            fx.run(async move {
+                let sid = session(&*store).await;
+                let idle = session(&*store).await;
+                for t in ["a", "b", "c"] {
+                    push(&*store, sid, t).await;
+                }
+                push(&*store, idle, "x").await;
+                store.tether_ack(sid, 1).await.expect("ack");
+                store.tether_remove(sid, &[2]).await.expect("remove");
+                delete_prefix(&prefix).await.expect("flush");
+                assert_eq!(pending(&*store, sid).await, texts(&[(3, "c")]));
+                assert_eq!(push(&*store, sid, "d").await, 4);
+                assert_eq!(pending(&*store, sid).await, texts(&[(3, "c"), (4, "d")]));
+                assert_eq!(pending(&*store, idle).await, texts(&[(1, "x")]));
+                assert_eq!(store.tether_depth_total().await.expect("depth"), 3);
+            })
+            .await;
+        }
+
+        /// Handoff mode: streamed entries leave SQL, acks then touch only Redis, and seqs still
+        /// come from SQL (never reused).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn handoff_empties_the_outbox() {
+            let fx = manual(TetherMode::Handoff).await;
+            let store = fx.tethered().await;
+            fx.run(async move {
+                let sid = session(&*store).await;
+                for t in ["a", "b", "c"] {
+                    push(&*store, sid, t).await;
+                }
+                assert_eq!(store.relay_once().await.expect("relay"), 3);
+                assert_eq!(store.inner().tether_depth_total().await.expect("sql"), 0);
+                assert_eq!(store.tether_count(sid).await.expect("count"), 3);
+                assert_eq!(store.tether_depth_total().await.expect("depth"), 3);
+                assert_eq!(store.tether_ack(sid, 3).await.expect("ack"), 3);
+                assert_eq!(store.tether_depth_total().await.expect("depth"), 0);
+                assert_eq!(push(&*store, sid, "d").await, 4);
+                assert_eq!(pending(&*store, sid).await, texts(&[(4, "d")]));
+            })
+            .await;
+        }
+
+        /// Auto picks handoff only on a Redis that fsyncs every write.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn auto_mode_follows_redis_persistence() {
+            let fx = manual(TetherMode::Auto).await;
+            let store = fx.tethered().await;
+            let client = redis::Client::open(url()).expect("url");
+            let mut con = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect");
+            let get = async |con: &mut redis::aio::MultiplexedConnection, name: &str| {
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(name)
+                    .query_async::<std::collections::HashMap<String, String>>(con)
+                    .await
+                    .ok()
+                    .and_then(|mut m| m.remove(name))
+            };
+            let durable = get(&mut con, "appendonly").await.as_deref() == Some("yes")
+                && get(&mut con, "appendfsync").await.as_deref() == Some("always");
+            let want = if durable {
+                TetherMode::Handoff
+            } else {
+                TetherMode::Mirror
+            };
+            assert_eq!(store.mode(), want);
+            fx.run(async {}).await;
+        }
     }
 }

@@ -206,16 +206,21 @@ macro_rules! snapshot_cols {
 pub(crate) use snapshot_cols;
 
 pub(crate) fn snapshot_row(row: &Row) -> Result<SnapshotRecord, StoreError> {
+    snapshot_row_at(row, 0)
+}
+
+/// The snapshot whose columns ([`snapshot_cols`]) start at column `at` of the row.
+pub(crate) fn snapshot_row_at(row: &Row, at: usize) -> Result<SnapshotRecord, StoreError> {
     Ok(SnapshotRecord {
-        id: get(row, 0)?,
-        session_id: get(row, 1)?,
-        kind: col_kind(row, 2)?,
-        step_count: col_u64(row, 3)?,
-        message_count: col_u64(row, 4)?,
-        model: get(row, 5)?,
-        current_task: get(row, 6)?,
-        created_at: get(row, 7)?,
-        state: col_json(row, 8)?,
+        id: get(row, at)?,
+        session_id: get(row, at + 1)?,
+        kind: col_kind(row, at + 2)?,
+        step_count: col_u64(row, at + 3)?,
+        message_count: col_u64(row, at + 4)?,
+        model: get(row, at + 5)?,
+        current_task: get(row, at + 6)?,
+        created_at: get(row, at + 7)?,
+        state: col_json(row, at + 8)?,
     })
 }
 

@@ -6,7 +6,7 @@
 
 use std::borrow::Cow;
 
-use deadpool_postgres::{GenericClient, Transaction};
+use deadpool_postgres::{Client, GenericClient};
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use tokio_postgres::Statement;
 use uuid::Uuid;
@@ -14,19 +14,21 @@ use uuid::Uuid;
 use super::codec::{
     col_status, col_u64, db_err, first_error, get, idem_state, idempotency_cols, idempotency_row,
     int, json, message_cols, message_row, opt_text, rows, session_cols, session_row, snapshot_cols,
-    snapshot_row, tether_cols, tether_row, text, turn_cols, turn_row, turn_state,
+    snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols, turn_row, turn_state,
 };
 use crate::{
     BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
-    IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, NewTetherEntry,
-    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
+    IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, SessionRecord,
+    SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
     TurnProgressOutcome, TurnRecord, TurnState,
 };
 
 /// Error text of turns failed by `recover_interrupted_turns` (the same as SQLite's).
 pub(crate) const INTERRUPTED: &str = "interrupted by gateway restart";
 
-pub(crate) type Tx<'a> = Transaction<'a>;
+/// A pooled connection inside a transaction that [`crate::postgres::PostgresStore`]'s `write` opened
+/// (and will commit or roll back).
+pub(crate) type Tx = Client;
 
 pub(crate) fn conflict(msg: impl Into<String>) -> StoreError {
     StoreError::Conflict(msg.into())
@@ -44,9 +46,18 @@ const INSERT_SESSION: &str = "INSERT INTO sessions \
 
 pub(crate) async fn insert_session(c: &impl GenericClient, s: &NewSession) -> StoreResult<()> {
     let st = prep(c, INSERT_SESSION).await?;
+    exec_insert_session(c, &st, s).await
+}
+
+/// Runs [`INSERT_SESSION`], prepared as `st`.
+async fn exec_insert_session(
+    c: &impl GenericClient,
+    st: &Statement,
+    s: &NewSession,
+) -> StoreResult<()> {
     let metadata = json(&s.metadata)?;
     c.execute(
-        &st,
+        st,
         &[
             &s.id,
             &text(&s.agent_id),
@@ -159,7 +170,7 @@ pub(crate) async fn refused_transition(
 }
 
 pub(crate) async fn update_status(
-    tx: &Tx<'_>,
+    tx: &Tx,
     id: Uuid,
     to: SessionStatus,
     now: Timestamp,
@@ -418,34 +429,6 @@ pub(crate) async fn list_snapshots(
 
 // ---- tether ----
 
-const INSERT_TETHER: &str = "INSERT INTO tether \
-     (session_id, seq, role, content, model_used, created_at, chunk_id) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7)";
-
-async fn insert_tether(
-    c: &impl GenericClient,
-    st: &Statement,
-    session: Uuid,
-    seq: i64,
-    entry: &NewTetherEntry,
-) -> StoreResult<()> {
-    c.execute(
-        st,
-        &[
-            &session,
-            &seq,
-            &text(&entry.role),
-            &opt_text(&entry.content),
-            &opt_text(&entry.model_used),
-            &entry.created_at,
-            &entry.chunk_id,
-        ],
-    )
-    .await
-    .map_err(db_err)?;
-    Ok(())
-}
-
 pub(crate) async fn tether_pending(
     c: &impl GenericClient,
     session: Uuid,
@@ -549,50 +532,179 @@ fn to_u64(v: i64) -> StoreResult<u64> {
     u64::try_from(v).map_err(|_| StoreError::Backend("negative message_count".to_owned()))
 }
 
-pub(crate) async fn begin_turn(tx: &Tx<'_>, b: BeginTurn) -> StoreResult<BeginTurnOutcome> {
-    if let Some(create) = &b.create {
-        if create.id != b.session_id {
-            return Err(conflict("begin_turn: create.id differs from session_id"));
-        }
-        insert_session(tx, create).await?;
+/// `begin_turn` on an existing session, as one statement: the session row first (its lock
+/// serialises the turns of a session; a forbidden status change matches no row, and then nothing
+/// else is written), then the turn, the messages (numbered from the count it left) and the
+/// pre-action snapshot (with the counts that include them). Returns one row: the session's columns,
+/// then the snapshot's (NULL without one); none when the session is missing or the change refused.
+const BEGIN_TURN: &str = concat!(
+    "WITH s AS (UPDATE sessions SET message_count = message_count + $2, \
+     status = COALESCE($3, status), last_task = COALESCE($4, last_task), \
+     model = COALESCE($5, model), updated_at = $6 \
+     WHERE id = $1 AND ($7::text[] IS NULL OR status = ANY($7)) \
+     RETURNING ",
+    session_cols!(),
+    "), \
+     t AS (INSERT INTO turns (id, session_id, state, started_at) \
+     SELECT $8::uuid, s.id, $9::text, $6 FROM s), \
+     m AS (INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
+     SELECT s.id, s.message_count - $2 + v.n - 1, v.role, v.body, v.model_used, v.cost_usd, \
+     v.created_at \
+     FROM s, UNNEST($10::text[], $11::text[], $12::text[], $13::float8[], $14::timestamptz[]) \
+     WITH ORDINALITY AS v (role, body, model_used, cost_usd, created_at, n)), \
+     p AS (INSERT INTO snapshots \
+     (id, session_id, kind, step_count, message_count, model, current_task, created_at, state) \
+     SELECT $15::uuid, s.id, $16::text, s.step_count, s.message_count, $17::text, $18::text, \
+     $19::timestamptz, $20::text FROM s WHERE $15::uuid IS NOT NULL \
+     RETURNING ",
+    snapshot_cols!(),
+    ") \
+     SELECT s.*, p.* FROM s LEFT JOIN p ON true"
+);
+
+/// `finish_turn`'s writes as one statement. The turn is completed first and everything else only
+/// if that matched (or there is no turn): a turn that is no longer running leaves the session as it
+/// was, so the statement can commit on its own. Then the session row (counts past the new messages
+/// and the step, the tether seq taken under its lock and with `tether_enabled` as it is at commit
+/// time), the messages, the snapshots in the order given (the checkpoint only when the new step
+/// count is a multiple of `$21`) and the tether entry. Returns a row per written snapshot, in
+/// writing order (one with NULL snapshot columns when none was): the session's columns, its tether
+/// seq (the next to hand out), then the snapshot's; none when the session is missing or the turn
+/// not running.
+const FINISH_TURN: &str = concat!(
+    "WITH t AS (UPDATE turns SET state = $8::text, finished_at = $4 \
+     WHERE $7::uuid IS NOT NULL AND id = $7 AND session_id = $1 AND state = 'running' \
+     RETURNING 1), \
+     s AS (UPDATE sessions SET message_count = message_count + $2, \
+     step_count = step_count + $3, updated_at = $4, \
+     tether_seq = tether_seq + CASE WHEN $5 AND (tether_enabled OR NOT $6) THEN 1 ELSE 0 END \
+     WHERE id = $1 AND ($7::uuid IS NULL OR EXISTS (SELECT 1 FROM t)) \
+     RETURNING ",
+    session_cols!(),
+    ", tether_seq), \
+     m AS (INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
+     SELECT s.id, s.message_count - $2 + v.n - 1, v.role, v.body, v.model_used, v.cost_usd, \
+     v.created_at \
+     FROM s, UNNEST($9::text[], $10::text[], $11::text[], $12::float8[], $13::timestamptz[]) \
+     WITH ORDINALITY AS v (role, body, model_used, cost_usd, created_at, n)), \
+     p AS (INSERT INTO snapshots \
+     (id, session_id, kind, step_count, message_count, model, current_task, created_at, state) \
+     SELECT v.id, s.id, v.kind, s.step_count, s.message_count, v.model, v.task, v.created_at, \
+     v.state \
+     FROM s, UNNEST($14::uuid[], $15::text[], $16::text[], $17::text[], $18::timestamptz[], \
+     $19::text[], $20::bool[]) \
+     WITH ORDINALITY AS v (id, kind, model, task, created_at, state, checkpoint, n) \
+     WHERE NOT v.checkpoint OR ($3 = 1 AND $21::bigint > 0 AND s.step_count % $21 = 0) \
+     ORDER BY v.n \
+     RETURNING ",
+    snapshot_cols!(),
+    ", ord), \
+     q AS (INSERT INTO tether (session_id, seq, role, content, model_used, created_at, chunk_id) \
+     SELECT s.id, s.tether_seq - 1, $22::text, $23::text, $24::text, $25::timestamptz, $26::uuid \
+     FROM s WHERE $5 AND (s.tether_enabled OR NOT $6)) \
+     SELECT s.*, p.* FROM s LEFT JOIN p ON true ORDER BY p.ord"
+);
+
+/// Columns of [`FINISH_TURN`]'s rows: the session's, the tether seq, then the snapshot's.
+const FINISH_TETHER_COL: usize = 12;
+const FINISH_SNAPSHOT_COL: usize = 13;
+/// Column of [`BEGIN_TURN`]'s row where the snapshot's start.
+const BEGIN_SNAPSHOT_COL: usize = 12;
+
+/// The columns of messages to append, as the arrays the statements unnest.
+struct MessageArrays<'a> {
+    roles: Vec<Cow<'a, str>>,
+    bodies: Vec<String>,
+    models: Vec<Option<Cow<'a, str>>>,
+    costs: Vec<Option<f64>>,
+    created: Vec<Timestamp>,
+}
+
+impl<'a> MessageArrays<'a> {
+    fn new(messages: &'a [NewMessage]) -> StoreResult<Self> {
+        Ok(Self {
+            roles: messages.iter().map(|m| text(&m.role)).collect(),
+            bodies: messages
+                .iter()
+                .map(|m| json(&m.body))
+                .collect::<StoreResult<_>>()?,
+            models: messages.iter().map(|m| opt_text(&m.model_used)).collect(),
+            costs: messages.iter().map(|m| m.cost_usd).collect(),
+            created: messages.iter().map(|m| m.created_at).collect(),
+        })
     }
-    // First the session row: its lock serialises the turns of a session, and the status check
-    // happens in the same statement (a forbidden change updates nothing).
-    let (update, claim, retry, turn, messages, snapshot) = tokio::try_join!(
-        prep(
-            tx,
-            concat!(
-                "UPDATE sessions SET message_count = message_count + $2, \
-                 status = COALESCE($3, status), last_task = COALESCE($4, last_task), \
-                 model = COALESCE($5, model), updated_at = $6 \
-                 WHERE id = $1 AND ($7::text[] IS NULL OR status = ANY($7)) \
-                 RETURNING ",
-                session_cols!()
-            )
-        ),
-        prep(
-            tx,
-            "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
-             created_session, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7) \
-             ON CONFLICT (key) DO NOTHING"
-        ),
-        prep(
-            tx,
-            "UPDATE idempotency SET state = $4, turn_id = $3, updated_at = $5 \
-             WHERE key = $1 AND session_id = $2 AND state = $6"
-        ),
-        prep(
-            tx,
-            "INSERT INTO turns (id, session_id, state, started_at) VALUES ($1, $2, $3, $4)"
-        ),
-        prep(tx, INSERT_MESSAGES),
-        prep(tx, INSERT_SNAPSHOT),
+}
+
+/// Whether `begin` is only the one statement [`BEGIN_TURN`] (no session to create, no idempotency
+/// key to claim or re-claim): then it needs no transaction of its own.
+pub(crate) fn begin_is_one_statement(b: &BeginTurn) -> bool {
+    b.create.is_none() && b.idempotency.is_none() && b.retry_key.is_none()
+}
+
+/// Whether `finish` is only the one statement [`FINISH_TURN`] (no idempotency record to complete).
+pub(crate) fn finish_is_one_statement(f: &FinishTurn) -> bool {
+    f.idempotency_done.is_none()
+}
+
+/// Runs on a connection with a transaction open ([`crate::postgres::PostgresStore`]'s `write`), or,
+/// when [`begin_is_one_statement`], on its own (the one statement commits by itself). The
+/// statements are sent together in order (pipelined), so a turn costs one round trip.
+pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOutcome> {
+    if b.create.as_ref().is_some_and(|c| c.id != b.session_id) {
+        return Err(conflict("begin_turn: create.id differs from session_id"));
+    }
+    // Everything prepared first (a cached statement costs nothing), so the executions below are
+    // sent in this order: a first-time prepare would otherwise let a later statement overtake.
+    let (create_st, main, claim, retry) = tokio::try_join!(
+        async {
+            match &b.create {
+                Some(_) => prep(c, INSERT_SESSION).await.map(Some),
+                None => Ok(None),
+            }
+        },
+        prep(c, BEGIN_TURN),
+        async {
+            match &b.idempotency {
+                Some(_) => prep(
+                    c,
+                    "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+                     created_session, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7) ON CONFLICT (key) DO NOTHING",
+                )
+                .await
+                .map(Some),
+                None => Ok(None),
+            }
+        },
+        async {
+            match &b.retry_key {
+                Some(_) => prep(
+                    c,
+                    "UPDATE idempotency SET state = $4, turn_id = $3, updated_at = $5 \
+                     WHERE key = $1 AND session_id = $2 AND state = $6",
+                )
+                .await
+                .map(Some),
+                None => Ok(None),
+            }
+        },
     )?;
     let appended = len_i64(&b.new_messages)?;
     let allowed = b.status.map(allowed_from);
-    let row = tx
-        .query_opt(
-            &update,
+    let arrays = MessageArrays::new(&b.new_messages)?;
+    let pre = b.pre_action.as_ref();
+    let pre_state = pre.map(|s| json(&s.state)).transpose()?;
+    let in_progress = idem_state(IdempotencyState::InProgress);
+
+    let create = async {
+        match (&b.create, &create_st) {
+            (Some(s), Some(st)) => exec_insert_session(c, st, s).await,
+            _ => Ok(()),
+        }
+    };
+    let main = async {
+        c.query(
+            &main,
             &[
                 &b.session_id,
                 &appended,
@@ -601,28 +713,31 @@ pub(crate) async fn begin_turn(tx: &Tx<'_>, b: BeginTurn) -> StoreResult<BeginTu
                 &opt_text(&b.model),
                 &b.now,
                 &allowed,
+                &b.turn_id,
+                &turn_state(TurnState::Running),
+                &arrays.roles,
+                &arrays.bodies,
+                &arrays.models,
+                &arrays.costs,
+                &arrays.created,
+                &pre.map(|s| s.id),
+                &pre.map(|s| s.kind.as_str()),
+                &pre.and_then(|s| opt_text(&s.model)),
+                &pre.and_then(|s| opt_text(&s.current_task)),
+                &pre.map(|s| s.created_at),
+                &pre_state,
             ],
         )
         .await
-        .map_err(db_err)?;
-    let session = match row {
-        Some(row) => session_row(&row)?,
-        None => {
-            return Err(match b.status {
-                Some(to) => refused_transition(tx, b.session_id, to).await,
-                None => StoreError::NotFound,
-            });
-        }
+        .map_err(db_err)
     };
-    let start = first_seq(&session, appended)?;
-    let in_progress = idem_state(IdempotencyState::InProgress);
     let claim = async {
-        let Some(idem) = &b.idempotency else {
+        let (Some(idem), Some(st)) = (&b.idempotency, &claim) else {
             return Ok(());
         };
-        let claimed = tx
+        let claimed = c
             .execute(
-                &claim,
+                st,
                 &[
                     &idem.key,
                     &b.session_id,
@@ -641,12 +756,12 @@ pub(crate) async fn begin_turn(tx: &Tx<'_>, b: BeginTurn) -> StoreResult<BeginTu
         Ok(())
     };
     let retry = async {
-        let Some(key) = &b.retry_key else {
+        let (Some(key), Some(st)) = (&b.retry_key, &retry) else {
             return Ok(());
         };
-        let n = tx
+        let n = c
             .execute(
-                &retry,
+                st,
                 &[
                     key,
                     &b.session_id,
@@ -665,163 +780,132 @@ pub(crate) async fn begin_turn(tx: &Tx<'_>, b: BeginTurn) -> StoreResult<BeginTu
         }
         Ok(())
     };
-    let turn = async {
-        tx.execute(
-            &turn,
-            &[
-                &b.turn_id,
-                &b.session_id,
-                &turn_state(TurnState::Running),
-                &b.now,
-            ],
-        )
-        .await
-        .map(drop)
-        .map_err(db_err)
+    let (create, main, claim, retry) = tokio::join!(create, main, claim, retry);
+    // A refused or missing session is the error to report, before what it made fail after it.
+    let found = match &main {
+        Ok(rows) => rows.first(),
+        Err(_) => None,
     };
-    let messages = insert_messages(tx, &messages, b.session_id, start, &b.new_messages, None);
-    // After the messages (its counts include them), so it covers the prompt it is about to act on.
-    let pre_action = async {
-        match &b.pre_action {
-            Some(snap) => insert_snapshot(tx, &snapshot, b.session_id, counts(&session), snap)
-                .await
-                .map(Some),
-            None => Ok(None),
-        }
-    };
-    let (claim, retry, turn, messages, pre_action) =
-        tokio::join!(claim, retry, turn, messages, pre_action);
+    if create.is_ok() && main.is_ok() && found.is_none() {
+        return Err(match b.status {
+            Some(to) => refused_transition(c, b.session_id, to).await,
+            None => StoreError::NotFound,
+        });
+    }
     first_error([
+        create.err(),
+        main.as_ref().err().cloned(),
         claim.err(),
         retry.err(),
-        turn.err(),
-        messages.err(),
-        pre_action.as_ref().err().cloned(),
     ])?;
+    let row = found.ok_or(StoreError::NotFound)?;
     Ok(BeginTurnOutcome {
-        session,
-        pre_action_snapshot: pre_action?,
+        session: session_row(row)?,
+        pre_action_snapshot: match pre {
+            Some(_) => Some(snapshot_row_at(row, BEGIN_SNAPSHOT_COL)?),
+            None => None,
+        },
     })
 }
 
-pub(crate) async fn finish_turn(tx: &Tx<'_>, f: FinishTurn) -> StoreResult<FinishTurnOutcome> {
-    // The tether seq is taken here too, under the row lock and reading tether_enabled as it is at
-    // commit time; from the session row (not MAX(seq) of the table) it keeps growing after the
-    // newest entries were acknowledged or removed.
-    let (update, done, messages, snapshot, tether, idem) = tokio::try_join!(
-        prep(
-            tx,
-            concat!(
-                "UPDATE sessions SET message_count = message_count + $2, \
-                 step_count = step_count + $3, updated_at = $4, \
-                 tether_seq = tether_seq + CASE WHEN $5 AND (tether_enabled OR NOT $6) \
-                 THEN 1 ELSE 0 END \
-                 WHERE id = $1 RETURNING ",
-                session_cols!(),
-                ", tether_seq"
+/// Like [`begin_turn`]: on a connection with a transaction open, or on its own when
+/// [`finish_is_one_statement`].
+pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurnOutcome> {
+    let (main, idem) = tokio::try_join!(prep(c, FINISH_TURN), async {
+        match &f.idempotency_done {
+            Some(_) => prep(
+                c,
+                "UPDATE idempotency SET state = $3, response_status = $4, response_body = $5, \
+                 updated_at = $6 WHERE key = $1 AND session_id = $2",
             )
-        ),
-        prep(
-            tx,
-            "UPDATE turns SET state = $3, finished_at = $4 \
-             WHERE id = $1 AND session_id = $2 AND state = 'running'"
-        ),
-        prep(tx, INSERT_MESSAGES),
-        prep(tx, INSERT_SNAPSHOT),
-        prep(tx, INSERT_TETHER),
-        prep(
-            tx,
-            "UPDATE idempotency SET state = $3, response_status = $4, response_body = $5, \
-             updated_at = $6 WHERE key = $1 AND session_id = $2"
-        ),
-    )?;
-    // One update moves the counts past the new messages and the step, so the snapshots below get
-    // the final values; a missing session is `NotFound` before anything else is checked.
+            .await
+            .map(Some),
+            None => Ok(None),
+        }
+    })?;
     let appended = len_i64(&f.messages)?;
-    let row = tx
-        .query_opt(
-            &update,
+    let arrays = MessageArrays::new(&f.messages)?;
+    // The post-action snapshot, then the checkpoint (written only at a multiple of `every`).
+    let snaps: Vec<(&NewSnapshot, bool)> = f
+        .post_action
+        .iter()
+        .map(|s| (s, false))
+        .chain(f.checkpoint.iter().map(|(s, _)| (s, true)))
+        .collect();
+    let every = f
+        .checkpoint
+        .as_ref()
+        .map_or(0, |(_, every)| i64::from(*every));
+    let snap_ids: Vec<Uuid> = snaps.iter().map(|(s, _)| s.id).collect();
+    let snap_kinds: Vec<&str> = snaps.iter().map(|(s, _)| s.kind.as_str()).collect();
+    let snap_models: Vec<Option<Cow<'_, str>>> =
+        snaps.iter().map(|(s, _)| opt_text(&s.model)).collect();
+    let snap_tasks: Vec<Option<Cow<'_, str>>> = snaps
+        .iter()
+        .map(|(s, _)| opt_text(&s.current_task))
+        .collect();
+    let snap_created: Vec<Timestamp> = snaps.iter().map(|(s, _)| s.created_at).collect();
+    let snap_states: Vec<String> = snaps
+        .iter()
+        .map(|(s, _)| json(&s.state))
+        .collect::<StoreResult<_>>()?;
+    let snap_checkpoint: Vec<bool> = snaps.iter().map(|(_, c)| *c).collect();
+    let tether = f.tether.as_ref();
+    let idem_body = match &f.idempotency_done {
+        Some((_, _, body)) => Some(json(body)?),
+        None => None,
+    };
+
+    let main = async {
+        c.query(
+            &main,
             &[
                 &f.session_id,
                 &appended,
                 &i64::from(f.count_step),
                 &f.now,
-                &f.tether.is_some(),
+                &tether.is_some(),
                 &f.tether_only_if_enabled,
+                &f.turn_id,
+                &turn_state(TurnState::Done),
+                &arrays.roles,
+                &arrays.bodies,
+                &arrays.models,
+                &arrays.costs,
+                &arrays.created,
+                &snap_ids,
+                &snap_kinds,
+                &snap_models,
+                &snap_tasks,
+                &snap_created,
+                &snap_states,
+                &snap_checkpoint,
+                &every,
+                &tether.map(|t| text(&t.role)),
+                &tether.and_then(|t| opt_text(&t.content)),
+                &tether.and_then(|t| opt_text(&t.model_used)),
+                &tether.map(|t| t.created_at),
+                &tether.map(|t| t.chunk_id),
             ],
         )
         .await
-        .map_err(db_err)?
-        .ok_or(StoreError::NotFound)?;
-    let session = session_row(&row)?;
-    let next_tether: i64 = get(&row, 12)?;
-    let start = first_seq(&session, appended)?;
-    let tether_entry = f
-        .tether
-        .as_ref()
-        .filter(|_| session.tether_enabled || !f.tether_only_if_enabled);
-
-    let done = async {
-        let Some(turn) = f.turn_id else {
-            return Ok(());
-        };
-        let n = tx
-            .execute(
-                &done,
-                &[&turn, &f.session_id, &turn_state(TurnState::Done), &f.now],
-            )
-            .await
-            .map_err(db_err)?;
-        if n == 0 {
-            return Err(conflict("turn is not running in this session"));
-        }
-        Ok(())
-    };
-    let messages = insert_messages(tx, &messages, f.session_id, start, &f.messages, None);
-    let post_action = async {
-        match &f.post_action {
-            Some(snap) => insert_snapshot(tx, &snapshot, f.session_id, counts(&session), snap)
-                .await
-                .map(Some),
-            None => Ok(None),
-        }
-    };
-    let checkpoint = async {
-        match &f.checkpoint {
-            Some((snap, every))
-                if f.count_step && *every > 0 && session.step_count % u64::from(*every) == 0 =>
-            {
-                insert_snapshot(tx, &snapshot, f.session_id, counts(&session), snap)
-                    .await
-                    .map(Some)
-            }
-            _ => Ok(None),
-        }
-    };
-    let tether = async {
-        match tether_entry {
-            Some(entry) => {
-                let seq = next_tether - 1;
-                insert_tether(tx, &tether, f.session_id, seq, entry).await?;
-                Ok(Some(to_u64(seq)?))
-            }
-            None => Ok(None),
-        }
+        .map_err(db_err)
     };
     let idem = async {
-        let Some((key, status, body)) = &f.idempotency_done else {
+        let (Some((key, status, _)), Some(st), Some(body)) =
+            (&f.idempotency_done, &idem, &idem_body)
+        else {
             return Ok(());
         };
-        let body = json(body)?;
-        let n = tx
+        let n = c
             .execute(
-                &idem,
+                st,
                 &[
                     key,
                     &f.session_id,
                     &idem_state(IdempotencyState::Done),
                     &i32::from(*status),
-                    &body,
+                    body,
                     &f.now,
                 ],
             )
@@ -832,29 +916,46 @@ pub(crate) async fn finish_turn(tx: &Tx<'_>, f: FinishTurn) -> StoreResult<Finis
         }
         Ok(())
     };
-    let (done, messages, post_action, checkpoint, tether, idem) =
-        tokio::join!(done, messages, post_action, checkpoint, tether, idem);
-    first_error([
-        done.err(),
-        messages.err(),
-        post_action.as_ref().err().cloned(),
-        checkpoint.as_ref().err().cloned(),
-        tether.as_ref().err().cloned(),
-        idem.err(),
-    ])?;
+    let (main, idem) = tokio::join!(main, idem);
+    let rows = main?;
+    let Some(first) = rows.first() else {
+        // Nothing written: the session is missing, or the turn is not running in it.
+        return Err(match current_status(c, f.session_id).await? {
+            None => StoreError::NotFound,
+            Some(_) => conflict("turn is not running in this session"),
+        });
+    };
+    idem?;
+    let session = session_row(first)?;
+    let next_tether: i64 = get(first, FINISH_TETHER_COL)?;
+    let mut post_action = None;
+    let mut checkpoint = None;
+    for row in &rows {
+        let Some(id) = get::<Option<Uuid>>(row, FINISH_SNAPSHOT_COL)? else {
+            continue;
+        };
+        let snap = snapshot_row_at(row, FINISH_SNAPSHOT_COL)?;
+        if f.post_action.as_ref().is_some_and(|s| s.id == id) {
+            post_action = Some(snap);
+        } else {
+            checkpoint = Some(snap);
+        }
+    }
+    let tethered = tether.is_some() && (session.tether_enabled || !f.tether_only_if_enabled);
     Ok(FinishTurnOutcome {
+        tether_seq: if tethered {
+            Some(to_u64(next_tether - 1)?)
+        } else {
+            None
+        },
+        post_action_snapshot: post_action,
+        checkpoint_snapshot: checkpoint,
+        first_message_seq: to_u64(first_seq(&session, appended)?)?,
         session,
-        tether_seq: tether?,
-        post_action_snapshot: post_action?,
-        checkpoint_snapshot: checkpoint?,
-        first_message_seq: to_u64(start)?,
     })
 }
 
-pub(crate) async fn record_progress(
-    tx: &Tx<'_>,
-    p: TurnProgress,
-) -> StoreResult<TurnProgressOutcome> {
+pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<TurnProgressOutcome> {
     let not_running = || conflict("turn is not running in this session");
     let (update, running, messages, snapshot) = tokio::try_join!(
         prep(
@@ -918,7 +1019,7 @@ pub(crate) async fn record_progress(
     })
 }
 
-pub(crate) async fn fail_turn(tx: &Tx<'_>, f: FailTurn) -> StoreResult<()> {
+pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
     // The lock makes a concurrent finish either complete first (then this is `Conflict`) or wait.
     let st = prep(
         tx,
@@ -984,7 +1085,7 @@ pub(crate) async fn fail_turn(tx: &Tx<'_>, f: FailTurn) -> StoreResult<()> {
 }
 
 pub(crate) async fn recover_interrupted_turns(
-    tx: &Tx<'_>,
+    tx: &Tx,
     now: Timestamp,
 ) -> StoreResult<Vec<TurnRecord>> {
     let st = prep(

@@ -78,7 +78,7 @@ const INSERT_EXPORT: &str = "INSERT INTO exports (id, session_id, bundle_cid, la
      created_at, expires_at, foreign_origin) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
      ON CONFLICT (id) DO NOTHING";
 
-async fn insert_bundle(tx: &Tx<'_>, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
+async fn insert_bundle(tx: &Tx, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
     let st = prep(tx, INSERT_BUNDLE).await?;
     tx.execute(&st, &[&bundle.cid, &bundle.bytes, now])
         .await
@@ -87,7 +87,7 @@ async fn insert_bundle(tx: &Tx<'_>, bundle: &NewBundle, now: &Timestamp) -> Stor
 }
 
 /// Inserts the export unless one with its id exists; returns whether it inserted.
-async fn insert_export(tx: &Tx<'_>, e: &NewExport) -> StoreResult<bool> {
+async fn insert_export(tx: &Tx, e: &NewExport) -> StoreResult<bool> {
     let st = prep(tx, INSERT_EXPORT).await?;
     let message_count = int(e.message_count)?;
     let n = tx
@@ -110,7 +110,7 @@ async fn insert_export(tx: &Tx<'_>, e: &NewExport) -> StoreResult<bool> {
 }
 
 pub(crate) async fn create_export(
-    tx: &Tx<'_>,
+    tx: &Tx,
     export: NewExport,
     bundle: NewBundle,
 ) -> StoreResult<()> {
@@ -149,7 +149,7 @@ pub(crate) async fn get_bundle(c: &impl GenericClient, cid: &str) -> StoreResult
 
 /// The single-use check: the conditional UPDATE locks the export row, so of concurrent imports one
 /// sets `imported_at` and the others, once it commits, find it set and change nothing.
-async fn consume_export(tx: &Tx<'_>, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
+async fn consume_export(tx: &Tx, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
     let st = prep(
         tx,
         "UPDATE exports SET imported_at = $2, import_session_id = $3 \
@@ -173,7 +173,7 @@ const INSERT_LINK: &str = "INSERT INTO lineage (id, kind, from_session, to_sessi
      to_agent, export_id, label, reason, fork_point, reused, created_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-async fn insert_link(tx: &Tx<'_>, l: &LinkRecord) -> StoreResult<()> {
+async fn insert_link(tx: &Tx, l: &LinkRecord) -> StoreResult<()> {
     let st = prep(tx, INSERT_LINK).await?;
     let fork_point = l.fork_point.map(int).transpose()?;
     tx.execute(
@@ -231,7 +231,7 @@ fn memory_row(row: &Row) -> StoreResult<MemoryRecord> {
 
 /// `bodies`: the messages' bodies encoded as JSON text ahead of the write, or `None`.
 pub(crate) async fn adopt_session(
-    tx: &Tx<'_>,
+    tx: &Tx,
     a: AdoptSession,
     bodies: Option<Vec<String>>,
 ) -> StoreResult<AdoptOutcome> {

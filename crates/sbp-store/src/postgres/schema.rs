@@ -155,6 +155,16 @@ const MIGRATIONS: &[&str] = &[
         updated_at timestamptz NOT NULL
     );
     "#,
+    // v2: a turn updates its session row twice, and those updates should be HOT (no new index
+    // entries, dead versions pruned within the page). An update is HOT only when no indexed column
+    // changes, and every turn changes updated_at, which v1 indexed for the suspended-session lookup:
+    // that index now holds only agent_id, and the lookup sorts one agent's suspended sessions.
+    // Free space left in each page lets the new version stay on its page.
+    r#"
+    DROP INDEX sessions_suspended_by_agent;
+    CREATE INDEX sessions_suspended_by_agent ON sessions (agent_id) WHERE status = 'suspended';
+    ALTER TABLE sessions SET (fillfactor = 70);
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
