@@ -2,6 +2,7 @@
 //! idempotency) and one implementation per backend. The engine makes every id and timestamp; a store
 //! saves what it is given and performs each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
 
+mod codec;
 pub mod postgres;
 pub mod records;
 pub mod redis_tether;

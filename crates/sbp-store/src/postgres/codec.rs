@@ -6,6 +6,9 @@ use std::borrow::Cow;
 
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use serde_json::Value;
+
+pub(crate) use crate::codec::{idem_state, int, json, turn_state};
+use crate::codec::{parse_idem_state, parse_turn_state};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 
@@ -72,30 +75,6 @@ pub(crate) fn opt_text(s: &Option<String>) -> Option<Cow<'_, str>> {
     s.as_deref().map(text)
 }
 
-pub(crate) fn json(v: &Value) -> Result<String, StoreError> {
-    serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("encode json: {e}")))
-}
-
-pub(crate) fn int(v: u64) -> Result<i64, StoreError> {
-    i64::try_from(v).map_err(|_| StoreError::Backend(format!("counter {v} exceeds the i64 range")))
-}
-
-pub(crate) fn turn_state(s: TurnState) -> &'static str {
-    match s {
-        TurnState::Running => "running",
-        TurnState::Done => "done",
-        TurnState::Failed => "failed",
-    }
-}
-
-pub(crate) fn idem_state(s: IdempotencyState) -> &'static str {
-    match s {
-        IdempotencyState::InProgress => "in_progress",
-        IdempotencyState::Failed => "failed",
-        IdempotencyState::Done => "done",
-    }
-}
-
 pub(crate) fn bad(idx: usize, what: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(format!("column {idx}: {what}"))
 }
@@ -137,22 +116,12 @@ fn col_kind(row: &Row, idx: usize) -> Result<SnapshotKind, StoreError> {
 
 fn col_turn_state(row: &Row, idx: usize) -> Result<TurnState, StoreError> {
     let s: &str = get(row, idx)?;
-    [TurnState::Running, TurnState::Done, TurnState::Failed]
-        .into_iter()
-        .find(|st| turn_state(*st) == s)
-        .ok_or_else(|| bad(idx, format!("turn state {s:?}")))
+    parse_turn_state(s).ok_or_else(|| bad(idx, format!("turn state {s:?}")))
 }
 
 fn col_idem_state(row: &Row, idx: usize) -> Result<IdempotencyState, StoreError> {
     let s: &str = get(row, idx)?;
-    [
-        IdempotencyState::InProgress,
-        IdempotencyState::Failed,
-        IdempotencyState::Done,
-    ]
-    .into_iter()
-    .find(|st| idem_state(*st) == s)
-    .ok_or_else(|| bad(idx, format!("idempotency state {s:?}")))
+    parse_idem_state(s).ok_or_else(|| bad(idx, format!("idempotency state {s:?}")))
 }
 
 macro_rules! session_cols {
