@@ -69,17 +69,6 @@ async fn import(gw: &TestGateway, body: Value) -> (u16, Value) {
     (s, v)
 }
 
-async fn history(gw: &TestGateway, id: &str, token: &str) -> Vec<Value> {
-    let (s, v) = gw
-        .get(
-            &format!("/v1/sbp/sessions/{id}/messages?limit=1000"),
-            &tok(token),
-        )
-        .await;
-    assert_eq!(s, 200, "{v}");
-    v["messages"].as_array().expect("messages").clone()
-}
-
 fn code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("")
 }
@@ -145,8 +134,8 @@ async fn export_import_then_continue_with_restored_history() {
     assert_eq!(im["provenance"]["export_id"], ex["export_id"]);
     assert_eq!(im["bundle_cid"], ex["bundle_cid"]);
 
-    let old = history(&gw, &id, &token).await;
-    let new = history(&gw, &new_id, &new_token).await;
+    let old = gw.messages(&id, &token).await;
+    let new = gw.messages(&new_id, &new_token).await;
     assert_eq!(new.len(), 5);
     for (a, b) in old.iter().zip(&new) {
         assert_eq!(
@@ -178,7 +167,7 @@ async fn export_import_then_continue_with_restored_history() {
     }
     assert_eq!(msgs[5]["content"], "and now?");
     // The source is untouched by the import.
-    assert_eq!(history(&gw, &id, &token).await.len(), 4);
+    assert_eq!(gw.messages(&id, &token).await.len(), 4);
 }
 
 #[tokio::test]
@@ -394,11 +383,11 @@ async fn allow_reuse_makes_independent_forks_without_consuming() {
             )
             .await;
         assert_eq!(s, 200, "{v}");
-        let h = history(&gw, fid, ftok).await;
+        let h = gw.messages(fid, ftok).await;
         assert_eq!(h.len(), 5);
         assert_eq!(h[3]["content"], format!("branch {i}"));
     }
-    assert_eq!(history(&gw, &id, &token).await.len(), 2);
+    assert_eq!(gw.messages(&id, &token).await.len(), 2);
 
     // The lineage of the source shows them as forks made through an import.
     let (_, lineage) = gw
@@ -583,8 +572,8 @@ async fn handoff_fork_and_lineage_of_three_sessions() {
         (cv["agent_id"].as_str(), cv["step_count"].as_u64()),
         (Some("agent-beta"), Some(2))
     );
-    let ch = history(&gw, &c, &c_tok).await;
-    let ah = history(&gw, &a, &a_tok).await;
+    let ch = gw.messages(&c, &c_tok).await;
+    let ah = gw.messages(&a, &a_tok).await;
     assert_eq!(ch.len(), ah.len() + 1);
     assert_eq!(ch[0]["role"], "system");
     let bridge = ch[0]["content"].as_str().expect("bridge");
@@ -723,8 +712,8 @@ async fn fork_copies_history_then_diverges() {
     let fk = f["fork_session_id"].as_str().expect("id").to_owned();
     let f_tok = f["fork_session_token"].as_str().expect("token").to_owned();
     assert_eq!(
-        history(&gw, &fk, &f_tok).await,
-        history(&gw, &a, &a_tok).await
+        gw.messages(&fk, &f_tok).await,
+        gw.messages(&a, &a_tok).await
     );
     let fv = gw.session_view(&fk, &f_tok).await;
     assert_eq!(
@@ -742,8 +731,8 @@ async fn fork_copies_history_then_diverges() {
         assert_eq!(s, 200, "{v}");
         assert_eq!(v["sbp"]["session_id"], id.as_str());
     }
-    let ha = history(&gw, &a, &a_tok).await;
-    let hf = history(&gw, &fk, &f_tok).await;
+    let ha = gw.messages(&a, &a_tok).await;
+    let hf = gw.messages(&fk, &f_tok).await;
     assert_eq!((ha.len(), hf.len()), (6, 6));
     assert_eq!(ha[..4], hf[..4]);
     assert_eq!(
@@ -967,7 +956,7 @@ async fn reference_bundle_imports() {
     assert_eq!(im["memory_restored"], false);
     let id = im["session_id"].as_str().expect("id");
     let t = im["session_token"].as_str().expect("token");
-    let h = history(&gw, id, t).await;
+    let h = gw.messages(id, t).await;
     assert_eq!(h[0]["content"], "Plan a trip to Tokyo — 東京 ✈");
     assert_eq!(h[1]["model_used"], "gpt-4o");
     assert_eq!(h[3]["content"], "Fake reply #1 to: Budget: 1500.50 EUR");
@@ -1098,7 +1087,7 @@ async fn long_session_exports_in_pieces_and_imports_complete() {
     assert_eq!(im["messages_restored"], 1302);
     let nid = im["session_id"].as_str().expect("id");
     let nt = im["session_token"].as_str().expect("token");
-    let h = history(&gw, nid, nt).await;
+    let h = gw.messages(nid, nt).await;
     assert_eq!(h.len(), 1000, "first page");
     assert_eq!(h[700]["content"], messages[700]["content"]);
 }

@@ -237,6 +237,18 @@ impl TestGateway {
         v
     }
 
+    /// The stored transcript (up to 1,000 messages), expecting 200.
+    pub async fn messages(&self, id: &str, token: &str) -> Vec<Value> {
+        let (s, v) = self
+            .get(
+                &format!("/v1/sbp/sessions/{id}/messages?limit=1000"),
+                &[("x-session-token", token)],
+            )
+            .await;
+        assert_eq!(s, 200, "{v}");
+        v["messages"].as_array().expect("messages").clone()
+    }
+
     pub async fn push(&self, id: &str, token: &str, content: &str) -> Value {
         let (s, _, v) = self
             .post(

@@ -45,14 +45,7 @@ async fn chat_text(gw: &TestGateway, token: &str, prompt: &str) -> String {
 }
 
 async fn last_stored_reply(gw: &TestGateway, id: &str, token: &str) -> String {
-    let (status, body) = gw
-        .get(
-            &format!("/v1/sessions/{id}/messages"),
-            &[("x-session-token", token)],
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let messages = body["messages"].as_array().expect("messages").clone();
+    let messages = gw.messages(id, token).await;
     let last = messages.last().expect("a message");
     last["content"]
         .as_str()

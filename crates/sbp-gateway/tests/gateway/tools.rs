@@ -83,17 +83,6 @@ async fn answer_error(ws: &mut Ws, call: &Value, error: &str) {
 }
 
 /// The stored transcript.
-async fn messages(gw: &TestGateway, id: &str, token: &str) -> Vec<Value> {
-    let (s, v) = gw
-        .get(
-            &format!("/v1/sbp/sessions/{id}/messages?limit=1000"),
-            &tok(token),
-        )
-        .await;
-    assert_eq!(s, 200, "{v}");
-    v["messages"].as_array().expect("messages").clone()
-}
-
 fn roles(messages: &[Value]) -> Vec<&str> {
     messages
         .iter()
@@ -207,7 +196,7 @@ async fn surface_tool_result_goes_back_to_the_llm_and_is_recorded() {
     assert_eq!(round[2]["content"], GPS_FIX, "{}", round[2]);
 
     // Transcript.
-    let stored = messages(&gw, &id, &token).await;
+    let stored = gw.messages(&id, &token).await;
     assert_eq!(
         roles(&stored),
         ["user", "assistant", "tool", "assistant"],
@@ -308,7 +297,7 @@ async fn two_calls_run_concurrently_and_pair_with_their_results() {
     assert_eq!(reply_text(&body), "tool result: photo-1.jpg");
     assert_eq!(live, "tool result: photo-1.jpg");
 
-    let stored = messages(&gw, &id, &token).await;
+    let stored = gw.messages(&id, &token).await;
     assert_eq!(
         roles(&stored),
         ["user", "assistant", "tool", "tool", "assistant"],
@@ -608,7 +597,7 @@ async fn backend_calls_a_surface_tool_directly() {
     assert_eq!(v["call_id"], f["call_id"], "{v}");
 
     // Backend calls are not part of the transcript.
-    assert!(messages(&gw, &id, &token).await.is_empty());
+    assert!(gw.messages(&id, &token).await.is_empty());
     assert!(gw.fake().requests().is_empty(), "no LLM was involved");
 }
 
@@ -727,7 +716,7 @@ async fn a_client_resending_its_history_after_a_tool_turn_stores_nothing_twice()
     let (s, _, body) = gw.chat(resend, &tok(&token)).await;
     assert_eq!(s, 200, "{body}");
     ws.live_turn().await;
-    let stored = messages(&gw, &id, &token).await;
+    let stored = gw.messages(&id, &token).await;
     assert_eq!(
         roles(&stored),
         [
@@ -777,7 +766,7 @@ async fn a_mixed_reply_keeps_only_the_clients_calls_and_the_session_stays_usable
     let (s, _, body) = gw.chat(follow, &tok(&token)).await;
     assert_eq!(s, 200, "{body}");
     assert_eq!(reply_text(&body), "tool result: sunny");
-    let stored = messages(&gw, &id, &token).await;
+    let stored = gw.messages(&id, &token).await;
     assert_eq!(
         roles(&stored),
         ["user", "assistant", "tool", "assistant"],
@@ -831,9 +820,9 @@ async fn a_fork_during_a_tool_round_stops_at_the_last_completed_turn() {
         .as_str()
         .expect("fork token")
         .to_owned();
-    let origin = messages(&gw, &id, &token).await;
+    let origin = gw.messages(&id, &token).await;
     assert_eq!(origin.len(), 8, "{origin:?}");
-    let copied = messages(&gw, &fork_id, &fork_token).await;
+    let copied = gw.messages(&fork_id, &fork_token).await;
     assert_eq!(
         roles(&copied),
         ["user", "assistant", "tool", "assistant"],
