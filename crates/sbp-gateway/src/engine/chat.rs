@@ -1162,7 +1162,7 @@ fn client_view(history: &[MessageRecord]) -> Vec<&Value> {
 
 /// Whether a function name is one the gateway offers (its surface and MCP-server tools).
 fn is_gateway_function(name: &str) -> bool {
-    name.starts_with(super::tools::SURFACE_PREFIX) || name.starts_with("mcp__")
+    name.starts_with(super::tools::SURFACE_PREFIX) || name.starts_with(super::tools::SERVER_PREFIX)
 }
 
 /// Whether two chat messages say the same thing: role, content (text compared as text), tool calls

@@ -22,6 +22,8 @@ use crate::error::ApiError;
 pub const TIMEOUT: &str = "timeout";
 /// Prefix of a surface tool's function name as the LLM sees it (`gps` -> `surface_gps`).
 pub const SURFACE_PREFIX: &str = "surface_";
+/// Prefix of a southbound MCP server's tool as the LLM sees it (`mcp__<server>__<tool>`).
+pub const SERVER_PREFIX: &str = "mcp__";
 /// Longest function name OpenAI and Anthropic accept.
 const MAX_FUNCTION_NAME: usize = 64;
 
@@ -271,7 +273,7 @@ impl Gateway {
             );
         }
         for (server, tool) in self.server_tools().tools() {
-            let function = function_name(&format!("mcp__{server}__{}", tool.name));
+            let function = function_name(&format!("{SERVER_PREFIX}{server}__{}", tool.name));
             if taken.contains(&function) {
                 continue;
             }
