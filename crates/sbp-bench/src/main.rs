@@ -1,7 +1,9 @@
 //! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
 //! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming, the L5
-//! TOOL_CALL round trip), prints a summary and writes `bench-out/results.json`. See BENCHMARKS.md.
+//! TOOL_CALL round trip, also across two replicas), prints a summary and writes
+//! `bench-out/results.json`. See BENCHMARKS.md.
 
+mod bus;
 mod client;
 mod http;
 mod idle;
@@ -51,7 +53,8 @@ enum Command {
     Roaming,
     /// L5 TOOL_CALL round trip: backend `POST .../tool_calls` -> TOOL_CALL to an attached surface
     /// -> TOOL_RESULT -> HTTP answer; --iterations calls with one session, then per session with
-    /// --toolcall-lanes sessions at once; next to an HTTP and a WebSocket floor.
+    /// --toolcall-lanes sessions at once; next to an HTTP and a WebSocket floor. With --bus:
+    /// across two replicas (surfaces on A, calls through B).
     Toolcall,
 }
 
@@ -124,6 +127,13 @@ struct Opts {
     /// then does not apply (PostgreSQL's own `synchronous_commit` decides durability).
     #[arg(long, global = true)]
     database: Option<String>,
+    /// The toolcall scenario across two replicas: a Redis URL such as `redis://127.0.0.1:6379`.
+    /// Starts a second gateway (replica B) on the same PostgreSQL schema (needs --database) and
+    /// upstream; both join this bus under a prefix of their own (`sbp_bench_<pid>_<n>:`, its keys
+    /// deleted afterwards) with one random `--jwt-secret`. Sessions are created on A and B by
+    /// turns, surfaces attach to A, tool calls go to B.
+    #[arg(long, global = true)]
+    bus: Option<String>,
     /// Directory of the `sbp` and `sbp-fake-llm` binaries. [default: this binary's directory]
     #[arg(long, global = true)]
     bin_dir: Option<PathBuf>,
@@ -164,6 +174,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let o = &cli.opts;
     if o.connections == 0 || o.rate <= 0.0 || o.turns_per_session == 0 || o.duration <= 0.0 {
         anyhow::bail!("--connections, --rate, --turns-per-session and --duration must be positive");
+    }
+    if o.bus.is_some() {
+        if o.database.is_none() {
+            anyhow::bail!(
+                "--bus needs --database postgres://...: replicas share one PostgreSQL database"
+            );
+        }
+        if !matches!(cli.command, Command::Toolcall) {
+            anyhow::bail!("--bus applies to the toolcall scenario only");
+        }
     }
     let duration = secs(o.duration, "duration")?;
     let warmup = secs(o.warmup, "warmup")?;
@@ -222,6 +242,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "roaming_messages": o.roaming_messages,
             "sync": o.sync,
             "database": o.database.as_deref().map(without_credentials),
+            "bus": o.bus.as_deref().map(without_credentials),
             "fd_limit": fd_limit,
         }),
         storage: if o.database.is_some() {
@@ -358,7 +379,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     if all || matches!(cli.command, Command::Toolcall) {
-        let label = format!("toolcall-{}", env.storage(primary));
+        let label = match o.bus {
+            Some(_) => format!("toolcall-{}-replicas", env.storage(primary)),
+            None => format!("toolcall-{}", env.storage(primary)),
+        };
         let iterations = o.iterations.unwrap_or(5000);
         let p = toolcall::Params {
             iterations,
@@ -366,10 +390,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             warmup: (iterations / 10).clamp(1, 500),
             lanes: o.toolcall_lanes,
             sync: primary,
+            bus: o.bus.clone(),
         };
         println!(
-            "\n== {label}: {iterations} tool calls on 1 session, then {iterations} on each of {} sessions at once",
-            p.lanes
+            "\n== {label}: {iterations} tool calls on 1 session, then {iterations} on each of {} sessions at once{}",
+            p.lanes,
+            if p.bus.is_some() {
+                " (surfaces on replica A, calls through replica B)"
+            } else {
+                ""
+            }
         );
         match toolcall::run(&env, &label, &p).await {
             Ok(r) => {
@@ -559,7 +589,31 @@ fn targets(r: &Results) -> Vec<Target> {
             met: r.pair.p95_ms <= 200.0,
         });
     }
-    if let Some(t) = &r.toolcall {
+    if let Some(t) = r.toolcall.as_ref().filter(|t| t.mode == "cross-replica") {
+        let l = &t.latency;
+        out.push(Target {
+            name: "cross-replica TOOL_CALL round trip p99 (1 session; surface on A, call via B)"
+                .into(),
+            target: "<= 3 ms (end-to-end - surface hold, and gateway-added)".into(),
+            measured: format!(
+                "e2e - hold p99 {:.3} ms, gateway-added p99 {:.3} ms (p50 {:.3} / {:.3}; healthz p99 {:.3}, ws echo p99 {:.3}, bus relay p99 {:.3}; {} errors, {} at {} sessions)",
+                l.net.p99_ms,
+                l.gateway_added.p99_ms,
+                l.net.p50_ms,
+                l.gateway_added.p50_ms,
+                l.healthz.p99_ms,
+                l.ws_echo.p99_ms,
+                l.bus_relay.map_or(0.0, |s| s.p99_ms),
+                l.errors,
+                t.throughput.errors,
+                t.throughput.lanes
+            ),
+            met: l.net.p99_ms <= 3.0
+                && l.gateway_added.p99_ms <= 3.0
+                && l.errors == 0
+                && t.throughput.errors == 0,
+        });
+    } else if let Some(t) = &r.toolcall {
         let l = &t.latency;
         out.push(Target {
             name: "L5 TOOL_CALL round trip, gateway-added p99 (1 session)".into(),
@@ -604,12 +658,15 @@ fn print_cpu(cpu: &procs::CpuUse) {
         cpu.machine_busy_pct,
         cpu.machine_steal_pct
     );
-    if let Some(threads) = cpu.thread_pct.get("gateway") {
+    for (name, threads) in &cpu.thread_pct {
+        if !name.starts_with("gateway") {
+            continue;
+        }
         let t: Vec<String> = threads
             .iter()
             .map(|(k, v)| format!("{k} {v:.0}%"))
             .collect();
-        println!("  gateway threads: {}", t.join(", "));
+        println!("  {name} threads: {}", t.join(", "));
     }
 }
 
@@ -744,28 +801,49 @@ fn print_roaming(r: &roaming::Report) {
 
 fn print_toolcall(r: &toolcall::Report) {
     let l = &r.latency;
+    let cross = r.mode == "cross-replica";
     println!(
-        "  1 session: {} calls, {} errors (warm-up {} calls)",
-        l.calls, l.errors, r.warmup
+        "  1 session: {} calls, {} errors (warm-up {} calls){}",
+        l.calls,
+        l.errors,
+        r.warmup,
+        if cross {
+            "; surface on replica A, calls through replica B"
+        } else {
+            ""
+        }
     );
     if let Some(e) = &l.first_error {
         println!("  first error: {e}");
     }
     for (name, s) in [
-        ("end-to-end  ", &l.end_to_end),
-        ("surface hold", &l.surface_hold),
-        ("e2e - hold  ", &l.net),
-        ("healthz     ", &l.healthz),
-        ("ws echo     ", &l.ws_echo),
+        ("end-to-end  ", Some(&l.end_to_end)),
+        ("surface hold", Some(&l.surface_hold)),
+        ("e2e - hold  ", Some(&l.net)),
+        ("healthz     ", Some(&l.healthz)),
+        ("ws echo     ", Some(&l.ws_echo)),
+        ("redis PING  ", l.redis_ping.as_ref()),
+        ("bus relay   ", l.bus_relay.as_ref()),
+        ("no surface  ", l.unattached_call.as_ref()),
     ] {
-        println!("  {name} {s}");
+        if let Some(s) = s {
+            println!("  {name} {s}");
+        }
     }
-    for (name, a) in [
-        ("gateway-added (quantile-wise)     ", &l.gateway_added),
+    let (quantile_wise, vs_medians) = if cross {
         (
+            "gateway-added, cross-replica (quantile-wise)    ",
+            "gateway-added, cross-replica (vs floor medians) ",
+        )
+    } else {
+        (
+            "gateway-added (quantile-wise)     ",
             "gateway-added (vs floor medians)  ",
-            &l.gateway_added_vs_floor_medians,
-        ),
+        )
+    };
+    for (name, a) in [
+        (quantile_wise, &l.gateway_added),
+        (vs_medians, &l.gateway_added_vs_floor_medians),
     ] {
         println!(
             "  {name} p50 {:.3} ms  p90 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
@@ -777,15 +855,30 @@ fn print_toolcall(r: &toolcall::Report) {
         l.gateway_metric
     );
     println!(
-        "  gateway CPU per call (healthz included) {:.3} ms",
-        l.gateway_cpu_ms_per_call
+        "  gateway CPU per call (healthz included{}) {:.3} ms{}",
+        if cross { ", both replicas" } else { "" },
+        l.gateway_cpu_ms_per_call,
+        l.redis_cpu_ms_per_call
+            .map(|ms| format!("; redis-server {ms:.3} ms (floors included)"))
+            .unwrap_or_default()
     );
     print_cpu(&l.cpu);
     let t = &r.throughput;
     println!(
-        "  {} sessions: {:.0} calls/s ({} calls in {:.2} s, {} errors); gateway CPU per call {:.3} ms",
-        t.lanes, t.calls_per_s, t.calls, t.seconds, t.errors, t.gateway_cpu_ms_per_call
+        "  {} sessions: {:.0} calls/s ({} calls in {:.2} s, {} errors); gateway CPU per call {:.3} ms{}",
+        t.lanes,
+        t.calls_per_s,
+        t.calls,
+        t.seconds,
+        t.errors,
+        t.gateway_cpu_ms_per_call,
+        t.redis_cpu_ms_per_call
+            .map(|ms| format!("; redis-server {ms:.3} ms"))
+            .unwrap_or_default()
     );
+    if let Some(redis) = &t.redis {
+        println!("  redis: {redis}");
+    }
     if let Some(e) = &t.first_error {
         println!("  first error: {e}");
     }
@@ -796,10 +889,20 @@ fn print_toolcall(r: &toolcall::Report) {
         t.gateway_metric
     );
     print_cpu(&t.cpu);
-    println!(
-        "  gateway RSS: peak {:.1} MiB (VmHWM)",
-        mib(r.gateway_mem_end.hwm_kib)
-    );
+    match (&r.replica_mem_end, &r.redis_mem_end) {
+        (None, _) => println!(
+            "  gateway RSS: peak {:.1} MiB (VmHWM)",
+            mib(r.gateway_mem_end.hwm_kib)
+        ),
+        (Some(b), redis) => println!(
+            "  RSS peak (VmHWM): replica A {:.1} MiB, replica B {:.1} MiB{}",
+            mib(r.gateway_mem_end.hwm_kib),
+            mib(b.hwm_kib),
+            redis
+                .map(|m| format!("; redis-server now {:.1} MiB", mib(m.rss_kib)))
+                .unwrap_or_default()
+        ),
+    }
 }
 
 fn print_targets(targets: &[Target]) {

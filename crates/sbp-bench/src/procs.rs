@@ -15,6 +15,8 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::bus::BusKeys;
+
 /// Where the binaries and logs are, and how the gateway is configured.
 #[derive(Debug, Clone)]
 pub struct Env {
@@ -156,7 +158,8 @@ impl Sync {
 }
 
 /// A fake upstream and a gateway in front of it, with the gateway's fresh data directory (and,
-/// on PostgreSQL, its fresh schema).
+/// on PostgreSQL, its fresh schema). With a replica bus, a second gateway (replica B) on the same
+/// schema and upstream, joined to the first (replica A) through Redis.
 pub struct Stack {
     pub fake: Service,
     pub gateway: Service,
@@ -164,6 +167,16 @@ pub struct Stack {
     data: tempfile::TempDir,
     /// Dropped (with every table in it) on stop, or on drop.
     schema: Option<Schema>,
+    /// Replica B, when the stack runs on a bus.
+    pub replica: Option<Replica>,
+}
+
+/// The second gateway of a two-replica stack, and the bus both replicas joined.
+pub struct Replica {
+    pub gateway: Service,
+    /// Its own data directory (the signing secret is passed, so nothing is shared there).
+    _data: tempfile::TempDir,
+    pub bus: BusKeys,
 }
 
 /// A schema made for one gateway run on PostgreSQL. [`Schema::drop_now`] removes it; dropping
@@ -240,14 +253,36 @@ pub async fn pg_exec(url: &str, sql: &str) -> anyhow::Result<()> {
     result.with_context(|| format!("running {sql:?}"))
 }
 
+/// How a gateway joins the replica bus: the bus, its name on it, and the signing secret every
+/// replica shares (each verifies the session tokens the others issued).
+struct Joins<'a> {
+    bus: &'a BusKeys,
+    name: &'a str,
+    secret: &'a str,
+}
+
 impl Stack {
-    /// Starts `sbp-fake-llm` and `sbp serve` pointed at it. `label` names the log files.
-    pub async fn start(env: &Env, label: &str, sync: Sync) -> anyhow::Result<Self> {
+    /// Starts `sbp-fake-llm` and `sbp serve` pointed at it. `label` names the log files. With
+    /// `bus` (a `redis://` URL; `env.database` must be set) it starts two gateways on the same
+    /// schema and upstream: replicas `bench-a` and `bench-b` on that bus under a prefix of their
+    /// own, sharing one random signing secret.
+    pub async fn start(
+        env: &Env,
+        label: &str,
+        sync: Sync,
+        bus: Option<&str>,
+    ) -> anyhow::Result<Self> {
+        if bus.is_some() && env.database.is_none() {
+            bail!("a replica bus needs --database postgres://...");
+        }
         let fake = start_fake(env, label).await?;
-        let data = tempfile::Builder::new()
-            .prefix("sbp-bench-")
-            .tempdir_in(&env.data_root)
-            .with_context(|| format!("creating a data dir in {}", env.data_root.display()))?;
+        let data = match data_dir(env) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = fake.stop().await;
+                return Err(e);
+            }
+        };
         let schema = match &env.database {
             Some(base) => match Schema::create(base).await {
                 Ok(s) => Some(s),
@@ -258,28 +293,66 @@ impl Stack {
             },
             None => None,
         };
-        let mut cmd = Command::new(binary(env, "sbp")?);
-        cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0"])
-            .arg("--data-dir")
-            .arg(data.path())
-            .arg("--llm-base-url")
-            .arg(format!("http://{}/v1", fake.addr))
-            .args(["--sqlite-synchronous", sync.as_str()])
-            // Idle surfaces must not be woken by PINGs during a run.
-            .args(["--ping-interval", "300"])
-            // The bench's own environment must not reconfigure the gateway under test.
-            .env_remove("SBP_CONFIG")
-            .env_remove("SBP_DATABASE")
-            .env_remove("SBP_API_KEYS")
-            .env_remove("SBP_STRICT_SBP");
-        if let Some(schema) = &schema {
-            cmd.arg("--database").arg(schema.url());
-        }
-        let log = env.log_dir.join(format!("{label}-gateway.log"));
-        let gateway = match Service::spawn("gateway", cmd, log).await {
+        let bus = bus.map(BusKeys::new);
+        // Two UUIDs: 64 hex characters, over the 32 bytes `--jwt-secret` needs.
+        let secret = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let joins = |name| {
+            bus.as_ref().map(|bus| Joins {
+                bus,
+                name,
+                secret: &secret,
+            })
+        };
+        let log = format!("{label}-gateway.log");
+        let a = spawn_gateway(
+            env,
+            "gateway",
+            &log,
+            &fake,
+            data.path(),
+            sync,
+            schema.as_ref(),
+            joins("bench-a"),
+        );
+        let gateway = match a.await {
             Ok(g) => g,
             Err(e) => {
+                let _ = fake.stop().await;
+                return Err(e);
+            }
+        };
+        // B after A: A has migrated the schema, so B starts on a finished one.
+        let b = async {
+            if bus.is_none() {
+                return Ok(None);
+            }
+            let data = data_dir(env)?;
+            let log = format!("{label}-gateway-b.log");
+            let b = spawn_gateway(
+                env,
+                "gateway-b",
+                &log,
+                &fake,
+                data.path(),
+                sync,
+                schema.as_ref(),
+                joins("bench-b"),
+            );
+            Ok::<_, anyhow::Error>(Some((b.await?, data)))
+        };
+        let replica = match (b.await, bus) {
+            (Ok(Some((gateway, _data))), Some(bus)) => Some(Replica {
+                gateway,
+                _data,
+                bus,
+            }),
+            (Ok(_), _) => None,
+            (Err(e), _) => {
+                let _ = gateway.stop().await;
                 let _ = fake.stop().await;
                 return Err(e);
             }
@@ -293,23 +366,39 @@ impl Stack {
             "  gateway pid {} on {} ({storage}), fake upstream pid {} on {}",
             gateway.pid, gateway.addr, fake.pid, fake.addr
         );
+        if let Some(r) = &replica {
+            println!(
+                "  replica B: gateway pid {} on {}; bus prefix {}",
+                r.gateway.pid, r.gateway.addr, r.bus.prefix
+            );
+        }
         Ok(Self {
             fake,
             gateway,
             data,
             schema,
+            replica,
         })
     }
 
     pub async fn stop(self) -> anyhow::Result<()> {
         let a = self.gateway.stop().await;
+        let (r, keys) = match self.replica {
+            Some(r) => (r.gateway.stop().await, Some(r.bus)),
+            None => (Ok(()), None),
+        };
         let b = self.fake.stop().await;
-        // After the gateway is gone, so none of its connections holds a lock on the tables.
+        // After the gateways are gone, so none of their connections holds a lock on the tables,
+        // and none writes a key again.
         let c = match self.schema {
             Some(s) => s.drop_now().await,
             None => Ok(()),
         };
-        a.and(b).and(c)
+        let k = match keys {
+            Some(k) => k.delete_now().await,
+            None => Ok(()),
+        };
+        a.and(r).and(b).and(c).and(k)
     }
 
     /// Starts the processes, runs `measure` against them and always stops them. A process that died
@@ -320,7 +409,18 @@ impl Stack {
         sync: Sync,
         measure: impl AsyncFnOnce(&Stack) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {
-        let mut stack = Stack::start(env, label, sync).await?;
+        Self::measure_on(env, label, sync, None, measure).await
+    }
+
+    /// [`Stack::measure_with`] on one gateway, or on two replicas joined by `bus`.
+    pub async fn measure_on<T>(
+        env: &Env,
+        label: &str,
+        sync: Sync,
+        bus: Option<&str>,
+        measure: impl AsyncFnOnce(&Stack) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let mut stack = Stack::start(env, label, sync, bus).await?;
         let result = measure(&stack).await;
         let alive = stack.check_alive();
         stack.stop().await?;
@@ -330,6 +430,9 @@ impl Stack {
 
     pub fn check_alive(&mut self) -> anyhow::Result<()> {
         self.gateway.check_alive()?;
+        if let Some(r) = &mut self.replica {
+            r.gateway.check_alive()?;
+        }
         self.fake.check_alive()
     }
 
@@ -345,6 +448,62 @@ impl Stack {
             })
             .collect()
     }
+}
+
+/// Starts `sbp serve` on `fake`, storing in `data` (SQLite) or `schema` (PostgreSQL); with `joins`,
+/// as a replica on the bus.
+#[allow(clippy::too_many_arguments)]
+async fn spawn_gateway(
+    env: &Env,
+    name: &str,
+    log: &str,
+    fake: &Service,
+    data: &Path,
+    sync: Sync,
+    schema: Option<&Schema>,
+    joins: Option<Joins<'_>>,
+) -> anyhow::Result<Service> {
+    let mut cmd = Command::new(binary(env, "sbp")?);
+    cmd.arg("serve")
+        .args(["--listen", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(data)
+        .arg("--llm-base-url")
+        .arg(format!("http://{}/v1", fake.addr))
+        .args(["--sqlite-synchronous", sync.as_str()])
+        // Idle surfaces must not be woken by PINGs during a run.
+        .args(["--ping-interval", "300"])
+        // The bench's own environment must not reconfigure the gateway under test.
+        .env_remove("SBP_CONFIG")
+        .env_remove("SBP_DATABASE")
+        .env_remove("SBP_API_KEYS")
+        .env_remove("SBP_STRICT_SBP")
+        .env_remove("SBP_JWT_SECRET")
+        .env_remove("SBP_BUS")
+        .env_remove("SBP_BUS_PREFIX")
+        .env_remove("SBP_REPLICA_NAME")
+        .env_remove("SBP_REPLICATED");
+    if let Some(schema) = schema {
+        cmd.arg("--database").arg(schema.url());
+    }
+    if let Some(j) = joins {
+        cmd.arg("--bus")
+            .arg(&j.bus.url)
+            .arg("--bus-prefix")
+            .arg(&j.bus.prefix)
+            .args(["--replica-name", j.name])
+            // In the environment rather than on the command line, where `ps` would show it.
+            .env("SBP_JWT_SECRET", j.secret);
+    }
+    Service::spawn(name, cmd, env.log_dir.join(log)).await
+}
+
+/// A fresh data directory for one gateway.
+fn data_dir(env: &Env) -> anyhow::Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("sbp-bench-")
+        .tempdir_in(&env.data_root)
+        .with_context(|| format!("creating a data dir in {}", env.data_root.display()))
 }
 
 pub async fn start_fake(env: &Env, label: &str) -> anyhow::Result<Service> {

@@ -7,6 +7,13 @@
 //! process. Gateway-added = end-to-end − surface hold − HTTP floor − WebSocket floor (see
 //! BENCHMARKS.md). The gateway's own `sbp_tool_call_latency_seconds` histogram is read from
 //! `/metrics` around each phase.
+//!
+//! Cross-replica mode (`--bus`): two gateways (replicas A and B) on one PostgreSQL schema and one
+//! Redis bus; sessions are created on A or B by turns, surfaces attach to A, and the backend calls
+//! B, which relays TOOL_CALL to A and gets TOOL_RESULT back over Redis pub/sub. The floors are
+//! then `GET /healthz` on B, the WebSocket echo, and two pub/sub hops on the same Redis; a PING
+//! and a call to a session without a surface (B's work before TOOL_CALL leaves it) are measured
+//! alongside, for the breakdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,6 +29,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
+use crate::bus::{self, BusFloor, CommandStats, RedisPerCall};
 use crate::http::{HttpConn, uri};
 use crate::procs::{self, CpuSnapshot, CpuUse, Env, Mem, Stack, Sync};
 use crate::stats::{Latencies, Summary};
@@ -39,10 +47,14 @@ pub struct Params {
     /// Concurrent sessions (each with its own surface and HTTP connection) of the throughput phase.
     pub lanes: usize,
     pub sync: Sync,
+    /// Cross-replica mode: the replicas' bus (`redis://...`).
+    pub bus: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// `single` (one gateway) or `cross-replica` (surfaces on replica A, calls through B).
+    pub mode: &'static str,
     pub sync: Sync,
     pub iterations: usize,
     pub warmup: usize,
@@ -50,7 +62,14 @@ pub struct Report {
     /// WebSocket echo round trip, so the floors are measured under the same conditions.
     pub latency: LatencyPhase,
     pub throughput: ThroughputPhase,
+    /// The gateway (replica A in cross-replica mode).
     pub gateway_mem_end: Mem,
+    /// Replica B.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_mem_end: Option<Mem>,
+    /// The Redis server, when it runs on this machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_mem_end: Option<Mem>,
     pub load_before: [f64; 3],
 }
 
@@ -62,12 +81,24 @@ pub struct LatencyPhase {
     pub surface_hold: Summary,
     /// Per call: end-to-end minus that call's surface hold.
     pub net: Summary,
-    /// `GET /healthz` on an identical keep-alive connection.
+    /// `GET /healthz` on an identical keep-alive connection (to replica B in cross-replica mode).
     pub healthz: Summary,
     /// One text message (the size of a TOOL_CALL) there and back to an in-process
     /// tokio-tungstenite echo server over loopback.
     pub ws_echo: Summary,
-    /// Quantile by quantile: net − healthz − ws_echo.
+    /// Cross-replica mode: one PING on a multiplexed connection to the bus's Redis.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_ping: Option<Summary>,
+    /// Cross-replica mode: two pub/sub hops (publish, a subscriber publishes back, receive) with
+    /// a payload the size of a relayed TOOL_CALL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bus_relay: Option<Summary>,
+    /// Cross-replica mode, for the breakdown (not a floor): a tool call through B to a session
+    /// that no surface ever attached, answered 409 once B has read the session from PostgreSQL and
+    /// asked Redis for its holder. Everything a relayed call does before TOOL_CALL leaves B.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unattached_call: Option<Summary>,
+    /// Quantile by quantile: net − healthz − ws_echo (− bus_relay in cross-replica mode).
     pub gateway_added: Added,
     /// Conservative: net's quantiles minus the floors' medians (all tail charged to the gateway).
     pub gateway_added_vs_floor_medians: Added,
@@ -76,8 +107,12 @@ pub struct LatencyPhase {
     pub calls: u64,
     pub errors: u64,
     pub first_error: Option<String>,
-    /// Gateway CPU over the phase (healthz calls included), per tool call.
+    /// Gateway CPU over the phase (healthz calls included), per tool call; both replicas in
+    /// cross-replica mode.
     pub gateway_cpu_ms_per_call: f64,
+    /// Cross-replica mode: the Redis server's CPU per tool call (the floors' commands included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_cpu_ms_per_call: Option<f64>,
     pub cpu: CpuUse,
 }
 
@@ -92,7 +127,13 @@ pub struct ThroughputPhase {
     pub end_to_end: Summary,
     pub surface_hold: Summary,
     pub gateway_metric: MetricHist,
+    /// Both replicas in cross-replica mode.
     pub gateway_cpu_ms_per_call: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_cpu_ms_per_call: Option<f64>,
+    /// Cross-replica mode: what Redis ran per call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisPerCall>,
     pub cpu: CpuUse,
 }
 
@@ -107,13 +148,15 @@ pub struct Added {
 }
 
 impl Added {
-    fn of(net: &Summary, a: [f64; 4], b: [f64; 4]) -> Self {
+    /// `net` minus each floor, quantile by quantile.
+    fn of(net: &Summary, floors: &[[f64; 4]]) -> Self {
         let r = |x: f64| (x * 1000.0).round() / 1000.0;
+        let at = |i: usize, v: f64| r(floors.iter().fold(v, |acc, f| acc - f[i]));
         Self {
-            p50_ms: r(net.p50_ms - a[0] - b[0]),
-            p90_ms: r(net.p90_ms - a[1] - b[1]),
-            p99_ms: r(net.p99_ms - a[2] - b[2]),
-            max_ms: r(net.max_ms - a[3] - b[3]),
+            p50_ms: at(0, net.p50_ms),
+            p90_ms: at(1, net.p90_ms),
+            p99_ms: at(2, net.p99_ms),
+            max_ms: at(3, net.max_ms),
         }
     }
 }
@@ -238,10 +281,81 @@ pub async fn run(env: &Env, label: &str, p: &Params) -> anyhow::Result<Report> {
         bail!("--iterations and --toolcall-lanes must be positive");
     }
     let load_before = procs::loadavg();
-    Stack::measure_with(env, label, p.sync, async |stack| {
+    Stack::measure_on(env, label, p.sync, p.bus.as_deref(), async |stack| {
         measure(stack, p, load_before).await
     })
     .await
+}
+
+/// Where each side of a call goes, and whose CPU counts.
+struct Topology {
+    /// Backend calls, `/healthz` and `/metrics`: the gateway, or replica B.
+    http: SocketAddr,
+    /// Surfaces attach here: the gateway, or replica A.
+    surface: SocketAddr,
+    /// Lane `i` creates its session on `create[i % 2]`: A and B by turns (one gateway: itself).
+    create: [SocketAddr; 2],
+    /// Processes in the CPU figures.
+    procs: Vec<(&'static str, u32)>,
+    /// Which of them are gateways.
+    gateways: &'static [&'static str],
+    bus: Option<BusSide>,
+}
+
+/// The Redis of a cross-replica run.
+struct BusSide {
+    url: String,
+    prefix: String,
+    /// For `INFO`.
+    conn: redis::aio::MultiplexedConnection,
+    pid: Option<u32>,
+}
+
+impl Topology {
+    async fn of(stack: &Stack) -> anyhow::Result<Self> {
+        let a = &stack.gateway;
+        let Some(replica) = &stack.replica else {
+            return Ok(Self {
+                http: a.addr,
+                surface: a.addr,
+                create: [a.addr, a.addr],
+                procs: vec![("gateway", a.pid)],
+                gateways: &["gateway"],
+                bus: None,
+            });
+        };
+        let b = &replica.gateway;
+        let mut conn = bus::connect(&replica.bus.url).await?;
+        let pid = bus::server_pid(&mut conn).await;
+        let mut procs = vec![("gateway-a", a.pid), ("gateway-b", b.pid)];
+        if let Some(pid) = pid {
+            procs.push(("redis", pid));
+        }
+        Ok(Self {
+            http: b.addr,
+            surface: a.addr,
+            create: [a.addr, b.addr],
+            procs,
+            gateways: &["gateway-a", "gateway-b"],
+            bus: Some(BusSide {
+                url: replica.bus.url.clone(),
+                prefix: replica.bus.prefix.clone(),
+                conn,
+                pid,
+            }),
+        })
+    }
+
+    /// CPU milliseconds per call of the gateways, together.
+    fn gateway_ms_per_call(&self, cpu: &CpuUse, calls: u64) -> f64 {
+        let secs: f64 = self.gateways.iter().map(|g| cpu.cpu_seconds(g)).sum();
+        (secs / calls.max(1) as f64 * 1e6).round() / 1000.0
+    }
+
+    fn redis_ms_per_call(&self, cpu: &CpuUse, calls: u64) -> Option<f64> {
+        self.bus.as_ref()?.pid?;
+        Some((cpu.cpu_seconds("redis") / calls.max(1) as f64 * 1e6).round() / 1000.0)
+    }
 }
 
 async fn scrape(conn: &mut HttpConn) -> anyhow::Result<Scrape> {
@@ -344,10 +458,16 @@ struct Call {
 }
 
 impl Lane {
-    async fn open(addr: SocketAddr, lane: usize) -> anyhow::Result<Self> {
-        let mut conn = HttpConn::connect(addr).await?;
+    /// A session created on `top.create[lane % 2]`, its surface on `top.surface`, and calls to
+    /// `top.http`.
+    async fn open(top: &Topology, lane: usize) -> anyhow::Result<Self> {
+        let create = top.create[lane % 2];
+        let mut conn = HttpConn::connect(create).await?;
         let (id, token) = tether::create_session(&mut conn).await?;
-        let surface = Surface::attach(addr, &id, &token).await?;
+        if create != top.http {
+            conn = HttpConn::connect(top.http).await?;
+        }
+        let surface = Surface::attach(top.surface, &id, &token).await?;
         Ok(Self {
             conn,
             path: uri(&format!("/v1/sbp/sessions/{id}/tool_calls"))?,
@@ -394,6 +514,46 @@ impl Lane {
             .await
             .map_err(|e| format!("{e:#}"))?;
         Ok(Call { e2e, hold })
+    }
+}
+
+/// A backend calling a tool of a session that has no surface: the answer (409) comes once the
+/// gateway has authorised the call and looked for the surface.
+struct Unattached {
+    conn: HttpConn,
+    path: Uri,
+    token: HeaderValue,
+    body: Bytes,
+}
+
+impl Unattached {
+    async fn open(addr: SocketAddr) -> anyhow::Result<Self> {
+        let mut conn = HttpConn::connect(addr).await?;
+        let (id, token) = tether::create_session(&mut conn).await?;
+        let input = json!({"lane": 0, "n": 0, "text": "hello from sbp-bench"});
+        let body = json!({"tool_name": TOOL, "tool_input": input, "timeout_ms": 5000});
+        Ok(Self {
+            conn,
+            path: uri(&format!("/v1/sbp/sessions/{id}/tool_calls"))?,
+            token: HeaderValue::from_str(&token)?,
+            body: Bytes::from(body.to_string()),
+        })
+    }
+
+    async fn call(&mut self) -> anyhow::Result<Duration> {
+        let t0 = Instant::now();
+        let resp = self
+            .conn
+            .post(&self.path, Some(&self.token), self.body.clone())
+            .await?;
+        let elapsed = t0.elapsed();
+        if resp.status != StatusCode::CONFLICT {
+            bail!(
+                "a tool call to a session without a surface answered {}, not 409",
+                resp.describe()
+            );
+        }
+        Ok(elapsed)
     }
 }
 
@@ -458,24 +618,37 @@ fn sub(a: Duration, b: Duration) -> Duration {
 }
 
 async fn measure(stack: &Stack, p: &Params, load_before: [f64; 3]) -> anyhow::Result<Report> {
-    let addr = stack.gateway.addr;
-    let pid = stack.gateway.pid;
-    let mut admin = HttpConn::connect(addr).await?;
+    let mut top = Topology::of(stack).await?;
+    let mut admin = HttpConn::connect(top.http).await?;
 
     // Latency: one lane, every call interleaved with one of each floor.
-    let mut lane = Lane::open(addr, 0).await?;
-    let mut health = HttpConn::connect(addr).await?;
+    let mut lane = Lane::open(&top, 0).await?;
+    let mut health = HttpConn::connect(top.http).await?;
     let healthz = uri("/healthz")?;
     let mut echo = EchoFloor::start().await?;
+    let (mut bus_floor, mut probe) = match &top.bus {
+        Some(b) => (
+            Some(BusFloor::start(&b.url, &b.prefix).await?),
+            Some(Unattached::open(top.http).await?),
+        ),
+        None => (None, None),
+    };
     for _ in 0..p.warmup {
         lane.call().await.map_err(anyhow::Error::msg)?;
         health.get(&healthz, None).await?;
         echo.round_trip().await?;
+        if let (Some(f), Some(u)) = (&mut bus_floor, &mut probe) {
+            f.ping().await?;
+            f.relay_round_trip().await?;
+            u.call().await?;
+        }
     }
     let before = scrape(&mut admin).await?;
-    let cpu0 = CpuSnapshot::take(&[("gateway", pid)]);
+    let cpu0 = CpuSnapshot::take(&top.procs);
     let (mut e2e, mut hold, mut net) = (Latencies::new(), Latencies::new(), Latencies::new());
     let (mut hz, mut ws) = (Latencies::new(), Latencies::new());
+    let (mut ping, mut relay, mut unattached) =
+        (Latencies::new(), Latencies::new(), Latencies::new());
     let (mut errors, mut first_error) = (0u64, None);
     for _ in 0..p.iterations {
         let t0 = Instant::now();
@@ -485,6 +658,11 @@ async fn measure(stack: &Stack, p: &Params, load_before: [f64; 3]) -> anyhow::Re
         }
         hz.record(t0.elapsed());
         ws.record(echo.round_trip().await?);
+        if let (Some(f), Some(u)) = (&mut bus_floor, &mut probe) {
+            ping.record(f.ping().await?);
+            relay.record(f.relay_round_trip().await?);
+            unattached.record(u.call().await?);
+        }
         match lane.call().await {
             Ok(c) => {
                 e2e.record(c.e2e);
@@ -500,39 +678,71 @@ async fn measure(stack: &Stack, p: &Params, load_before: [f64; 3]) -> anyhow::Re
     let cpu = cpu0.since();
     let after = scrape(&mut admin).await?;
     echo.stop();
+    if let Some(f) = bus_floor {
+        f.stop();
+    }
     lane.surface.stop();
     let calls = e2e.summary().count;
     let (net, hz, ws) = (net.summary(), hz.summary(), ws.summary());
+    let (ping, relay, unattached) = match &top.bus {
+        Some(_) => (
+            Some(ping.summary()),
+            Some(relay.summary()),
+            Some(unattached.summary()),
+        ),
+        None => (None, None, None),
+    };
+    let mut floors = vec![quantiles(&hz), quantiles(&ws)];
+    let mut floor_medians = vec![medians(&hz), medians(&ws)];
+    if let Some(r) = &relay {
+        floors.push(quantiles(r));
+        floor_medians.push(medians(r));
+    }
     let latency = LatencyPhase {
         end_to_end: e2e.summary(),
         surface_hold: hold.summary(),
-        gateway_added: Added::of(&net, quantiles(&hz), quantiles(&ws)),
-        gateway_added_vs_floor_medians: Added::of(&net, medians(&hz), medians(&ws)),
+        gateway_added: Added::of(&net, &floors),
+        gateway_added_vs_floor_medians: Added::of(&net, &floor_medians),
         net,
         healthz: hz,
         ws_echo: ws,
+        redis_ping: ping,
+        bus_relay: relay,
+        unattached_call: unattached,
         gateway_metric: after.since(&before),
         calls,
         errors,
         first_error,
-        gateway_cpu_ms_per_call: per_call_ms(&cpu, calls),
+        gateway_cpu_ms_per_call: top.gateway_ms_per_call(&cpu, calls),
+        redis_cpu_ms_per_call: top.redis_ms_per_call(&cpu, calls),
         cpu,
     };
 
-    let throughput = throughput(stack, p, &mut admin).await?;
+    let throughput = throughput(&mut top, p, &mut admin).await?;
+    let redis_mem_end = top
+        .bus
+        .as_ref()
+        .and_then(|b| b.pid)
+        .and_then(|pid| procs::mem(pid).ok());
     Ok(Report {
+        mode: if top.bus.is_some() {
+            "cross-replica"
+        } else {
+            "single"
+        },
         sync: p.sync,
         iterations: p.iterations,
         warmup: p.warmup,
         latency,
         throughput,
-        gateway_mem_end: procs::mem(pid)?,
+        gateway_mem_end: procs::mem(stack.gateway.pid)?,
+        replica_mem_end: match &stack.replica {
+            Some(r) => Some(procs::mem(r.gateway.pid)?),
+            None => None,
+        },
+        redis_mem_end,
         load_before,
     })
-}
-
-fn per_call_ms(cpu: &CpuUse, calls: u64) -> f64 {
-    (cpu.cpu_seconds("gateway") / calls.max(1) as f64 * 1e6).round() / 1000.0
 }
 
 /// What one throughput lane measured.
@@ -544,14 +754,13 @@ struct LaneResult {
 }
 
 async fn throughput(
-    stack: &Stack,
+    top: &mut Topology,
     p: &Params,
     admin: &mut HttpConn,
 ) -> anyhow::Result<ThroughputPhase> {
-    let addr = stack.gateway.addr;
     let mut lanes = Vec::with_capacity(p.lanes);
     for i in 0..p.lanes {
-        lanes.push(Lane::open(addr, i + 1).await?);
+        lanes.push(Lane::open(top, i + 1).await?);
     }
     // Warm-up on every lane; once all are warm the gateway's histogram is scraped, then all lanes
     // start the measured calls together (two barriers, so no measured call precedes the scrape).
@@ -594,7 +803,11 @@ async fn throughput(
     }
     warm.wait().await;
     let before = scrape(admin).await?;
-    let cpu0 = CpuSnapshot::take(&[("gateway", stack.gateway.pid)]);
+    let redis_before = match &mut top.bus {
+        Some(b) => Some(CommandStats::take(&mut b.conn).await?),
+        None => None,
+    };
+    let cpu0 = CpuSnapshot::take(&top.procs);
     let t0 = Instant::now();
     go.wait().await;
     let (mut e2e, mut hold) = (Latencies::new(), Latencies::new());
@@ -612,6 +825,14 @@ async fn throughput(
     let cpu = cpu0.since();
     let after = scrape(admin).await?;
     let calls = e2e.summary().count;
+    let redis = match (&mut top.bus, redis_before) {
+        (Some(b), Some(before)) => Some(
+            CommandStats::take(&mut b.conn)
+                .await?
+                .per_call_since(&before, calls),
+        ),
+        _ => None,
+    };
     Ok(ThroughputPhase {
         lanes: p.lanes,
         calls,
@@ -622,7 +843,9 @@ async fn throughput(
         end_to_end: e2e.summary(),
         surface_hold: hold.summary(),
         gateway_metric: after.since(&before),
-        gateway_cpu_ms_per_call: per_call_ms(&cpu, calls),
+        gateway_cpu_ms_per_call: top.gateway_ms_per_call(&cpu, calls),
+        redis_cpu_ms_per_call: top.redis_ms_per_call(&cpu, calls),
+        redis,
         cpu,
     })
 }

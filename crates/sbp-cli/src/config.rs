@@ -46,6 +46,30 @@ pub struct ServeArgs {
     /// Prefix of the Tether's Redis keys (to share one Redis between deployments). [default: sbp:]
     #[arg(long, env = "SBP_TETHER_PREFIX")]
     pub tether_prefix: Option<String>,
+    /// Connect replicas: `redis://[USER:PASSWORD@]HOST[:PORT][/DB]`. Every replica of one
+    /// deployment gets the same `--bus` and `--database postgres://...`; a surface may attach to any
+    /// of them and a turn may run on any other (chunks, tool calls and results are routed through
+    /// Redis pub/sub; one surface per session across all of them). Needs PostgreSQL. [default: none,
+    /// one process]
+    #[arg(long, env = "SBP_BUS")]
+    pub bus: Option<String>,
+    /// Prefix of the bus's Redis keys and channels (one per deployment sharing a Redis). [default: sbp:]
+    #[arg(long, env = "SBP_BUS_PREFIX")]
+    pub bus_prefix: Option<String>,
+    /// This replica's name in logs and on the bus; a random suffix is added per run. [default: gw]
+    #[arg(long, env = "SBP_REPLICA_NAME")]
+    pub replica_name: Option<String>,
+    /// Declares that several processes serve this database. Refused without `--bus`: replicas
+    /// without a bus would run turns whose chunks and tool calls cannot reach the surface.
+    #[arg(long, env = "SBP_REPLICATED")]
+    pub replicated: bool,
+    /// Seconds between a replica's heartbeats (database and bus). [default: 2]
+    #[arg(long, env = "SBP_REPLICA_HEARTBEAT")]
+    pub replica_heartbeat: Option<f64>,
+    /// Seconds without a heartbeat after which a replica counts as dead: its running turns are marked
+    /// failed and tool calls waiting on its surfaces end. [default: 10]
+    #[arg(long, env = "SBP_REPLICA_TIMEOUT")]
+    pub replica_timeout: Option<f64>,
     /// Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:11434/v1 (Ollama),
     /// http://127.0.0.1:8000/v1 (vLLM), http://127.0.0.1:8081/v1 (llama.cpp), https://api.openai.com/v1.
     /// Without it turns are answered by the built-in offline model `sbp/echo`.
@@ -154,6 +178,12 @@ struct FileConfig {
     tether: Option<String>,
     tether_mode: Option<String>,
     tether_prefix: Option<String>,
+    bus: Option<String>,
+    bus_prefix: Option<String>,
+    replica_name: Option<String>,
+    replicated: Option<bool>,
+    replica_heartbeat: Option<f64>,
+    replica_timeout: Option<f64>,
     llm_base_url: Option<String>,
     llm_api_key: Option<String>,
     default_model: Option<String>,
@@ -210,6 +240,17 @@ pub struct TetherSettings {
     pub prefix: String,
 }
 
+/// The replica bus (`--bus`).
+#[derive(Debug, Clone)]
+pub struct BusSettings {
+    /// The URL as given (it may hold a password: log `redacted_redis_url` of it).
+    pub url: String,
+    pub prefix: String,
+    pub name: String,
+    pub heartbeat: Duration,
+    pub timeout: Duration,
+}
+
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub listen: SocketAddr,
@@ -217,6 +258,7 @@ pub struct Settings {
     pub database: Database,
     pub sqlite_full_sync: bool,
     pub tether: Option<TetherSettings>,
+    pub bus: Option<BusSettings>,
     pub llm_base_url: Option<String>,
     pub llm_api_key: Option<String>,
     pub default_model: Option<String>,
@@ -292,6 +334,17 @@ impl Settings {
             args.tether.or(file.tether),
             args.tether_mode.or(file.tether_mode),
             args.tether_prefix.or(file.tether_prefix),
+        )?;
+        let bus = parse_bus(
+            &database,
+            args.replicated || file.replicated.unwrap_or(false),
+            BusArgs {
+                url: args.bus.or(file.bus),
+                prefix: args.bus_prefix.or(file.bus_prefix),
+                name: args.replica_name.or(file.replica_name),
+                heartbeat: args.replica_heartbeat.or(file.replica_heartbeat),
+                timeout: args.replica_timeout.or(file.replica_timeout),
+            },
         )?;
         let mut api_keys: Vec<String> = args
             .api_keys
@@ -381,6 +434,7 @@ impl Settings {
             database,
             sqlite_full_sync,
             tether,
+            bus,
             llm_base_url: args
                 .llm_base_url
                 .or(file.llm_base_url)
@@ -482,6 +536,60 @@ fn parse_tether(
         bail!("--tether-prefix must be non-empty, without spaces or '*'");
     }
     Ok(Some(TetherSettings { url, mode, prefix }))
+}
+
+struct BusArgs {
+    url: Option<String>,
+    prefix: Option<String>,
+    name: Option<String>,
+    heartbeat: Option<f64>,
+    timeout: Option<f64>,
+}
+
+fn parse_bus(
+    database: &Database,
+    replicated: bool,
+    a: BusArgs,
+) -> anyhow::Result<Option<BusSettings>> {
+    let Some(url) = a.url.filter(|u| !u.trim().is_empty()) else {
+        if replicated {
+            bail!(
+                "--replicated needs --bus redis://...: without a bus, replicas cannot route a turn's \
+                 chunks and tool calls to a surface attached to another replica"
+            );
+        }
+        if a.prefix.is_some() || a.name.is_some() {
+            bail!("--bus-prefix and --replica-name need --bus redis://...");
+        }
+        return Ok(None);
+    };
+    if !url.starts_with("redis://") {
+        bail!("--bus must look like redis://HOST[:PORT][/DB], got '{url}'");
+    }
+    if matches!(database, Database::Sqlite(_)) {
+        bail!("--bus needs --database postgres://...: replicas share one PostgreSQL database");
+    }
+    let prefix = a.prefix.unwrap_or_else(|| "sbp:".to_owned());
+    if prefix.is_empty() || prefix.chars().any(|c| c.is_whitespace() || c == '*') {
+        bail!("--bus-prefix must be non-empty, without spaces or '*'");
+    }
+    let name = a.name.unwrap_or_else(|| "gw".to_owned());
+    // The run suffix adds 13 characters to the 64 a replica id may have.
+    if name.len() > 50 || !sbp_bus::valid_replica_id(&name) {
+        bail!("--replica-name must be 1-50 characters of A-Z a-z 0-9 . _ -, got '{name}'");
+    }
+    let heartbeat = seconds("replica-heartbeat", a.heartbeat, 2.0)?;
+    let timeout = seconds("replica-timeout", a.timeout, 10.0)?;
+    if timeout < heartbeat * 2 {
+        bail!("--replica-timeout must be at least twice --replica-heartbeat");
+    }
+    Ok(Some(BusSettings {
+        url,
+        prefix,
+        name,
+        heartbeat,
+        timeout,
+    }))
 }
 
 /// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,

@@ -4,7 +4,8 @@ use std::io::Write as _;
 use std::sync::Arc;
 
 use anyhow::Context;
-use sbp_gateway::{Gateway, GatewayConfig};
+use sbp_bus::{RedisBus, RedisBusOptions};
+use sbp_gateway::{BusLink, Gateway, GatewayConfig};
 use sbp_llm::{
     AnthropicOptions, AnthropicProvider, EchoProvider, ModelMatch, OpenAiOptions, OpenAiProvider,
     Provider, Router,
@@ -133,6 +134,35 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         secret,
         ..defaults
     };
+    let config = match &s.bus {
+        Some(b) => GatewayConfig {
+            replica_id: sbp_gateway::run_replica_id(&b.name),
+            replica_heartbeat: b.heartbeat,
+            replica_timeout: b.timeout,
+            ..config
+        },
+        None => config,
+    };
+    let (bus, bus_link) = match &s.bus {
+        None => (None, None),
+        Some(b) => {
+            let label = redacted_redis_url(&b.url);
+            let opts = RedisBusOptions {
+                prefix: b.prefix.clone(),
+                heartbeat: b.heartbeat,
+                ttl: b.timeout,
+                ..RedisBusOptions::new(b.url.clone(), config.replica_id.clone())
+            };
+            let (bus, inbox) = RedisBus::connect(opts)
+                .await
+                .with_context(|| format!("joining the replica bus at {label}"))?;
+            let link = BusLink {
+                bus: bus.clone(),
+                inbox,
+            };
+            (Some(bus), Some(link))
+        }
+    };
     if config.insecure_no_session_auth {
         tracing::warn!(
             "--insecure-no-session-auth: session endpoints accept calls without the session token"
@@ -153,9 +183,16 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         tracing::info!(servers = ?sb.servers(), tools = sb.tools().len(), "southbound MCP servers connected");
         sb
     };
-    let gateway = Gateway::start_with_tools(config, store, provider, Arc::new(southbound.clone()))
-        .await
-        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    let replica = bus.as_ref().map(|_| config.replica_id.clone());
+    let gateway = Gateway::start_replica(
+        config,
+        store,
+        provider,
+        Arc::new(southbound.clone()),
+        bus_link,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{}", e.message))?;
     let listener = tokio::net::TcpListener::bind(s.listen)
         .await
         .with_context(|| format!("binding {}", s.listen))?;
@@ -165,12 +202,19 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     } else {
         ""
     };
+    let replica_label = match (&replica, &s.bus) {
+        (Some(id), Some(b)) => format!("; replica {id} on bus {}", redacted_redis_url(&b.url)),
+        _ => String::new(),
+    };
     println!(
-        "sbp gateway listening on http://{addr} (storage {storage_label}; {upstream_label}{hint})"
+        "sbp gateway listening on http://{addr} (storage {storage_label}{replica_label}; {upstream_label}{hint})"
     );
     std::io::stdout().flush()?;
     sbp_gateway::serve(listener, gateway, shutdown_signal()).await?;
     southbound.shutdown().await;
+    if let Some(bus) = bus {
+        bus.close().await;
+    }
     tracing::info!("gateway stopped");
     Ok(())
 }

@@ -1,8 +1,12 @@
 //! End-to-end tests of the real `sbp` binary: durability across `kill -9`, an in-flight turn cut
 //! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM, and
-//! operator API keys. Each test runs its own gateway process on 127.0.0.1:0 over a temp data dir.
+//! operator API keys; several processes as replicas of one deployment (`binary/replicas.rs`). Each
+//! test runs its own gateway processes on 127.0.0.1:0 over temp data dirs.
 
 mod support;
+
+#[path = "binary/replicas.rs"]
+mod replicas;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
@@ -10,7 +14,7 @@ use std::time::Duration;
 
 use sbp_fake_llm::FakeLlm;
 use serde_json::{Value, json};
-use support::{Proc, Sbp, WAIT, msg, reply_text, sbp_serve, sbp_serve_in, send};
+use support::{Proc, Sbp, WAIT, msg, psql, reply_text, sbp_serve, sbp_serve_in, send};
 
 /// A transcript as (role, content) pairs.
 type Transcript = Vec<(String, String)>;
@@ -32,34 +36,12 @@ async fn acknowledged_writes_survive_kill_9() {
 /// The same on PostgreSQL (a fresh schema of the test database, dropped afterwards).
 #[tokio::test]
 async fn acknowledged_writes_survive_kill_9_on_postgres() {
-    let base = std::env::var("SBP_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let schema = format!("sbp_bin_{}", uuid_simple());
+    let base = support::test_database_url();
+    let schema = format!("sbp_bin_{}", support::unique_suffix());
     psql(&base, &format!("CREATE SCHEMA {schema}"));
     let url = format!("{base}?options=-c%20search_path%3D{schema}");
     acknowledged_writes_survive_kill_9_on(&["--database", &url]).await;
     psql(&base, &format!("DROP SCHEMA {schema} CASCADE"));
-}
-
-/// Runs SQL with the machine's psql (installed with PostgreSQL by scripts/services.sh).
-fn psql(url: &str, sql: &str) {
-    let out = std::process::Command::new("psql")
-        .args([url, "-v", "ON_ERROR_STOP=1", "-qc", sql])
-        .output()
-        .expect("psql runs (scripts/services.sh installs PostgreSQL and its client)");
-    assert!(
-        out.status.success(),
-        "psql {sql}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn uuid_simple() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!("{:x}{:x}", nanos, std::process::id())
 }
 
 async fn acknowledged_writes_survive_kill_9_on(extra: &[&str]) {

@@ -39,6 +39,20 @@ pub struct GatewayConfig {
     pub insecure_no_session_auth: bool,
     /// The gateway's signing secret (>= 32 bytes).
     pub secret: Vec<u8>,
+    /// This process's id among replicas (unique per run): it owns the turns it runs, and other
+    /// replicas address it on the bus.
+    pub replica_id: String,
+    /// How often a replica records that it is alive (in the database, and on the bus).
+    pub replica_heartbeat: Duration,
+    /// How long after its last heartbeat a replica counts as dead: its running turns are failed
+    /// and calls waiting on its surfaces end.
+    pub replica_timeout: Duration,
+}
+
+/// A replica id unique to this run: `name` and a random suffix.
+pub fn run_replica_id(name: &str) -> String {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{name}-{}", &suffix[..12])
 }
 
 impl Default for GatewayConfig {
@@ -63,6 +77,9 @@ impl Default for GatewayConfig {
             enable_test_hooks: false,
             insecure_no_session_auth: false,
             secret: Vec::new(),
+            replica_id: run_replica_id("gw"),
+            replica_heartbeat: Duration::from_secs(2),
+            replica_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -8,8 +8,8 @@ pub mod error;
 pub mod metrics;
 pub mod transport;
 
-pub use config::{CtpRule, GatewayConfig};
-pub use engine::Gateway;
+pub use config::{CtpRule, GatewayConfig, run_replica_id};
+pub use engine::{BusLink, Gateway};
 pub use error::ApiError;
 
 use std::future::Future;

@@ -118,7 +118,21 @@ pub trait TurnStore: Send + Sync {
     /// Marks the turn failed (the messages of `begin_turn` stay) and the idempotency record retryable.
     async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()>;
     /// After a restart: every turn still `running` is marked failed. Returns the affected turns.
+    /// Only for a gateway that is the store's sole user: with replicas, use
+    /// [`TurnStore::recover_orphaned_turns`], which leaves the turns of live replicas alone.
     async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>>;
+    /// Records that `replica` is alive at `now` (creates its row, or moves its `heartbeat_at`).
+    async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()>;
+    /// Fails, like [`TurnStore::recover_interrupted_turns`] (same error text, idempotency keys made
+    /// retryable), every `running` turn whose owner is `None`, has never heartbeated, or last
+    /// heartbeated before `stale_before`; turns of replicas with a later heartbeat are untouched.
+    /// Also forgets the replicas that last heartbeated before `stale_before` and own no running
+    /// turn any more. One transaction; returns the failed turns.
+    async fn recover_orphaned_turns(
+        &self,
+        now: Timestamp,
+        stale_before: Timestamp,
+    ) -> StoreResult<Vec<TurnRecord>>;
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>>;
 }
 

@@ -405,6 +405,19 @@ impl TurnStore for PostgresStore {
             .await
     }
 
+    async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
+        ops::replica_heartbeat(&self.client().await?, replica, now).await
+    }
+
+    async fn recover_orphaned_turns(
+        &self,
+        now: Timestamp,
+        stale_before: Timestamp,
+    ) -> StoreResult<Vec<TurnRecord>> {
+        self.write(move |tx| Box::pin(ops::recover_orphaned_turns(tx, now, stale_before)))
+            .await
+    }
+
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
         ops::get_turn(&self.client().await?, turn_id).await
     }

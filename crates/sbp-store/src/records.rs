@@ -122,6 +122,8 @@ pub struct TurnRecord {
     pub started_at: Timestamp,
     pub finished_at: Option<Timestamp>,
     pub error: Option<String>,
+    /// The replica that ran the turn (`BeginTurn::owner`).
+    pub owner: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -171,6 +173,11 @@ pub struct BeginTurn {
     /// failed record of this session back to in progress.
     pub idempotency: Option<NewIdempotency>,
     pub retry_key: Option<String>,
+    /// The replica running the turn, under the id it heartbeats with
+    /// (`TurnStore::replica_heartbeat`): once that replica stops heartbeating, another one's
+    /// `recover_orphaned_turns` fails the turn. `None` (a single gateway) leaves the turn to any
+    /// replica's recovery.
+    pub owner: Option<String>,
     pub now: Timestamp,
 }
 

@@ -657,6 +657,21 @@ impl<S: Store + ?Sized + 'static> TurnStore for TetheredStore<S> {
         self.shared.inner.recover_interrupted_turns(now).await
     }
 
+    async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
+        self.shared.inner.replica_heartbeat(replica, now).await
+    }
+
+    async fn recover_orphaned_turns(
+        &self,
+        now: Timestamp,
+        stale_before: Timestamp,
+    ) -> StoreResult<Vec<TurnRecord>> {
+        self.shared
+            .inner
+            .recover_orphaned_turns(now, stale_before)
+            .await
+    }
+
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
         self.shared.inner.get_turn(turn_id).await
     }

@@ -408,6 +408,21 @@ impl TurnStore for SqliteStore {
             .await
     }
 
+    async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
+        let replica = replica.to_owned();
+        self.write(move |c| ops::replica_heartbeat(c, &replica, now))
+            .await
+    }
+
+    async fn recover_orphaned_turns(
+        &self,
+        now: Timestamp,
+        stale_before: Timestamp,
+    ) -> StoreResult<Vec<TurnRecord>> {
+        self.write(move |c| ops::recover_orphaned_turns(c, now, stale_before))
+            .await
+    }
+
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
         self.read(move |c| ops::get_turn(c, turn_id)).await
     }

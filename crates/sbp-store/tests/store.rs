@@ -25,6 +25,10 @@ macro_rules! for_each_case {
             tether_pending_order_after_limit,
             fail_turn_and_retry,
             recover_interrupted_turns,
+            turn_owner_round_trips,
+            recover_orphaned_turns,
+            heartbeat_keeps_a_replica_alive,
+            stale_replicas_are_forgotten,
             list_messages_pagination,
             concurrent_turns_across_sessions,
             concurrent_finish_one_session,
@@ -123,7 +127,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 2);
+        assert_eq!(version, 3);
     }
 }
 
@@ -300,6 +304,7 @@ mod postgres {
                         pre_action: None,
                         idempotency: None,
                         retry_key: None,
+                        owner: None,
                         now,
                     })
                     .await

@@ -1,6 +1,7 @@
 //! Harness for the end-to-end tests: runs the real `sbp` binary as a child process on
 //! 127.0.0.1:0, learns its port from the one stdout line, captures its output, and talks to it
-//! with real clients (reqwest over HTTP, tokio-tungstenite over WebSocket).
+//! with real clients (reqwest over HTTP, tokio-tungstenite over WebSocket). [`Deployment`] runs
+//! several of them as replicas of one deployment (one PostgreSQL schema, one Redis bus prefix).
 
 #![allow(dead_code)]
 
@@ -311,17 +312,50 @@ impl Sbp {
     /// Opens the session's WebSocket and sends ATTACH_SESSION; returns the socket and the
     /// SESSION_ATTACHED frame.
     pub async fn attach(&self, id: &str, token: &str) -> (Ws, Value) {
-        let url = format!("{}/v1/sbp/ws/{id}", self.ws_url);
-        let (stream, _) = tokio::time::timeout(WAIT, tokio_tungstenite::connect_async(url))
-            .await
-            .expect("ws connect within the wait")
-            .expect("ws connect");
-        let mut ws = Ws { stream };
+        let mut ws = self.connect(id).await;
         ws.send(json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token}))
             .await;
         let attached = ws.recv().await;
         assert_eq!(attached["type"], "SESSION_ATTACHED", "{attached}");
         (ws, attached)
+    }
+
+    /// [`Sbp::attach`] declaring `surface_context`.
+    pub async fn attach_surface(
+        &self,
+        id: &str,
+        token: &str,
+        surface_context: Value,
+    ) -> (Ws, Value) {
+        let mut ws = self.connect(id).await;
+        ws.send(
+            json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
+                       "surface_context": surface_context}),
+        )
+        .await;
+        let attached = ws.recv().await;
+        assert_eq!(attached["type"], "SESSION_ATTACHED", "{attached}");
+        (ws, attached)
+    }
+
+    /// Opens the session's WebSocket without sending anything.
+    pub async fn connect(&self, id: &str) -> Ws {
+        let url = format!("{}/v1/sbp/ws/{id}", self.ws_url);
+        let (stream, _) = tokio::time::timeout(WAIT, tokio_tungstenite::connect_async(url))
+            .await
+            .expect("ws connect within the wait")
+            .expect("ws connect");
+        Ws { stream }
+    }
+
+    /// The replica id this gateway announced in its startup line (`replica <id> on bus ...`).
+    pub fn replica_id(&self) -> String {
+        let mut words = self.banner.split_whitespace();
+        words
+            .by_ref()
+            .find(|w| *w == "replica")
+            .unwrap_or_else(|| panic!("no replica id in the startup line: {}", self.banner));
+        words.next().expect("the id after 'replica'").to_owned()
     }
 
     /// `GET /metrics` text, expecting 200.
@@ -384,6 +418,15 @@ pub struct Ws {
     pub stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
 }
 
+/// What a surface's socket delivered next.
+#[derive(Debug)]
+pub enum WsEvent {
+    Frame(Value),
+    /// A close frame with its code, or `None` when the connection ended without one (the gateway
+    /// died, or the TCP connection was reset).
+    Closed(Option<u16>),
+}
+
 impl Ws {
     pub async fn send(&mut self, v: Value) {
         self.stream
@@ -392,12 +435,20 @@ impl Ws {
             .expect("ws send");
     }
 
-    /// The next JSON frame, answering PINGs on the way.
-    pub async fn recv(&mut self) -> Value {
+    /// The next JSON frame or the end of the connection, answering PINGs on the way.
+    pub async fn next_event(&mut self) -> WsEvent {
+        self.next_event_within(WAIT)
+            .await
+            .expect("ws frame or close within the wait")
+    }
+
+    /// [`Ws::next_event`], or `None` if nothing came within `within`.
+    pub async fn next_event_within(&mut self, within: Duration) -> Option<WsEvent> {
+        let deadline = Instant::now() + within;
         loop {
-            let msg = tokio::time::timeout(WAIT, self.stream.next())
+            let msg = tokio::time::timeout_at(deadline, self.stream.next())
                 .await
-                .expect("ws frame within the wait");
+                .ok()?;
             match msg {
                 Some(Ok(Message::Text(t))) => {
                     let v: Value = serde_json::from_str(t.as_str()).expect("server sends JSON");
@@ -405,19 +456,289 @@ impl Ws {
                         self.send(json!({"type": "PONG"})).await;
                         continue;
                     }
-                    return v;
+                    return Some(WsEvent::Frame(v));
                 }
                 Some(Ok(Message::Close(f))) => {
-                    panic!("socket closed ({f:?}) while a frame was expected")
+                    return Some(WsEvent::Closed(f.map(|f| u16::from(f.code))));
                 }
                 Some(Ok(_)) => continue,
-                Some(Err(e)) => panic!("ws error while a frame was expected: {e}"),
-                None => panic!("socket ended while a frame was expected"),
+                Some(Err(_)) | None => return Some(WsEvent::Closed(None)),
             }
+        }
+    }
+
+    /// The next JSON frame, answering PINGs on the way.
+    pub async fn recv(&mut self) -> Value {
+        match self.next_event().await {
+            WsEvent::Frame(v) => v,
+            WsEvent::Closed(code) => {
+                panic!("socket closed ({code:?}) while a frame was expected")
+            }
+        }
+    }
+
+    /// Expects the connection to end next (no frame before); returns the close code, if any.
+    pub async fn closed(&mut self) -> Option<u16> {
+        match self.next_event().await {
+            WsEvent::Closed(code) => code,
+            WsEvent::Frame(f) => panic!("a frame ({f}) where the socket was expected to close"),
         }
     }
 
     pub async fn close(mut self) {
         let _ = self.stream.close(None).await;
+    }
+}
+
+/// The machine's test database (override with `SBP_TEST_DATABASE_URL`).
+pub fn test_database_url() -> String {
+    std::env::var("SBP_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// The machine's Redis (override with `SBP_TEST_REDIS_URL`).
+pub fn test_redis_url() -> String {
+    std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Runs SQL with the machine's psql (installed with PostgreSQL by scripts/services.sh).
+pub fn psql(url: &str, sql: &str) {
+    let out = Command::new("psql")
+        .args([url, "-v", "ON_ERROR_STOP=1", "-qc", sql])
+        .output()
+        .expect("psql runs (scripts/services.sh installs PostgreSQL and its client)");
+    assert!(
+        out.status.success(),
+        "psql {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A name part unique to this process and moment, for schemas and key prefixes (the counter
+/// tells apart tests that run at once in one process, as under `cargo test`).
+pub fn unique_suffix() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{:x}{:x}{n}", nanos, std::process::id())
+}
+
+/// One deployment of replicas: a fresh PostgreSQL schema, a bus prefix of its own on the
+/// machine's Redis, one signing secret, and short heartbeats (0.2 s; dead after 1 s) so that
+/// failover happens within a test. Dropping it drops the schema and the bus's keys (drop it after
+/// its replicas, i.e. declare it before them).
+pub struct Deployment {
+    base: String,
+    schema: String,
+    /// `--database` of every replica.
+    pub database: String,
+    /// `--bus-prefix` of every replica.
+    pub prefix: String,
+    redis: String,
+    secret: String,
+    llm_base_url: Option<String>,
+    dir: tempfile::TempDir,
+}
+
+impl Deployment {
+    /// A deployment whose replicas use the upstream at `llm_base_url` (else `sbp/echo`).
+    pub fn new(llm_base_url: Option<&str>) -> Self {
+        let base = test_database_url();
+        let unique = unique_suffix();
+        let schema = format!("sbp_rep_{unique}");
+        psql(&base, &format!("CREATE SCHEMA {schema}"));
+        let database = format!("{base}?options=-c%20search_path%3D{schema}");
+        Self {
+            base,
+            schema,
+            database,
+            prefix: format!("sbp-test-{unique}:"),
+            redis: test_redis_url(),
+            secret: format!("replicas-share-this-secret-{unique}"),
+            llm_base_url: llm_base_url.map(str::to_owned),
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    /// The flags of replica `name`.
+    pub fn args(&self, name: &str) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "--database",
+            &self.database,
+            "--bus",
+            &self.redis,
+            "--bus-prefix",
+            &self.prefix,
+            "--replica-name",
+            name,
+            "--replica-heartbeat",
+            "0.2",
+            "--replica-timeout",
+            "1",
+            "--jwt-secret",
+            &self.secret,
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        if let Some(url) = &self.llm_base_url {
+            args.extend(["--llm-base-url".to_owned(), url.clone()]);
+        }
+        args
+    }
+
+    /// Starts replica `name` and waits for its startup line.
+    pub async fn replica(&self, name: &str) -> Sbp {
+        let args = self.args(name);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let gw = Sbp::start(&self.dir.path().join(name), &args).await;
+        assert!(
+            gw.banner.contains(&format!("replica {name}-")),
+            "{}",
+            gw.banner
+        );
+        gw
+    }
+
+    /// Cuts replica process `pid`'s pub/sub connection to Redis (`CLIENT KILL`), as a network blip
+    /// would; its bus reconnects by itself. Returns how many connections were cut.
+    pub fn cut_subscription(&self, pid: u32) -> usize {
+        let redis_port = self
+            .redis
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or(6379);
+        let ports = tcp_ports_to(pid, redis_port);
+        let out = Command::new("redis-cli")
+            .args(["-u", &self.redis, "CLIENT", "LIST", "TYPE", "pubsub"])
+            .output()
+            .expect("redis-cli runs");
+        let mut cut = 0;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let field = |name: &str| {
+                line.split_whitespace()
+                    .find_map(|f| f.strip_prefix(name))
+                    .map(str::to_owned)
+            };
+            let (Some(id), Some(addr)) = (field("id="), field("addr=")) else {
+                continue;
+            };
+            let port: Option<u16> = addr.rsplit(':').next().and_then(|p| p.parse().ok());
+            if port.is_some_and(|p| ports.contains(&p)) {
+                let killed = Command::new("redis-cli")
+                    .args(["-u", &self.redis, "CLIENT", "KILL", "ID", &id])
+                    .output()
+                    .expect("redis-cli runs");
+                assert!(killed.status.success(), "CLIENT KILL ID {id}");
+                cut += 1;
+            }
+        }
+        cut
+    }
+
+    /// Keys of this deployment's bus that exist now.
+    pub fn redis_keys(&self) -> Vec<String> {
+        let out = Command::new("redis-cli")
+            .args(["-u", &self.redis, "--scan", "--pattern"])
+            .arg(format!("{}*", self.prefix))
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        // Best effort and never panicking: this also runs while a failed test unwinds.
+        let _ = Command::new("psql")
+            .args([
+                &self.base,
+                "-qc",
+                &format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema),
+            ])
+            .output();
+        let keys = self.redis_keys();
+        if !keys.is_empty() {
+            let _ = Command::new("redis-cli")
+                .args(["-u", &self.redis, "DEL"])
+                .args(&keys)
+                .output();
+        }
+    }
+}
+
+/// Local TCP ports of process `pid`'s connections to `remote_port` (from /proc: its socket fds'
+/// inodes, looked up in /proc/net/tcp).
+pub fn tcp_ports_to(pid: u32, remote_port: u16) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|target| {
+            let t = target.to_string_lossy().into_owned();
+            t.strip_prefix("socket:[")?
+                .strip_suffix(']')
+                .map(str::to_owned)
+        })
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let port = |addr: &str| {
+        addr.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (local, remote, inode) = (cols.get(1)?, cols.get(2)?, cols.get(9)?);
+            (port(remote)? == remote_port && inodes.iter().any(|i| i == inode))
+                .then(|| port(local))
+                .flatten()
+        })
+        .collect()
+}
+
+/// `text` without ANSI colour sequences (the gateway's text logs have them).
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters final-byte (a letter).
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Polls `check` until it gives a value, for at most `within`: for state another process changes
+/// without telling the test (a session's status, a turn failed by recovery).
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -19,7 +19,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use super::hub::{ConnMsg, LiveSink, TurnDone};
+use super::hub::{Attachment, LiveSink, TurnDone};
 use super::sessions::new_agent_id;
 use super::tools::{Catalog, ToolRun, ToolTarget};
 use super::{Gateway, iso};
@@ -84,6 +84,8 @@ struct Turn {
     checkpoint_every: u32,
     last_task: Option<String>,
     idempotency_key: Option<String>,
+    /// The session's surface when the turn starts (here or on another replica).
+    surface: Option<Attachment>,
 }
 
 impl Gateway {
@@ -252,6 +254,7 @@ impl Gateway {
                 _ => None,
             },
             retry_key: retry.as_ref().map(|r| r.key.clone()),
+            owner: Some(self.config().replica_id.clone()),
             now,
         };
         let outcome = self.store().begin_turn(begin).await.map_err(|e| match e {
@@ -273,7 +276,8 @@ impl Gateway {
         let mut all: Vec<Value> = history.into_iter().map(|m| m.body).collect();
         all.extend(new_messages);
         upstream.insert("messages".into(), Value::Array(all));
-        self.shape_for_surface(session_id, &mut upstream);
+        let surface = self.locate(session_id).await;
+        self.shape_for_surface(surface.as_ref(), &mut upstream);
 
         let turn = Turn {
             session: outcome.session,
@@ -285,6 +289,7 @@ impl Gateway {
             checkpoint_every: opts.checkpoint_every.unwrap_or(1),
             last_task,
             idempotency_key: input.idempotency_key,
+            surface,
         };
         let headers = session_headers(&turn.session, turn.created_token.as_deref());
         if client_stream {
@@ -430,7 +435,14 @@ impl Gateway {
     ) -> Result<ChatReply, ApiError> {
         let result = self.call_upstream(&turn, events.as_ref()).await;
         let outcome = match result {
-            Ok(done) => self.finish(&turn, done).await,
+            Ok(done) => {
+                let finished = self.finish(&turn, done).await;
+                if let Err(e) = &finished {
+                    // The caller may be gone: this log line is then the only trace of it.
+                    tracing::error!(session_id = %turn.session.id, turn_id = %turn.turn_id, error = %e.message, "persisting a completed turn failed; its reply is lost");
+                }
+                finished
+            }
             Err(err) => {
                 self.metrics().turns_failed.fetch_add(1, Relaxed);
                 let fail = FailTurn {
@@ -486,14 +498,19 @@ impl Gateway {
         turn: &Turn,
         events: Option<&mpsc::Sender<SseEvent>>,
     ) -> Result<Upstream, ApiError> {
-        let mut sink = LiveSink::new(self.hub(), turn.session.id);
+        let mut sink = LiveSink::new(self.hub(), turn.session.id, turn.surface.clone());
         let started = Instant::now();
         let mut body = turn.body.clone();
         let mut usage = UsageSum::default();
         let max_rounds = self.config().max_tool_rounds;
         let mut round = 0;
         loop {
-            let catalog = self.catalog(turn.session.id, &turn.body);
+            // The surface may have gone (or come) since the turn started.
+            let surface = match round {
+                0 => turn.surface.clone(),
+                _ => self.locate(turn.session.id).await,
+            };
+            let catalog = self.catalog(surface.as_ref(), &turn.body);
             let mut request = body.clone();
             catalog.inject(&mut request);
             if round >= max_rounds && !catalog.is_empty() {
@@ -623,7 +640,6 @@ impl Gateway {
             body,
             message: out.message,
             model: out.model,
-            sink_conn: sink.streamed_to(),
             chunk_id: sink.chunk_id,
         }
     }
@@ -787,17 +803,17 @@ impl Gateway {
             self.metrics().tether_enqueued.fetch_add(1, Relaxed);
         }
         body["sbp"]["step_count"] = json!(outcome.session.step_count);
-        self.hub().notify(
+        self.turn_done(
             session.id,
-            ConnMsg::TurnDone(Box::new(TurnDone {
+            TurnDone {
                 chunk_id: up.chunk_id,
                 seq: outcome.tether_seq,
-                streamed_to: up.sink_conn,
                 role: "assistant".into(),
                 content: text,
                 model_used: Some(up.model),
-            })),
-        );
+            },
+        )
+        .await;
         if let Some(token) = &turn.created_token {
             body["sbp"]["session_token"] = Value::String(token.clone());
         }
@@ -1023,7 +1039,6 @@ struct Upstream {
     body: Value,
     message: Value,
     model: String,
-    sink_conn: Option<u64>,
     chunk_id: Uuid,
 }
 

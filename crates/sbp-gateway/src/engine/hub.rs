@@ -1,13 +1,18 @@
 //! Which surface is attached to which session, in this process, and the channel that reaches it.
 //! One surface per session: registering a new one displaces the old. Attach/detach status changes of
 //! one session are serialised by a striped async lock so a displaced socket's close cannot suspend a
-//! session a new surface has just attached to.
+//! session a new surface has just attached to (with replicas, by the bus's lock as well).
+//!
+//! With a replica bus, an [`Attachment`] may also be [`Route::Remote`]: the surface is held by
+//! another replica, and what this process sends it goes over the bus. Tool calls whose surface is
+//! here but whose turn runs elsewhere are *relayed*: their TOOL_RESULT goes back over the bus.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use sbp_bus::{Bus, BusMsg, CallOutcome};
 use sbp_protocol::SurfaceContext;
 use sbp_protocol::frames::ToolCall;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -19,6 +24,8 @@ pub const CONN_INBOX: usize = 1024;
 const LOCK_STRIPES: usize = 64;
 /// The error result of a tool call whose surface went away.
 pub const DISCONNECTED: &str = "surface disconnected";
+/// The error result of a call the surface did not answer in time (SPEC 10.4).
+pub const TIMEOUT: &str = "timeout";
 
 /// A message from the engine to one attached connection.
 #[derive(Debug, Clone)]
@@ -96,12 +103,46 @@ pub enum ToolReply {
     Error(String),
 }
 
+impl From<ToolReply> for CallOutcome {
+    fn from(r: ToolReply) -> Self {
+        match r {
+            ToolReply::Result(v) => CallOutcome::Result(v),
+            ToolReply::Error(e) => CallOutcome::Error(e),
+        }
+    }
+}
+
+impl From<CallOutcome> for ToolReply {
+    fn from(o: CallOutcome) -> Self {
+        match o {
+            CallOutcome::Result(v) => ToolReply::Result(v),
+            CallOutcome::Error(e) => ToolReply::Error(e),
+        }
+    }
+}
+
 /// A TOOL_CALL waiting for its TOOL_RESULT.
 #[derive(Debug)]
 struct PendingCall {
     session: Uuid,
     conn_id: u64,
-    tx: oneshot::Sender<ToolReply>,
+    waiter: Waiter,
+}
+
+/// Who gets a call's outcome.
+#[derive(Debug)]
+enum Waiter {
+    /// A turn or request of this process; `via` is the replica holding the surface, if remote.
+    Local {
+        tx: oneshot::Sender<ToolReply>,
+        via: Option<Arc<str>>,
+    },
+    /// A turn on another replica: the outcome goes back over the bus. After `until` the other
+    /// replica has given up; the entry is then swept.
+    Relay {
+        reply_to: String,
+        until: std::time::Instant,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -109,44 +150,92 @@ pub struct TurnDone {
     pub chunk_id: Uuid,
     /// Its tether seq, when it was tethered.
     pub seq: Option<u64>,
-    /// The connection that received every chunk of it live, if any.
-    pub streamed_to: Option<u64>,
     pub role: String,
     pub content: Option<String>,
     pub model_used: Option<String>,
 }
 
+/// The surface attached to a session: its connection and how to reach it.
 #[derive(Debug, Clone)]
 pub struct Attachment {
     pub conn_id: u64,
-    pub tx: mpsc::Sender<ConnMsg>,
-    pub calls: Arc<CallQueue>,
     pub surface: Arc<SurfaceContext>,
+    pub route: Route,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
+pub enum Route {
+    /// A connection of this process.
+    Local {
+        tx: mpsc::Sender<ConnMsg>,
+        calls: Arc<CallQueue>,
+    },
+    /// A connection held by this replica of the bus.
+    Remote(Arc<str>),
+}
+
 pub struct Hub {
+    /// Connections of this process only.
     conns: Mutex<HashMap<Uuid, Attachment>>,
     /// In-flight tool calls by call_id.
     calls: Mutex<HashMap<Uuid, PendingCall>>,
     next_conn: AtomicU64,
     stripes: Vec<tokio::sync::Mutex<()>>,
+    bus: Option<Arc<dyn Bus>>,
+    /// Turns streamed from another replica whose delta a connection here missed (its inbox was
+    /// full): their later deltas are dropped too, so what a surface received stays a prefix of
+    /// the reply and the completed turn supplies the rest.
+    broken_streams: Mutex<HashSet<Uuid>>,
 }
 
-impl Default for Hub {
-    fn default() -> Self {
-        Self {
-            conns: Mutex::new(HashMap::new()),
-            calls: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(1),
-            stripes: (0..LOCK_STRIPES)
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
-        }
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("attached", &self.attached_count())
+            .finish_non_exhaustive()
     }
 }
 
 impl Hub {
+    /// A hub whose relayed tool calls answer over `bus` (if any).
+    pub fn new(bus: Option<Arc<dyn Bus>>) -> Self {
+        // Connection ids start at a random point so that ids of different replicas (and of one
+        // replica's successive runs) do not collide: a completed turn names the connection that
+        // streamed it, and a bus message names the connection it is for.
+        let start = (Uuid::new_v4().as_u128() as u64) >> 2;
+        Self {
+            conns: Mutex::new(HashMap::new()),
+            calls: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(start.max(1)),
+            stripes: (0..LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+            bus,
+            broken_streams: Mutex::new(HashSet::new()),
+        }
+    }
+
+    pub fn bus(&self) -> Option<&Arc<dyn Bus>> {
+        self.bus.as_ref()
+    }
+
+    /// Hands `reply` to whoever waits for the call; false if nobody does any more.
+    fn resolve(&self, call_id: Uuid, pending: PendingCall, reply: ToolReply) -> bool {
+        match pending.waiter {
+            Waiter::Local { tx, .. } => tx.send(reply).is_ok(),
+            Waiter::Relay { reply_to, .. } => match &self.bus {
+                Some(bus) => bus.send(
+                    &reply_to,
+                    BusMsg::ToolReply {
+                        call_id,
+                        outcome: reply.into(),
+                    },
+                ),
+                None => false,
+            },
+        }
+    }
+
     fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Attachment>> {
         // A panic while holding this lock cannot leave the map half-updated (single insert/remove
         // calls), so a poisoned lock is still safe to use.
@@ -173,13 +262,131 @@ impl Hub {
             PendingCall {
                 session,
                 conn_id,
-                tx,
+                waiter: Waiter::Local { tx, via: None },
             },
         );
         if !self.is_current(session, conn_id) {
             self.finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
         }
         rx
+    }
+
+    /// Registers a tool call about to be sent over the bus to `conn_id` on `replica`. The other
+    /// replica answers it (or reports its connection gone); if that replica dies, see
+    /// [`Hub::fail_calls_via`].
+    pub fn register_remote_call(
+        &self,
+        session: Uuid,
+        conn_id: u64,
+        call_id: Uuid,
+        replica: Arc<str>,
+    ) -> oneshot::Receiver<ToolReply> {
+        let (tx, rx) = oneshot::channel();
+        self.calls().insert(
+            call_id,
+            PendingCall {
+                session,
+                conn_id,
+                waiter: Waiter::Local {
+                    tx,
+                    via: Some(replica),
+                },
+            },
+        );
+        rx
+    }
+
+    /// A call from a turn on `reply_to` for this process's connection `conn_id`: queued to the
+    /// connection, its outcome sent back over the bus. False when the connection is gone (the
+    /// "surface disconnected" answer is already on its way).
+    pub fn relay_call(
+        &self,
+        session: Uuid,
+        conn_id: u64,
+        call: ToolCall,
+        reply_to: String,
+        until: std::time::Instant,
+    ) -> bool {
+        let Ok(call_id) = Uuid::parse_str(&call.call_id) else {
+            return false;
+        };
+        self.calls().insert(
+            call_id,
+            PendingCall {
+                session,
+                conn_id,
+                waiter: Waiter::Relay { reply_to, until },
+            },
+        );
+        let pushed = match self.get(session) {
+            Some(Attachment {
+                conn_id: current,
+                route: Route::Local { calls, .. },
+                ..
+            }) if current == conn_id => calls.push(Box::new(call)),
+            _ => false,
+        };
+        if !pushed {
+            self.finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
+        }
+        pushed
+    }
+
+    /// Calls waiting on surfaces of replicas for which `dead` says so fail with "surface
+    /// disconnected". Returns how many.
+    pub fn fail_calls_via(&self, dead: impl Fn(&str) -> bool) -> usize {
+        let failed: Vec<(Uuid, PendingCall)> = {
+            let mut calls = self.calls();
+            let ids: Vec<Uuid> = calls
+                .iter()
+                .filter(|(_, p)| matches!(&p.waiter, Waiter::Local { via: Some(r), .. } if dead(r)))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter()
+                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
+                .collect()
+        };
+        let n = failed.len();
+        for (id, p) in failed {
+            self.resolve(id, p, ToolReply::Error(DISCONNECTED.into()));
+        }
+        n
+    }
+
+    /// Relayed calls whose waiting replica has given up by `now` end with "timeout" (their
+    /// surface never answered). Returns how many.
+    pub fn expire_relays(&self, now: std::time::Instant) -> usize {
+        let expired: Vec<(Uuid, PendingCall)> = {
+            let mut calls = self.calls();
+            let ids: Vec<Uuid> = calls
+                .iter()
+                .filter(|(_, p)| matches!(&p.waiter, Waiter::Relay { until, .. } if *until <= now))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter()
+                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
+                .collect()
+        };
+        let n = expired.len();
+        for (id, p) in expired {
+            self.resolve(id, p, ToolReply::Error(TIMEOUT.into()));
+        }
+        n
+    }
+
+    /// Replicas that calls of this process are waiting on.
+    pub fn remote_call_replicas(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .calls()
+            .values()
+            .filter_map(|p| match &p.waiter {
+                Waiter::Local { via: Some(r), .. } => Some(r.to_string()),
+                _ => None,
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Delivers a TOOL_RESULT that arrived on `conn_id`. False when no call with this id is
@@ -201,29 +408,32 @@ impl Hub {
                 _ => None,
             }
         };
-        pending.is_some_and(|p| p.tx.send(reply).is_ok())
+        pending.is_some_and(|p| self.resolve(id, p, reply))
     }
 
-    /// Ends a call with `reply` (timeout, or the sender giving up); false if it already ended.
+    /// Ends a call with `reply` (timeout, the sender giving up, or the answer relayed from another
+    /// replica); false if it already ended.
     pub fn finish_call(&self, call_id: Uuid, reply: ToolReply) -> bool {
         let pending = self.calls().remove(&call_id);
-        pending.is_some_and(|p| p.tx.send(reply).is_ok())
+        pending.is_some_and(|p| self.resolve(call_id, p, reply))
     }
 
     /// The connection closed: every call in flight on it fails now with "surface disconnected".
     pub fn cancel_calls(&self, conn_id: u64) -> usize {
-        let cancelled: Vec<PendingCall> = {
+        let cancelled: Vec<(Uuid, PendingCall)> = {
             let mut calls = self.calls();
             let ids: Vec<Uuid> = calls
                 .iter()
                 .filter(|(_, p)| p.conn_id == conn_id)
                 .map(|(id, _)| *id)
                 .collect();
-            ids.iter().filter_map(|id| calls.remove(id)).collect()
+            ids.iter()
+                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
+                .collect()
         };
         let n = cancelled.len();
-        for p in cancelled {
-            let _ = p.tx.send(ToolReply::Error(DISCONNECTED.into()));
+        for (id, p) in cancelled {
+            self.resolve(id, p, ToolReply::Error(DISCONNECTED.into()));
         }
         n
     }
@@ -241,27 +451,43 @@ impl Hub {
         let calls = Arc::new(CallQueue::default());
         let att = Attachment {
             conn_id,
-            tx,
-            calls: calls.clone(),
             surface,
+            route: Route::Local {
+                tx,
+                calls: calls.clone(),
+            },
         };
         let old = self.conns().insert(session, att);
         if let Some(old) = old {
-            // If its inbox is full the old connection still notices: its sender is gone from the
-            // map, and it checks `is_current` when it drains.
-            let _ = old.tx.try_send(ConnMsg::Displaced);
+            old.displace();
         }
         (conn_id, Inbox { msgs: rx, calls })
     }
 
     /// Removes the connection if it is still the session's current one.
     pub fn remove_if_current(&self, session: Uuid, conn_id: u64) -> bool {
+        self.take_if_current(session, conn_id).is_some()
+    }
+
+    fn take_if_current(&self, session: Uuid, conn_id: u64) -> Option<Attachment> {
         let mut conns = self.conns();
         if conns.get(&session).is_some_and(|a| a.conn_id == conn_id) {
-            conns.remove(&session);
-            true
+            conns.remove(&session)
         } else {
-            false
+            None
+        }
+    }
+
+    /// A surface on another replica took the session over: this process's connection `conn_id`,
+    /// if still current, stops being the session's and is told to close. Its close then changes
+    /// nothing (it is no longer current).
+    pub fn displace(&self, session: Uuid, conn_id: u64) -> bool {
+        match self.take_if_current(session, conn_id) {
+            Some(att) => {
+                att.displace();
+                true
+            }
+            None => false,
         }
     }
 
@@ -286,14 +512,71 @@ impl Hub {
         self.conns().get(&session).cloned()
     }
 
+    /// (session, connection) of every connection attached in this process.
+    pub fn local_attachments(&self) -> Vec<(Uuid, u64)> {
+        self.conns().iter().map(|(s, a)| (*s, a.conn_id)).collect()
+    }
+
     pub fn attached_count(&self) -> usize {
         self.conns().len()
     }
 
-    /// Best-effort notification of the session's current connection.
+    /// Best-effort notification of the session's current connection in this process.
     pub fn notify(&self, session: Uuid, msg: ConnMsg) {
-        if let Some(att) = self.get(session) {
-            let _ = att.tx.try_send(msg);
+        if let Some(Attachment {
+            route: Route::Local { tx, .. },
+            ..
+        }) = self.get(session)
+        {
+            let _ = tx.try_send(msg);
+        }
+    }
+
+    /// A live chunk from another replica for this process's connection `conn_id`, if it is still
+    /// the session's and has not missed an earlier delta of the turn.
+    pub fn chunk_for(&self, session: Uuid, conn_id: u64, chunk_id: Uuid, delta: String) {
+        let Some(Attachment {
+            conn_id: current,
+            route: Route::Local { tx, .. },
+            ..
+        }) = self.get(session)
+        else {
+            return;
+        };
+        if current != conn_id || self.broken().contains(&chunk_id) {
+            return;
+        }
+        if tx.try_send(ConnMsg::Chunk { chunk_id, delta }).is_err() {
+            let mut broken = self.broken();
+            // Entries leave with their TurnDone; one whose TurnDone was lost must not stay
+            // forever, and forgetting old ones only risks a gap in a stream long over.
+            if broken.len() >= 4096 {
+                broken.clear();
+            }
+            broken.insert(chunk_id);
+        }
+    }
+
+    /// A completed turn from another replica for the session's connection here.
+    pub fn turn_done_for(&self, session: Uuid, done: TurnDone) {
+        self.broken().remove(&done.chunk_id);
+        self.notify(session, ConnMsg::TurnDone(Box::new(done)));
+    }
+
+    fn broken(&self) -> std::sync::MutexGuard<'_, HashSet<Uuid>> {
+        // insert/remove/clear cannot leave the set half-updated.
+        self.broken_streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Attachment {
+    /// Tells the (local) connection it was displaced. If its inbox is full it still notices: it is
+    /// gone from the map, and it checks `is_current` when it drains.
+    fn displace(&self) {
+        if let Route::Local { tx, .. } = &self.route {
+            let _ = tx.try_send(ConnMsg::Displaced);
         }
     }
 }
@@ -306,17 +589,17 @@ pub struct LiveSink<'a> {
     session: Uuid,
     pub chunk_id: Uuid,
     target: Option<Attachment>,
-    sent_any: bool,
 }
 
 impl<'a> LiveSink<'a> {
-    pub fn new(hub: &'a Hub, session: Uuid) -> Self {
+    /// A sink streaming to `target`, the session's surface when the turn starts (here or on
+    /// another replica).
+    pub fn new(hub: &'a Hub, session: Uuid, target: Option<Attachment>) -> Self {
         Self {
             hub,
             session,
             chunk_id: Uuid::now_v7(),
-            target: hub.get(session),
-            sent_any: false,
+            target,
         }
     }
 
@@ -326,26 +609,32 @@ impl<'a> LiveSink<'a> {
 
     pub fn chunk(&mut self, delta: &str) {
         let Some(target) = &self.target else { return };
-        if !self.hub.is_current(self.session, target.conn_id) {
-            self.target = None;
-            return;
-        }
-        let msg = ConnMsg::Chunk {
-            chunk_id: self.chunk_id,
-            delta: delta.to_owned(),
+        let sent = match &target.route {
+            Route::Local { tx, .. } => {
+                self.hub.is_current(self.session, target.conn_id)
+                    && tx
+                        .try_send(ConnMsg::Chunk {
+                            chunk_id: self.chunk_id,
+                            delta: delta.to_owned(),
+                        })
+                        .is_ok()
+            }
+            // The holder's replica drops it if the connection is no longer current; the turn
+            // then reaches the surface whole, as for a local connection that went away.
+            Route::Remote(replica) => self.hub.bus.as_ref().is_some_and(|bus| {
+                bus.send(
+                    replica,
+                    BusMsg::Chunk {
+                        session: self.session,
+                        conn: target.conn_id,
+                        chunk_id: self.chunk_id,
+                        delta: delta.to_owned(),
+                    },
+                )
+            }),
         };
-        if target.tx.try_send(msg).is_err() {
+        if !sent {
             self.target = None;
-            return;
         }
-        self.sent_any = true;
-    }
-
-    /// The connection that got every chunk, if streaming stayed intact.
-    pub fn streamed_to(&self) -> Option<u64> {
-        self.target
-            .as_ref()
-            .filter(|_| self.sent_any)
-            .map(|t| t.conn_id)
     }
 }

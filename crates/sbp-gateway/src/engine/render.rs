@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::Gateway;
+use super::hub::Attachment;
 use crate::config::CtpRule;
 
 /// Frames produced by a CTP pass, in order; the last one is the turn's TURN_COMPLETE.
@@ -34,11 +35,20 @@ pub enum Rendering {
     Ctp { rule: CtpRule, profile: Profile },
 }
 
-/// Per-connection adaptation state: the rendering and the adapters of turns streaming live.
+/// Per-connection adaptation state: the rendering and the turns streaming live to it.
 #[derive(Debug)]
 pub struct Renderer {
     pub rendering: Rendering,
-    live: HashMap<Uuid, Adapter>,
+    live: HashMap<Uuid, Live>,
+}
+
+/// A turn streaming live to one connection.
+#[derive(Debug)]
+struct Live {
+    /// The model's text this connection received, in order. Producers stop streaming a turn to a
+    /// connection at the first delta it misses, so this is always a prefix of the reply.
+    received: String,
+    adapter: Option<Adapter>,
 }
 
 impl Renderer {
@@ -51,32 +61,54 @@ impl Renderer {
 
     /// A live delta of turn `chunk_id`, as this surface gets it (`None`: nothing to send now).
     pub fn chunk(&mut self, chunk_id: Uuid, delta: &str) -> Option<String> {
-        match &self.rendering {
-            Rendering::Raw => Some(delta.to_owned()),
-            Rendering::Adapt(profile) => {
-                let out = self
-                    .live
-                    .entry(chunk_id)
-                    .or_insert_with(|| Adapter::new(*profile))
-                    .push(delta);
+        let profile = match &self.rendering {
+            // The rewrite starts when the reply is complete.
+            Rendering::Ctp { .. } => return None,
+            Rendering::Raw => None,
+            Rendering::Adapt(profile) => Some(*profile),
+        };
+        let live = self.live.entry(chunk_id).or_insert_with(|| Live {
+            received: String::new(),
+            adapter: profile.map(Adapter::new),
+        });
+        live.received.push_str(delta);
+        match &mut live.adapter {
+            None => Some(delta.to_owned()),
+            Some(a) => {
+                let out = a.push(delta);
                 (!out.is_empty()).then_some(out)
             }
-            // The rewrite starts when the reply is complete.
-            Rendering::Ctp { .. } => None,
         }
     }
 
-    /// The rest of turn `chunk_id` after its last live delta, or all of it when it did not
-    /// stream here (`content`), adapted. Not used for CTP.
-    pub fn rest(&mut self, chunk_id: Uuid, streamed_here: bool, content: &str) -> String {
-        let adapter = self.live.remove(&chunk_id);
-        match &self.rendering {
-            Rendering::Raw if streamed_here => String::new(),
-            Rendering::Raw => content.to_owned(),
-            Rendering::Adapt(profile) | Rendering::Ctp { profile, .. } => match adapter {
-                Some(mut a) if streamed_here => a.finish(),
-                _ => adapt(profile, content),
+    /// The rest of turn `chunk_id` (`content`, the whole stored reply) after what streamed to
+    /// this connection, adapted: all of it when nothing did, the remainder when streaming
+    /// stopped early (the connection fell behind, or the stream went to another one). Not used
+    /// for CTP.
+    pub fn rest(&mut self, chunk_id: Uuid, content: &str) -> String {
+        let live = self.live.remove(&chunk_id);
+        let profile = match &self.rendering {
+            Rendering::Raw => None,
+            Rendering::Adapt(profile) | Rendering::Ctp { profile, .. } => Some(*profile),
+        };
+        match live {
+            None => match profile {
+                None => content.to_owned(),
+                Some(p) => adapt(&p, content),
             },
+            Some(live) => {
+                // Anything else would mean the stored reply differs from what streamed: then
+                // finish what streamed rather than repeat text the surface already has.
+                let remaining = content.strip_prefix(live.received.as_str()).unwrap_or("");
+                match live.adapter {
+                    None => remaining.to_owned(),
+                    Some(mut a) => {
+                        let mut out = a.push(remaining);
+                        out.push_str(&a.finish());
+                        out
+                    }
+                }
+            }
         }
     }
 
@@ -121,8 +153,12 @@ impl Gateway {
     /// Tells the generating request about the surface attached when the turn starts: a system
     /// note after the leading system messages, and `max_tokens` (or `max_completion_tokens`, if
     /// that is what the client used) no larger than the surface's `max_output_tokens`.
-    pub(crate) fn shape_for_surface(&self, session: Uuid, body: &mut Map<String, Value>) {
-        let Some(att) = self.hub().get(session) else {
+    pub(crate) fn shape_for_surface(
+        &self,
+        att: Option<&Attachment>,
+        body: &mut Map<String, Value>,
+    ) {
+        let Some(att) = att else {
             return;
         };
         let ctx = att.surface.as_ref();
@@ -299,4 +335,45 @@ pub fn complete_frame(
         }),
         seq,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn voice() -> Profile {
+        let ctx = SurfaceContext::from_value(&json!({"device_type": "voice"}));
+        Profile::for_surface(&ctx)
+    }
+
+    #[test]
+    fn the_rest_of_a_turn_continues_what_streamed() {
+        let reply = "First part. **Second** part.";
+        let id = Uuid::now_v7();
+        let mut raw = Renderer::new(Rendering::Raw);
+        assert_eq!(raw.chunk(id, "First "), Some("First ".into()));
+        assert_eq!(raw.rest(id, reply), "part. **Second** part.");
+        // Nothing streamed here: all of it.
+        assert_eq!(raw.rest(Uuid::now_v7(), reply), reply);
+        // What streamed is not the stored reply's start: nothing is repeated.
+        let other = Uuid::now_v7();
+        raw.chunk(other, "Something else");
+        assert_eq!(raw.rest(other, reply), "");
+    }
+
+    #[test]
+    fn adapted_streams_finish_like_the_whole_adaptation() {
+        let reply = "First part. **Second** part with `code` and more words.";
+        let whole = adapt(&voice(), reply);
+        for cut in [0, 3, 12, 20, reply.len()] {
+            let id = Uuid::now_v7();
+            let mut r = Renderer::new(Rendering::Adapt(voice()));
+            let mut got = String::new();
+            if cut > 0 {
+                got.push_str(&r.chunk(id, &reply[..cut]).unwrap_or_default());
+            }
+            got.push_str(&r.rest(id, reply));
+            assert_eq!(got, whole, "streamed {cut} bytes first");
+        }
+    }
 }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::hub::{ConnMsg, TurnDone};
+use super::hub::TurnDone;
 use super::{Gateway, iso, parse_uuid};
 use crate::auth;
 use crate::error::ApiError;
@@ -120,7 +120,7 @@ impl Gateway {
     pub async fn session_view(&self, session: &SessionRecord) -> Result<SessionView, ApiError> {
         let pending = self.store().tether_count(session.id).await?;
         let latest = self.recovery_snapshot(session.id).await?;
-        let attachment = self.hub().get(session.id);
+        let attachment = self.locate(session.id).await;
         Ok(SessionView {
             session_id: session.id,
             agent_id: session.agent_id.clone(),
@@ -278,18 +278,18 @@ impl Gateway {
         self.metrics().turns_pushed.fetch_add(1, Relaxed);
         self.metrics().tether_enqueued.fetch_add(1, Relaxed);
         let seq = outcome.tether_seq.unwrap_or_default();
-        let attached = self.hub().get(session.id).is_some();
-        self.hub().notify(
-            session.id,
-            ConnMsg::TurnDone(Box::new(TurnDone {
-                chunk_id,
-                seq: outcome.tether_seq,
-                streamed_to: None,
-                role: push.role,
-                content: Some(push.content),
-                model_used: push.model_used,
-            })),
-        );
+        let attached = self
+            .turn_done(
+                session.id,
+                TurnDone {
+                    chunk_id,
+                    seq: outcome.tether_seq,
+                    role: push.role,
+                    content: Some(push.content),
+                    model_used: push.model_used,
+                },
+            )
+            .await;
         Ok((seq, attached))
     }
 }

@@ -92,11 +92,9 @@ impl Gateway {
         let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
         let (conn_id, inbox) = {
             let _guard = self.hub().session_lock(id).lock().await;
-            self.store()
-                .mark_attached(id, Utc::now())
+            self.across_replicas(id, self.take_session(id, surface.clone()))
                 .await
-                .map_err(internal)?;
-            self.hub().register(id, surface.clone())
+                .map_err(|e| AttachError::Internal(e.to_string()))??
         };
         let ack_mode = frame.last_seq.is_some();
         let after = frame.last_seq.unwrap_or(0);
@@ -201,7 +199,6 @@ impl Gateway {
         seq: Option<u64>,
         mut before: Vec<(ServerFrame, Option<u64>)>,
     ) -> TurnFrames {
-        let streamed_here = done.streamed_to == Some(d.conn_id);
         let content = done.content.unwrap_or_default();
         let complete = complete_frame(done.chunk_id, seq, done.model_used);
         if let Rendering::Ctp { rule, profile } = &d.renderer.rendering {
@@ -212,7 +209,7 @@ impl Gateway {
                 ctp: Some(ctp),
             };
         }
-        let rest = d.renderer.rest(done.chunk_id, streamed_here, &content);
+        let rest = d.renderer.rest(done.chunk_id, &content);
         if !rest.is_empty() {
             before.push((
                 ServerFrame::TurnChunk(TurnChunk {
@@ -340,6 +337,70 @@ impl Gateway {
     /// changes nothing.
     pub async fn detach(&self, d: &Delivery, reason: &str) {
         let _guard = self.hub().session_lock(d.session_id).lock().await;
+        if let Err(e) = self
+            .across_replicas(d.session_id, self.release_session(d, reason))
+            .await
+        {
+            // Without the bus's lock, still release: a session left "running" with no surface is
+            // worse than a race with an attach on another replica.
+            tracing::warn!(session_id = %d.session_id, error = %e, "detaching without the replica lock");
+            self.release_session(d, reason).await;
+        }
+    }
+
+    /// Runs `work` holding the session's lock across replicas (nothing more without a bus).
+    async fn across_replicas<T>(
+        &self,
+        session: Uuid,
+        work: impl Future<Output = T>,
+    ) -> Result<T, sbp_bus::BusError> {
+        let Some(bus) = self.bus() else {
+            return Ok(work.await);
+        };
+        let lock = bus.lock(session).await?;
+        let out = work.await;
+        bus.unlock(lock).await;
+        Ok(out)
+    }
+
+    /// Marks the session attached and makes this new connection its surface, here and on the bus;
+    /// the previous surface, here or on another replica, is displaced.
+    async fn take_session(
+        &self,
+        id: Uuid,
+        surface: Arc<SurfaceContext>,
+    ) -> Result<(u64, Inbox), AttachError> {
+        self.store()
+            .mark_attached(id, Utc::now())
+            .await
+            .map_err(internal)?;
+        // Registered here before it is claimed on the bus: a displacement sent by a later claim on
+        // another replica then always finds this connection.
+        let (conn_id, inbox) = self.hub().register(id, surface.clone());
+        if let Some(bus) = self.bus() {
+            match bus.claim(id, conn_id, &surface).await {
+                Ok(Some(old)) if old.replica != bus.replica() => {
+                    tracing::info!(session_id = %id, replica = %old.replica, conn_id = old.conn, "displacing the surface attached on another replica");
+                    bus.send(
+                        &old.replica,
+                        sbp_bus::BusMsg::Displace {
+                            session: id,
+                            conn: old.conn,
+                        },
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.hub().remove_if_current(id, conn_id);
+                    return Err(AttachError::Internal(e.to_string()));
+                }
+            }
+        }
+        Ok((conn_id, inbox))
+    }
+
+    /// The detach proper, under the session's locks.
+    async fn release_session(&self, d: &Delivery, reason: &str) {
         let current = self.hub().remove_if_current(d.session_id, d.conn_id);
         // Calls in flight on this connection get their error result now, displaced or not. After
         // the removal: a call registered from here on sees the connection gone and fails itself.
@@ -350,6 +411,20 @@ impl Gateway {
         if !current {
             tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "displaced connection closed");
             return;
+        }
+        if let Some(bus) = self.bus() {
+            match bus.release(d.session_id, d.conn_id).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // A surface on another replica holds the session now (its displacement of
+                    // this connection is on its way): the session stays running.
+                    tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "connection displaced from another replica closed");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(session_id = %d.session_id, error = %e, "releasing the session on the bus failed");
+                }
+            }
         }
         match self.store().get_session(d.session_id).await {
             Ok(Some(s)) if s.status == SessionStatus::Running => {
@@ -467,7 +542,13 @@ impl Gateway {
         let surface = frame.surface_context.clone().unwrap_or_default();
         d.renderer = Renderer::new(self.rendering_for(&surface));
         d.surface = Arc::new(surface.clone());
-        self.hub().update_surface(d.session_id, d.conn_id, surface);
+        self.hub()
+            .update_surface(d.session_id, d.conn_id, surface.clone());
+        if let Some(bus) = self.bus()
+            && let Err(e) = bus.update(d.session_id, d.conn_id, &surface).await
+        {
+            tracing::warn!(session_id = %d.session_id, error = %e, "updating the surface on the bus failed");
+        }
         let mut frames =
             vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
         let drained = pending.iter().map(|e| d.tether_frame(e)).collect();

@@ -15,11 +15,11 @@ use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use super::Gateway;
-use super::hub::{DISCONNECTED, ToolReply};
+use super::hub::{Attachment, DISCONNECTED, Route, ToolReply};
+use super::sessions::Caller;
 use crate::error::ApiError;
 
-/// The error result of a call the surface did not answer in time (SPEC 10.4).
-pub const TIMEOUT: &str = "timeout";
+pub use super::hub::TIMEOUT;
 /// Prefix of a surface tool's function name as the LLM sees it (`gps` -> `surface_gps`).
 pub const SURFACE_PREFIX: &str = "surface_";
 /// Prefix of a southbound MCP server's tool as the LLM sees it (`mcp__<server>__<tool>`).
@@ -215,15 +215,20 @@ impl Gateway {
             .is_none_or(|list| list.iter().any(|t| t == tool))
     }
 
-    /// Whether a surface is attached to the session on this gateway.
-    pub fn is_attached(&self, session: Uuid) -> bool {
-        self.hub().get(session).is_some()
+    /// Whether a surface is attached to the session (on this replica or another).
+    pub async fn is_attached(&self, session: Uuid) -> bool {
+        self.locate(session).await.is_some()
     }
 
-    /// Tools of the session's attached surface that may be called now: declared and allowed,
-    /// with the surface's schema or the pass-through one.
-    pub fn surface_tools(&self, session: Uuid) -> Vec<ToolSchema> {
-        let Some(att) = self.hub().get(session) else {
+    /// Tools of the session's attached surface that may be called now.
+    pub async fn surface_tools(&self, session: Uuid) -> Vec<ToolSchema> {
+        self.tools_of(self.locate(session).await.as_ref())
+    }
+
+    /// Tools of the attached surface `att` that may be called: declared and allowed, with the
+    /// surface's schema or the pass-through one.
+    pub(crate) fn tools_of(&self, att: Option<&Attachment>) -> Vec<ToolSchema> {
+        let Some(att) = att else {
             return Vec::new();
         };
         att.surface
@@ -243,17 +248,15 @@ impl Gateway {
             .collect()
     }
 
-    /// The tools a turn of `session` offers the LLM now, given the request `body` (whose own
-    /// tools keep their names).
-    pub fn catalog(&self, session: Uuid, body: &Map<String, Value>) -> Catalog {
+    /// The tools a turn offers the LLM now, given the session's surface `att` and the request
+    /// `body` (whose own tools keep their names).
+    pub fn catalog(&self, att: Option<&Attachment>, body: &Map<String, Value>) -> Catalog {
         let taken = client_functions(body);
         let mut catalog = Catalog::default();
-        let device = self
-            .hub()
-            .get(session)
+        let device = att
             .map(|a| a.surface.device_type_or_unknown().to_owned())
             .unwrap_or_default();
-        for tool in self.surface_tools(session) {
+        for tool in self.tools_of(att) {
             let function = function_name(&format!("{SURFACE_PREFIX}{}", tool.name));
             if taken.contains(&function) {
                 continue;
@@ -299,7 +302,21 @@ impl Gateway {
         input: Value,
         timeout: Duration,
     ) -> Result<SurfaceCallOutcome, ToolCallError> {
-        let att = self.hub().get(session).ok_or_else(|| {
+        let att = self.locate(session).await;
+        self.call_surface_tool_on(session, att, tool, input, timeout)
+            .await
+    }
+
+    /// [`Gateway::call_surface_tool`] with the session's surface already located.
+    async fn call_surface_tool_on(
+        &self,
+        session: Uuid,
+        att: Option<Attachment>,
+        tool: &str,
+        input: Value,
+        timeout: Duration,
+    ) -> Result<SurfaceCallOutcome, ToolCallError> {
+        let att = att.ok_or_else(|| {
             ToolCallError::NoSurface("no surface is attached to this session".into())
         })?;
         if !att.surface.declares_tool(tool) {
@@ -315,7 +332,6 @@ impl Gateway {
         let call_id = Uuid::new_v4();
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut rx = self.hub().register_call(session, att.conn_id, call_id);
         let frame = ToolCall {
             call_id: call_id.to_string(),
             tool_name: tool.to_owned(),
@@ -323,11 +339,39 @@ impl Gateway {
             timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
         };
         self.metrics().tool_calls.fetch_add(1, Relaxed);
-        tracing::info!(session_id = %session, %call_id, tool, conn_id = att.conn_id, "TOOL_CALL sent");
-        if !att.calls.push(Box::new(frame)) {
-            self.hub()
-                .finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
-        }
+        let mut rx = match &att.route {
+            Route::Local { calls, .. } => {
+                let rx = self.hub().register_call(session, att.conn_id, call_id);
+                tracing::info!(session_id = %session, %call_id, tool, conn_id = att.conn_id, "TOOL_CALL sent");
+                if !calls.push(Box::new(frame)) {
+                    self.hub()
+                        .finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
+                }
+                rx
+            }
+            Route::Remote(replica) => {
+                let rx =
+                    self.hub()
+                        .register_remote_call(session, att.conn_id, call_id, replica.clone());
+                tracing::info!(session_id = %session, %call_id, tool, conn_id = att.conn_id, replica = %replica, "TOOL_CALL sent through another replica");
+                let sent = self.bus().is_some_and(|bus| {
+                    bus.send(
+                        replica,
+                        sbp_bus::BusMsg::ToolCall {
+                            session,
+                            conn: att.conn_id,
+                            reply_to: bus.replica().to_owned(),
+                            call: frame,
+                        },
+                    )
+                });
+                if !sent {
+                    self.hub()
+                        .finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
+                }
+                rx
+            }
+        };
         let reply = match tokio::time::timeout_at(deadline, &mut rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => ToolReply::Error(DISCONNECTED.into()),
@@ -377,6 +421,25 @@ impl Gateway {
         {
             tracing::warn!(session_id = %session, conn_id, call_id = %result.call_id, "TOOL_RESULT for no pending call ignored");
         }
+    }
+
+    /// A TOOL_CALL from a turn on replica `reply_to` for this process's connection `conn`: sent to
+    /// the surface, its outcome routed back. Kept no longer than the call's own timeout (swept by
+    /// the replica upkeep), after which the waiting replica has given up anyway.
+    pub(crate) fn relay_tool_call(
+        &self,
+        session: Uuid,
+        conn: u64,
+        reply_to: String,
+        call: ToolCall,
+    ) {
+        let timeout = call
+            .timeout_ms
+            .map(Duration::from_millis)
+            .unwrap_or(self.config().tool_timeout);
+        tracing::debug!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = conn, from = %reply_to, "TOOL_CALL relayed for another replica");
+        let until = Instant::now() + timeout.min(Duration::from_secs(86_400));
+        self.hub().relay_call(session, conn, call, reply_to, until);
     }
 
     /// Runs one function call of the LLM on its target; the text is the tool message's content.
@@ -487,14 +550,20 @@ impl BackendToolCall {
 impl Gateway {
     /// A backend invokes a surface tool directly. The call is not part of the transcript (no
     /// agent acted); the answer mirrors TOOL_RESULT, with `status` saying how it ended.
+    /// The caller is authorised for session `raw_id` while its surface is looked up (with
+    /// replicas, a database read and a registry read: at the same time, not one after the other).
     pub async fn backend_tool_call(
         &self,
-        session: Uuid,
+        raw_id: &str,
+        caller: &Caller,
         call: BackendToolCall,
     ) -> Result<Value, ApiError> {
+        let id = super::parse_uuid(raw_id)?;
+        let (session, att) = tokio::join!(self.authorized_session(raw_id, caller), self.locate(id));
+        let session = session?.id;
         let timeout = call.timeout.unwrap_or(self.config().tool_timeout);
         let out = self
-            .call_surface_tool(session, &call.tool_name, call.tool_input, timeout)
+            .call_surface_tool_on(session, att, &call.tool_name, call.tool_input, timeout)
             .await?;
         let (status, result, error) = match out.reply {
             ToolReply::Result(v) => ("ok", v, Value::Null),

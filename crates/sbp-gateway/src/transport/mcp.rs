@@ -69,6 +69,7 @@ impl SurfaceToolHost for Host {
         Ok(self
             .0
             .surface_tools(session)
+            .await
             .into_iter()
             .map(|t| ToolSpec {
                 name: t.name,
@@ -96,7 +97,7 @@ impl SurfaceToolHost for Host {
                     ToolOutput::error(tool_message_content(&reply))
                 }
             }),
-            Err(ToolCallError::NoSurface(m)) if !self.0.is_attached(session) => {
+            Err(ToolCallError::NoSurface(m)) if !self.0.is_attached(session).await => {
                 Err(HostError::NoSurface(m))
             }
             // `UnknownTool` carries the tool's name; the MCP error names it.

@@ -19,7 +19,6 @@ pub async fn call(
     JsonObject(body): JsonObject,
 ) -> ApiResult {
     let call = BackendToolCall::from_body(&body)?;
-    let session = gw.authorized_session(&id, &caller).await?;
-    let answer = gw.backend_tool_call(session.id, call).await?;
+    let answer = gw.backend_tool_call(&id, &caller, call).await?;
     Ok(Json(answer).into_response())
 }

@@ -214,7 +214,7 @@ pub(crate) fn tether_row(row: &Row) -> Result<TetherEntry, StoreError> {
 
 macro_rules! turn_cols {
     () => {
-        "id, session_id, state, started_at, finished_at, error"
+        "id, session_id, state, started_at, finished_at, error, owner"
     };
 }
 pub(crate) use turn_cols;
@@ -227,6 +227,7 @@ pub(crate) fn turn_row(row: &Row) -> Result<TurnRecord, StoreError> {
         started_at: get(row, 3)?,
         finished_at: get(row, 4)?,
         error: get(row, 5)?,
+        owner: get(row, 6)?,
     })
 }
 

@@ -545,8 +545,8 @@ const BEGIN_TURN: &str = concat!(
      RETURNING ",
     session_cols!(),
     "), \
-     t AS (INSERT INTO turns (id, session_id, state, started_at) \
-     SELECT $8::uuid, s.id, $9::text, $6 FROM s), \
+     t AS (INSERT INTO turns (id, session_id, state, started_at, owner) \
+     SELECT $8::uuid, s.id, $9::text, $6, $21::text FROM s), \
      m AS (INSERT INTO messages (session_id, seq, role, body, model_used, cost_usd, created_at) \
      SELECT s.id, s.message_count - $2 + v.n - 1, v.role, v.body, v.model_used, v.cost_usd, \
      v.created_at \
@@ -726,6 +726,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
                 &pre.and_then(|s| opt_text(&s.current_task)),
                 &pre.map(|s| s.created_at),
                 &pre_state,
+                &opt_text(&b.owner),
             ],
         )
         .await
@@ -1102,8 +1103,76 @@ pub(crate) async fn recover_interrupted_turns(
         .await
         .map_err(db_err)?;
     let turns = rows(&found, turn_row)?;
+    release_keys(tx, &turns, now).await?;
+    Ok(turns)
+}
+
+pub(crate) async fn replica_heartbeat(
+    c: &impl GenericClient,
+    replica: &str,
+    now: Timestamp,
+) -> StoreResult<()> {
+    let st = prep(
+        c,
+        "INSERT INTO replicas (id, heartbeat_at) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+    )
+    .await?;
+    c.execute(&st, &[&text(replica), &now])
+        .await
+        .map_err(db_err)?;
+    Ok(())
+}
+
+/// [`recover_interrupted_turns`] for the running turns of no live replica: no owner, or an owner
+/// without a heartbeat at or after `stale_before`. Of replicas recovering at once, each turn is
+/// failed (and returned) by one: the others' updates wait for its row lock, then find it failed.
+pub(crate) async fn recover_orphaned_turns(
+    tx: &Tx,
+    now: Timestamp,
+    stale_before: Timestamp,
+) -> StoreResult<Vec<TurnRecord>> {
+    let st = prep(
+        tx,
+        concat!(
+            "UPDATE turns SET state = $1, finished_at = $2, error = $3 \
+             WHERE state = 'running' AND (owner IS NULL OR NOT EXISTS \
+             (SELECT 1 FROM replicas r WHERE r.id = turns.owner AND r.heartbeat_at >= $4)) \
+             RETURNING ",
+            turn_cols!()
+        ),
+    )
+    .await?;
+    let found = tx
+        .query(
+            &st,
+            &[
+                &turn_state(TurnState::Failed),
+                &now,
+                &INTERRUPTED,
+                &stale_before,
+            ],
+        )
+        .await
+        .map_err(db_err)?;
+    let turns = rows(&found, turn_row)?;
+    release_keys(tx, &turns, now).await?;
+    // A replica that is gone for good would otherwise keep its row forever. One that began a turn
+    // since the update above is alive after all, and keeps its row.
+    let st = prep(
+        tx,
+        "DELETE FROM replicas WHERE heartbeat_at < $1 AND NOT EXISTS \
+         (SELECT 1 FROM turns WHERE state = 'running' AND owner = replicas.id)",
+    )
+    .await?;
+    tx.execute(&st, &[&stale_before]).await.map_err(db_err)?;
+    Ok(turns)
+}
+
+/// Makes the idempotency keys held by `turns`, which recovery just failed, retryable.
+async fn release_keys(tx: &Tx, turns: &[TurnRecord], now: Timestamp) -> StoreResult<()> {
     if turns.is_empty() {
-        return Ok(turns);
+        return Ok(());
     }
     // The keys those turns held would otherwise stay in progress forever and block every retry.
     let ids: Vec<Uuid> = turns.iter().map(|t| t.id).collect();
@@ -1124,7 +1193,7 @@ pub(crate) async fn recover_interrupted_turns(
     )
     .await
     .map_err(db_err)?;
-    Ok(turns)
+    Ok(())
 }
 
 // ---- idempotency ----

@@ -165,10 +165,27 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX sessions_suspended_by_agent ON sessions (agent_id) WHERE status = 'suspended';
     ALTER TABLE sessions SET (fillfactor = 70);
     "#,
+    // v3: turn ownership, as SQLite v3: a turn records the replica running it, and a replica's
+    // heartbeat says it is alive, so a replica starting fails only the turns of replicas that
+    // stopped heartbeating. A nullable column without a default is added without rewriting turns.
+    r#"
+    ALTER TABLE turns ADD COLUMN owner text;
+
+    CREATE TABLE replicas (
+        id           text PRIMARY KEY,
+        heartbeat_at timestamptz NOT NULL
+    );
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
 pub const SCHEMA_VERSION: usize = MIGRATIONS.len();
+
+/// One row per applied migration.
+const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS sbp_schema_version (
+     version    integer PRIMARY KEY,
+     applied_at timestamptz NOT NULL DEFAULT now()
+ )";
 
 /// Brings the schema up to date in one transaction under the advisory lock: of several gateways
 /// starting at once, one migrates and the others find the work done.
@@ -182,14 +199,7 @@ pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
     )
     .await
     .map_err(db_err)?;
-    tx.batch_execute(
-        "CREATE TABLE IF NOT EXISTS sbp_schema_version (
-             version    integer PRIMARY KEY,
-             applied_at timestamptz NOT NULL DEFAULT now()
-         )",
-    )
-    .await
-    .map_err(db_err)?;
+    tx.batch_execute(VERSION_TABLE).await.map_err(db_err)?;
     let applied: i32 = tx
         .query_one(
             "SELECT COALESCE(MAX(version), 0) FROM sbp_schema_version",
@@ -218,4 +228,135 @@ pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
         tracing::info!(version, "applied postgres migration");
     }
     tx.commit().await.map_err(db_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{Duration, Utc};
+    use tokio_postgres::NoTls;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::postgres::{PostgresOptions, PostgresStore};
+    use crate::{IdempotencyState, IdempotencyStore, TurnState, TurnStore};
+
+    /// The database tests/store.rs uses (what scripts/test.sh exports, or its default).
+    fn url() -> String {
+        std::env::var("SBP_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    }
+
+    async fn connect(url: &str) -> tokio_postgres::Client {
+        let (client, conn) = tokio_postgres::connect(url, NoTls)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is not reachable: {e}"));
+        tokio::spawn(async move {
+            // Ends when the client is dropped; an error here shows up as a failed statement.
+            let _ = conn.await;
+        });
+        client
+    }
+
+    /// A schema an older build left at v2 (before turn ownership), with a turn running and its
+    /// key claimed, migrates in place: the turn keeps its row, has no owner, and is then an orphan
+    /// for any replica's recovery. Runs in a fresh schema, dropped afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn v2_schema_migrates_in_place() {
+        let url = url();
+        let schema = format!("sbp_test_{}", Uuid::new_v4().simple());
+        let admin = connect(&url).await;
+        admin
+            .batch_execute(&format!("CREATE SCHEMA {schema}"))
+            .await
+            .expect("create schema");
+        let outcome = tokio::spawn(migrate_from_v2(url, schema.clone())).await;
+        if let Err(e) = admin
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await
+        {
+            eprintln!("could not drop schema {schema}: {e}");
+        }
+        if let Err(e) = outcome {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+
+    async fn migrate_from_v2(url: String, schema: String) {
+        let (session, turn) = (Uuid::new_v4(), Uuid::new_v4());
+        let started = Utc::now() - Duration::minutes(5);
+        let old = connect(&url).await;
+        old.batch_execute(&format!("SET search_path TO {schema}"))
+            .await
+            .expect("search_path");
+        old.batch_execute(VERSION_TABLE).await.expect("versions");
+        for (version, sql) in (1i32..).zip(&MIGRATIONS[..2]) {
+            old.batch_execute(sql).await.expect("v1 and v2");
+            old.execute(
+                "INSERT INTO sbp_schema_version (version) VALUES ($1)",
+                &[&version],
+            )
+            .await
+            .expect("version");
+        }
+        old.execute(
+            "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
+             metadata) VALUES ($1, 'agent', 'hash', 'running', $2, $2, '{}')",
+            &[&session, &started],
+        )
+        .await
+        .expect("session");
+        old.execute(
+            "INSERT INTO turns (id, session_id, state, started_at) VALUES ($1, $2, 'running', $3)",
+            &[&turn, &session, &started],
+        )
+        .await
+        .expect("turn");
+        old.execute(
+            "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+             created_session, created_at, updated_at) \
+             VALUES ('k-v2', $1, $2, 'fp', 'in_progress', false, $3, $3)",
+            &[&session, &turn, &started],
+        )
+        .await
+        .expect("key");
+
+        let opts = PostgresOptions {
+            max_connections: 2,
+            schema: Some(schema),
+            ..PostgresOptions::default()
+        };
+        let store = PostgresStore::open(&url, opts)
+            .await
+            .expect("open migrates");
+        let rec = store.get_turn(turn).await.expect("turn").expect("kept");
+        assert_eq!((rec.state, rec.owner), (TurnState::Running, None));
+        let now = Utc::now();
+        store
+            .replica_heartbeat("replica-1", now)
+            .await
+            .expect("replicas table");
+        let recovered = store
+            .recover_orphaned_turns(now, now - Duration::seconds(30))
+            .await
+            .expect("recover");
+        assert_eq!(recovered.iter().map(|t| t.id).collect::<Vec<_>>(), [turn]);
+        let key = store
+            .get_idempotency("k-v2")
+            .await
+            .expect("idem")
+            .expect("kept");
+        assert_eq!(key.state, IdempotencyState::Failed);
+        let versions: Vec<i32> = old
+            .query(
+                "SELECT version FROM sbp_schema_version ORDER BY version",
+                &[],
+            )
+            .await
+            .expect("versions")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let latest = i32::try_from(SCHEMA_VERSION).expect("a few migrations");
+        assert_eq!(versions, (1..=latest).collect::<Vec<_>>());
+    }
 }

@@ -166,7 +166,7 @@ pub(crate) fn tether_row(row: &Row<'_>) -> rusqlite::Result<TetherEntry> {
     })
 }
 
-pub(crate) const TURN_COLS: &str = "id, session_id, state, started_at, finished_at, error";
+pub(crate) const TURN_COLS: &str = "id, session_id, state, started_at, finished_at, error, owner";
 
 pub(crate) fn turn_row(row: &Row<'_>) -> rusqlite::Result<TurnRecord> {
     Ok(TurnRecord {
@@ -176,6 +176,7 @@ pub(crate) fn turn_row(row: &Row<'_>) -> rusqlite::Result<TurnRecord> {
         started_at: col_ts(row, 3)?,
         finished_at: col_opt_ts(row, 4)?,
         error: row.get(5)?,
+        owner: row.get(6)?,
     })
 }
 

@@ -544,9 +544,17 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
         }
     }
     conn.prepare_cached(
-        "INSERT INTO turns (id, session_id, state, started_at) VALUES (?1, ?2, ?3, ?4)",
+        "INSERT INTO turns (id, session_id, state, started_at, owner) VALUES (?1, ?2, ?3, ?4, ?5)",
     )
-    .and_then(|mut st| st.execute(params![turn_id, sid, turn_state(TurnState::Running), now]))
+    .and_then(|mut st| {
+        st.execute(params![
+            turn_id,
+            sid,
+            turn_state(TurnState::Running),
+            now,
+            b.owner
+        ])
+    })
     .map_err(db_err)?;
     let appended = len_i64(&b.new_messages)?;
     let (session, start) = updated_session(
@@ -760,13 +768,75 @@ pub(crate) fn recover_interrupted_turns(
             .collect()
         })
         .map_err(db_err)?;
+    release_keys(conn, &turns, &now)?;
+    Ok(turns)
+}
+
+pub(crate) fn replica_heartbeat(
+    conn: &Connection,
+    replica: &str,
+    now: Timestamp,
+) -> StoreResult<()> {
+    conn.prepare_cached(
+        "INSERT INTO replicas (id, heartbeat_at) VALUES (?1, ?2) \
+         ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+    )
+    .and_then(|mut st| st.execute(params![replica, ts(&now)]))
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// [`recover_interrupted_turns`] for the running turns of no live replica: no owner, or an owner
+/// without a heartbeat at or after `stale_before`.
+pub(crate) fn recover_orphaned_turns(
+    conn: &Connection,
+    now: Timestamp,
+    stale_before: Timestamp,
+) -> StoreResult<Vec<TurnRecord>> {
+    let now = ts(&now);
+    let stale_before = ts(&stale_before);
+    let turns: Vec<TurnRecord> = conn
+        .prepare_cached(&format!(
+            "UPDATE turns SET state = ?1, finished_at = ?2, error = ?3 \
+             WHERE state = 'running' AND (owner IS NULL OR NOT EXISTS \
+             (SELECT 1 FROM replicas r WHERE r.id = turns.owner AND r.heartbeat_at >= ?4)) \
+             RETURNING {TURN_COLS}"
+        ))
+        .and_then(|mut st| {
+            st.query_map(
+                params![
+                    turn_state(TurnState::Failed),
+                    now,
+                    INTERRUPTED,
+                    stale_before
+                ],
+                turn_row,
+            )?
+            .collect()
+        })
+        .map_err(db_err)?;
+    release_keys(conn, &turns, &now)?;
+    // A replica that is gone for good would otherwise keep its row forever. Here the update above
+    // left no stale replica a running turn; the condition is PostgreSQL's, where one can begin a
+    // turn in between (and is then alive after all).
+    conn.prepare_cached(
+        "DELETE FROM replicas WHERE heartbeat_at < ?1 AND NOT EXISTS \
+         (SELECT 1 FROM turns WHERE state = 'running' AND owner = replicas.id)",
+    )
+    .and_then(|mut st| st.execute([stale_before]))
+    .map_err(db_err)?;
+    Ok(turns)
+}
+
+/// Makes the idempotency keys held by `turns`, which recovery just failed, retryable.
+fn release_keys(conn: &Connection, turns: &[TurnRecord], now: &str) -> StoreResult<()> {
     // The keys those turns held would otherwise stay in progress forever and block every retry.
     let mut release = conn
         .prepare_cached(
             "UPDATE idempotency SET state = ?2, updated_at = ?3 WHERE turn_id = ?1 AND state = ?4",
         )
         .map_err(db_err)?;
-    for t in &turns {
+    for t in turns {
         release
             .execute(params![
                 uuid(&t.id),
@@ -776,7 +846,7 @@ pub(crate) fn recover_interrupted_turns(
             ])
             .map_err(db_err)?;
     }
-    Ok(turns)
+    Ok(())
 }
 
 // ---- idempotency ----

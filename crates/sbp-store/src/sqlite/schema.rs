@@ -144,6 +144,17 @@ const MIGRATIONS: &[&str] = &[
         updated_at TEXT NOT NULL
     );
     "#,
+    // v3: turn ownership, for several gateways on one database: a turn records the replica
+    // running it, and a replica's heartbeat says it is alive, so a replica starting fails only the
+    // turns of replicas that stopped heartbeating.
+    r#"
+    ALTER TABLE turns ADD COLUMN owner TEXT;
+
+    CREATE TABLE replicas (
+        id           TEXT PRIMARY KEY NOT NULL,
+        heartbeat_at TEXT NOT NULL
+    );
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -173,4 +184,83 @@ pub(crate) fn migrate(conn: &mut Connection) -> StoreResult<()> {
             .map_err(db_err)?;
     }
     tx.commit().map_err(db_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{Duration, Utc};
+    use rusqlite::params;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::sqlite::codec::{ts, uuid};
+    use crate::sqlite::{SqliteOptions, SqliteStore};
+    use crate::{IdempotencyState, IdempotencyStore, TurnState, TurnStore};
+
+    /// A database an older build left at v2 (before turn ownership), with a turn running and its
+    /// key claimed, migrates in place: the turn keeps its row, has no owner, and is then an orphan
+    /// for any replica's recovery.
+    #[tokio::test]
+    async fn v2_database_migrates_in_place() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("v2.sqlite3");
+        let (session, turn) = (Uuid::new_v4(), Uuid::new_v4());
+        let started = Utc::now() - Duration::minutes(5);
+        {
+            let conn = Connection::open(&path).expect("open");
+            for sql in &MIGRATIONS[..2] {
+                conn.execute_batch(sql).expect("v1 and v2");
+            }
+            conn.execute_batch("PRAGMA user_version = 2")
+                .expect("version");
+            conn.execute(
+                "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
+                 metadata) VALUES (?1, 'agent', 'hash', 'running', ?2, ?2, '{}')",
+                params![uuid(&session), ts(&started)],
+            )
+            .expect("session");
+            conn.execute(
+                "INSERT INTO turns (id, session_id, state, started_at) \
+                 VALUES (?1, ?2, 'running', ?3)",
+                params![uuid(&turn), uuid(&session), ts(&started)],
+            )
+            .expect("turn");
+            conn.execute(
+                "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+                 created_session, created_at, updated_at) \
+                 VALUES ('k-v2', ?1, ?2, 'fp', 'in_progress', 0, ?3, ?3)",
+                params![uuid(&session), uuid(&turn), ts(&started)],
+            )
+            .expect("key");
+        }
+
+        let store = SqliteStore::open(SqliteOptions::new(&path))
+            .await
+            .expect("open migrates");
+        let old = store.get_turn(turn).await.expect("turn").expect("kept");
+        assert_eq!((old.state, old.owner), (TurnState::Running, None));
+        let now = Utc::now();
+        store
+            .replica_heartbeat("replica-1", now)
+            .await
+            .expect("replicas table");
+        let recovered = store
+            .recover_orphaned_turns(now, now - Duration::seconds(30))
+            .await
+            .expect("recover");
+        assert_eq!(recovered.iter().map(|t| t.id).collect::<Vec<_>>(), [turn]);
+        let key = store
+            .get_idempotency("k-v2")
+            .await
+            .expect("idem")
+            .expect("kept");
+        assert_eq!(key.state, IdempotencyState::Failed);
+        drop(store);
+
+        let conn = Connection::open(&path).expect("inspect");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(usize::try_from(version).ok(), Some(MIGRATIONS.len()));
+    }
 }

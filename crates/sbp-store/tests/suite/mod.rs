@@ -15,7 +15,9 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+mod replicas;
 mod roaming;
+pub use replicas::*;
 pub use roaming::*;
 
 // ---- fixtures ----
@@ -82,6 +84,7 @@ fn begin(session_id: Uuid, messages: Vec<NewMessage>) -> BeginTurn {
         pre_action: None,
         idempotency: None,
         retry_key: None,
+        owner: None,
         now: t(10),
     }
 }

@@ -1,0 +1,198 @@
+//! The bus between gateway replicas that share one database (`sbp serve --bus redis://...`).
+//!
+//! Replicas behind one address each hold some surfaces' WebSockets; a turn, an HTTP tool call or a
+//! pushed turn may run on any of them. The bus answers "which replica holds this session's surface"
+//! (the registry), carries the messages that must reach that replica (live chunks, completed-turn
+//! notices, TOOL_CALLs, displacement) and the TOOL_RESULTs back to the replica whose turn waits,
+//! and serialises attach/detach of one session across replicas (a lock).
+//!
+//! What the bus carries is never the only copy of anything acknowledged: turns are committed to the
+//! database (and its tether) before any notice goes out, so a lost message costs latency (the
+//! surface's catch-up reads storage) or a tool call's timeout, never data. Messages from one replica
+//! to another arrive in the order they were sent.
+//!
+//! [`Bus`] is what the engine sees; [`RedisBus`] implements it on Redis pub/sub and keys. Without a
+//! bus, one process serves everything through in-process channels.
+
+mod redis_bus;
+
+pub use redis_bus::{RedisBus, RedisBusOptions};
+
+use async_trait::async_trait;
+use sbp_protocol::SurfaceContext;
+use sbp_protocol::frames::ToolCall;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+/// A message from one replica to another.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum BusMsg {
+    /// A live delta of turn `chunk_id` for connection `conn` (dropped if it is no longer current).
+    Chunk {
+        session: Uuid,
+        conn: u64,
+        chunk_id: Uuid,
+        delta: String,
+    },
+    /// A turn of `session` was completed and committed; for its current connection.
+    TurnDone { session: Uuid, done: TurnDoneMsg },
+    /// Send `call` to connection `conn` and route its TOOL_RESULT to `reply_to`.
+    ToolCall {
+        session: Uuid,
+        conn: u64,
+        reply_to: String,
+        call: ToolCall,
+    },
+    /// The outcome of a call relayed by [`BusMsg::ToolCall`].
+    ToolReply { call_id: Uuid, outcome: CallOutcome },
+    /// Another replica's surface took `session` over: connection `conn` must close.
+    Displace { session: Uuid, conn: u64 },
+}
+
+/// A completed turn as the connection holding the session needs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnDoneMsg {
+    pub chunk_id: Uuid,
+    pub seq: Option<u64>,
+    pub role: String,
+    pub content: Option<String>,
+    pub model_used: Option<String>,
+}
+
+/// What a relayed tool call ended with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallOutcome {
+    Result(Value),
+    Error(String),
+}
+
+/// The replica and connection holding a session's surface, and the surface as it declared itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Holder {
+    pub replica: String,
+    pub conn: u64,
+    pub surface: SurfaceContext,
+}
+
+/// A held per-session lock; give it back with [`Bus::unlock`].
+#[derive(Debug)]
+pub struct SessionLock {
+    session: Uuid,
+    token: String,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BusError {
+    #[error("the replica bus is unavailable: {0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// The replicas' shared view and messaging, as the engine uses it.
+#[async_trait]
+pub trait Bus: Send + Sync {
+    /// This replica's id.
+    fn replica(&self) -> &str;
+    /// Queues `msg` for `replica`, in order after everything queued before; false when it cannot be
+    /// queued (the outgoing queue is full), and then it is dropped.
+    fn send(&self, replica: &str, msg: BusMsg) -> bool;
+    /// Records that `conn` on this replica now holds the session's surface; returns the previous
+    /// holder (whose connection the caller displaces), if it is alive.
+    async fn claim(
+        &self,
+        session: Uuid,
+        conn: u64,
+        surface: &SurfaceContext,
+    ) -> Result<Option<Holder>, BusError>;
+    /// Forgets the session's holder if it is still `conn` on this replica; false when someone else
+    /// holds it now.
+    async fn release(&self, session: Uuid, conn: u64) -> Result<bool, BusError>;
+    /// Replaces the stored surface if `conn` on this replica still holds the session.
+    async fn update(
+        &self,
+        session: Uuid,
+        conn: u64,
+        surface: &SurfaceContext,
+    ) -> Result<bool, BusError>;
+    /// The session's holder, if any and if its replica is alive.
+    async fn holder(&self, session: Uuid) -> Result<Option<Holder>, BusError>;
+    /// The registered holder of each session as (replica, conn), alive or not: what a replica
+    /// compares its own connections with.
+    async fn holders(&self, sessions: &[Uuid]) -> Result<Vec<Option<(String, u64)>>, BusError>;
+    /// Registers `conn` on this replica as the holder only if the session has none (the registry
+    /// lost it); false when another holder is registered.
+    async fn reclaim(
+        &self,
+        session: Uuid,
+        conn: u64,
+        surface: &SurfaceContext,
+    ) -> Result<bool, BusError>;
+    /// Takes the session's cross-replica lock (attach and detach status changes), waiting for it.
+    async fn lock(&self, session: Uuid) -> Result<SessionLock, BusError>;
+    async fn unlock(&self, lock: SessionLock);
+    /// Which of `replicas` are alive now.
+    async fn alive(&self, replicas: &[String]) -> Result<Vec<bool>, BusError>;
+}
+
+/// Whether `id` can name a replica: 1-64 characters of `[A-Za-z0-9._-]`.
+pub fn valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn messages_round_trip() {
+        let msgs = [
+            BusMsg::Chunk {
+                session: Uuid::now_v7(),
+                conn: 7,
+                chunk_id: Uuid::now_v7(),
+                delta: "héllo".into(),
+            },
+            BusMsg::ToolReply {
+                call_id: Uuid::new_v4(),
+                outcome: CallOutcome::Result(json!({"lat": 1.5})),
+            },
+            BusMsg::ToolReply {
+                call_id: Uuid::new_v4(),
+                outcome: CallOutcome::Error("timeout".into()),
+            },
+            BusMsg::ToolCall {
+                session: Uuid::now_v7(),
+                conn: u64::MAX,
+                reply_to: "b".into(),
+                call: ToolCall {
+                    call_id: Uuid::new_v4().to_string(),
+                    tool_name: "gps".into(),
+                    tool_input: json!({}),
+                    timeout_ms: Some(5000),
+                },
+            },
+        ];
+        for m in msgs {
+            let text = serde_json::to_string(&m).expect("serialises");
+            let back: BusMsg = serde_json::from_str(&text).expect("parses");
+            assert_eq!(back, m);
+        }
+    }
+
+    #[test]
+    fn replica_ids() {
+        assert!(valid_replica_id("gw-1.eu_west"));
+        assert!(!valid_replica_id(""));
+        assert!(!valid_replica_id("a|b"));
+        assert!(!valid_replica_id(&"x".repeat(65)));
+    }
+}
