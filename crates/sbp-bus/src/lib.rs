@@ -29,12 +29,16 @@ use uuid::Uuid;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum BusMsg {
-    /// A live delta of turn `chunk_id` for connection `conn` (dropped if it is no longer current).
+    /// A live delta of turn `chunk_id` for connection `conn` (dropped if it is no longer current):
+    /// it starts `offset` bytes into the text of the turn's upstream round `round`, so the
+    /// receiver can tell a missed delta.
     Chunk {
         session: Uuid,
         conn: u64,
         chunk_id: Uuid,
         delta: String,
+        round: u32,
+        offset: u64,
     },
     /// A turn of `session` was completed and committed; for its current connection.
     TurnDone { session: Uuid, done: TurnDoneMsg },
@@ -160,6 +164,8 @@ mod tests {
                 conn: 7,
                 chunk_id: Uuid::now_v7(),
                 delta: "héllo".into(),
+                round: 2,
+                offset: 17,
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),

@@ -37,8 +37,9 @@ const INBOX: usize = 65_536;
 const PUBLISH_BATCH: usize = 256;
 /// How long a session lock lives if its holder dies while holding it.
 const LOCK_TTL_MS: u64 = 10_000;
-/// How long `lock` waits for a session lock before giving up.
-const LOCK_WAIT: Duration = Duration::from_secs(10);
+/// How long `lock` waits for a session lock before giving up: longer than the lock lives, so a
+/// waiter outlasts a holder that died with it.
+const LOCK_WAIT: Duration = Duration::from_secs(15);
 
 /// Where and who this replica is.
 #[derive(Debug, Clone)]

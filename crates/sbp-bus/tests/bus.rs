@@ -178,6 +178,8 @@ async fn messages_arrive_at_their_replica_in_send_order() {
                 conn: 7,
                 chunk_id,
                 delta: format!("délta {i} |"),
+                round: 0,
+                offset: i,
             })
             .collect();
         sent.extend([

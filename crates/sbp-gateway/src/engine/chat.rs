@@ -511,6 +511,9 @@ impl Gateway {
                 _ => self.locate(turn.session.id).await,
             };
             let catalog = self.catalog(surface.as_ref(), &turn.body);
+            if round > 0 {
+                sink.new_round();
+            }
             let mut request = body.clone();
             catalog.inject(&mut request);
             if round >= max_rounds && !catalog.is_empty() {

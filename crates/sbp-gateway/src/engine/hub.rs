@@ -7,7 +7,7 @@
 //! another replica, and what this process sends it goes over the bus. Tool calls whose surface is
 //! here but whose turn runs elsewhere are *relayed*: their TOOL_RESULT goes back over the bus.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -30,8 +30,14 @@ pub const TIMEOUT: &str = "timeout";
 /// A message from the engine to one attached connection.
 #[derive(Debug, Clone)]
 pub enum ConnMsg {
-    /// A live streaming delta of the turn `chunk_id`.
-    Chunk { chunk_id: Uuid, delta: String },
+    /// A live streaming delta of the turn `chunk_id`, starting `offset` bytes into the text of
+    /// the turn's upstream round `round`.
+    Chunk {
+        chunk_id: Uuid,
+        delta: String,
+        round: u32,
+        offset: u64,
+    },
     /// A turn was completed and persisted (boxed: inbox slots stay small, which matters for
     /// thousands of idle connections).
     TurnDone(Box<TurnDone>),
@@ -182,10 +188,6 @@ pub struct Hub {
     next_conn: AtomicU64,
     stripes: Vec<tokio::sync::Mutex<()>>,
     bus: Option<Arc<dyn Bus>>,
-    /// Turns streamed from another replica whose delta a connection here missed (its inbox was
-    /// full): their later deltas are dropped too, so what a surface received stays a prefix of
-    /// the reply and the completed turn supplies the rest.
-    broken_streams: Mutex<HashSet<Uuid>>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -211,7 +213,6 @@ impl Hub {
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
             bus,
-            broken_streams: Mutex::new(HashSet::new()),
         }
     }
 
@@ -533,41 +534,17 @@ impl Hub {
     }
 
     /// A live chunk from another replica for this process's connection `conn_id`, if it is still
-    /// the session's and has not missed an earlier delta of the turn.
-    pub fn chunk_for(&self, session: Uuid, conn_id: u64, chunk_id: Uuid, delta: String) {
-        let Some(Attachment {
+    /// the session's. One dropped here (full inbox) shows as a gap in the offsets downstream.
+    pub fn chunk_for(&self, session: Uuid, conn_id: u64, msg: ConnMsg) {
+        if let Some(Attachment {
             conn_id: current,
             route: Route::Local { tx, .. },
             ..
         }) = self.get(session)
-        else {
-            return;
-        };
-        if current != conn_id || self.broken().contains(&chunk_id) {
-            return;
+            && current == conn_id
+        {
+            let _ = tx.try_send(msg);
         }
-        if tx.try_send(ConnMsg::Chunk { chunk_id, delta }).is_err() {
-            let mut broken = self.broken();
-            // Entries leave with their TurnDone; one whose TurnDone was lost must not stay
-            // forever, and forgetting old ones only risks a gap in a stream long over.
-            if broken.len() >= 4096 {
-                broken.clear();
-            }
-            broken.insert(chunk_id);
-        }
-    }
-
-    /// A completed turn from another replica for the session's connection here.
-    pub fn turn_done_for(&self, session: Uuid, done: TurnDone) {
-        self.broken().remove(&done.chunk_id);
-        self.notify(session, ConnMsg::TurnDone(Box::new(done)));
-    }
-
-    fn broken(&self) -> std::sync::MutexGuard<'_, HashSet<Uuid>> {
-        // insert/remove/clear cannot leave the set half-updated.
-        self.broken_streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -589,6 +566,9 @@ pub struct LiveSink<'a> {
     session: Uuid,
     pub chunk_id: Uuid,
     target: Option<Attachment>,
+    /// The upstream round streaming now, and the bytes of its text sent so far.
+    round: u32,
+    offset: u64,
 }
 
 impl<'a> LiveSink<'a> {
@@ -600,7 +580,16 @@ impl<'a> LiveSink<'a> {
             session,
             chunk_id: Uuid::now_v7(),
             target,
+            round: 0,
+            offset: 0,
         }
+    }
+
+    /// The agent loop asks the model again: its text starts over (the stored reply is the last
+    /// round's text).
+    pub fn new_round(&mut self) {
+        self.round += 1;
+        self.offset = 0;
     }
 
     pub fn is_live(&self) -> bool {
@@ -616,6 +605,8 @@ impl<'a> LiveSink<'a> {
                         .try_send(ConnMsg::Chunk {
                             chunk_id: self.chunk_id,
                             delta: delta.to_owned(),
+                            round: self.round,
+                            offset: self.offset,
                         })
                         .is_ok()
             }
@@ -629,11 +620,15 @@ impl<'a> LiveSink<'a> {
                         conn: target.conn_id,
                         chunk_id: self.chunk_id,
                         delta: delta.to_owned(),
+                        round: self.round,
+                        offset: self.offset,
                     },
                 )
             }),
         };
-        if !sent {
+        if sent {
+            self.offset += delta.len() as u64;
+        } else {
             self.target = None;
         }
     }

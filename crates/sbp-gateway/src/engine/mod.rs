@@ -144,6 +144,7 @@ impl Gateway {
         if let Some(inbox) = inbox {
             gw.inner.replica_tasks.spawn(gw.clone().dispatch(inbox));
             gw.inner.replica_tasks.spawn(gw.clone().replica_upkeep());
+            gw.inner.replica_tasks.spawn(gw.clone().bus_upkeep());
         }
         Ok(gw)
     }
@@ -154,11 +155,37 @@ impl Gateway {
     }
 
     /// The session's surface, attached here or (with a bus) on another live replica.
+    /// With a bus, a connection here counts only while the registry names it: one displaced by
+    /// an attach elsewhere whose message has not arrived (or was lost) must not get this
+    /// session's turns.
     pub(crate) async fn locate(&self, session: Uuid) -> Option<Attachment> {
-        if let Some(att) = self.hub().get(session) {
-            return Some(att);
+        let local = self.hub().get(session);
+        let Some(bus) = self.bus() else {
+            return local;
+        };
+        if let Some(att) = local {
+            match bus.holders(&[session]).await {
+                Ok(h)
+                    if h.first().is_some_and(|h| {
+                        h.as_ref()
+                            .is_some_and(|(r, c)| r == bus.replica() && *c == att.conn_id)
+                    }) =>
+                {
+                    return Some(att);
+                }
+                Ok(_) => {
+                    self.recheck_holder(bus.as_ref(), session, att.conn_id)
+                        .await;
+                    if let Some(att) = self.hub().get(session) {
+                        return Some(att);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "checking the surface registry failed");
+                    return Some(att);
+                }
+            }
         }
-        let bus = self.bus()?;
         match bus.holder(session).await {
             // Held by this replica but not in the hub: a connection that is closing.
             Ok(Some(h)) if h.replica != bus.replica() => Some(Attachment {
@@ -218,16 +245,27 @@ impl Gateway {
                     conn,
                     chunk_id,
                     delta,
-                } => self.hub().chunk_for(session, conn, chunk_id, delta),
-                BusMsg::TurnDone { session, done } => self.hub().turn_done_for(
+                    round,
+                    offset,
+                } => self.hub().chunk_for(
                     session,
-                    hub::TurnDone {
+                    conn,
+                    hub::ConnMsg::Chunk {
+                        chunk_id,
+                        delta,
+                        round,
+                        offset,
+                    },
+                ),
+                BusMsg::TurnDone { session, done } => self.hub().notify(
+                    session,
+                    hub::ConnMsg::TurnDone(Box::new(hub::TurnDone {
                         chunk_id: done.chunk_id,
                         seq: done.seq,
                         role: done.role,
                         content: done.content,
                         model_used: done.model_used,
-                    },
+                    })),
                 ),
                 BusMsg::ToolCall {
                     session,
@@ -276,7 +314,22 @@ impl Gateway {
     /// progress registers here before it claims the registry: it must not be mistaken for one
     /// the registry forgot).
     async fn recheck_holder(&self, bus: &dyn Bus, session: Uuid, conn: u64) {
-        let _guard = self.hub().session_lock(session).lock().await;
+        // The same order as attach and detach: the bus's lock, then this process's.
+        let lock = match bus.lock(session).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "checking the surface registry failed");
+                return;
+            }
+        };
+        {
+            let _guard = self.hub().session_lock(session).lock().await;
+            self.recheck_locked(bus, session, conn).await;
+        }
+        bus.unlock(lock).await;
+    }
+
+    async fn recheck_locked(&self, bus: &dyn Bus, session: Uuid, conn: u64) {
         let Some(att) = self.hub().get(session).filter(|a| a.conn_id == conn) else {
             return;
         };
@@ -294,19 +347,34 @@ impl Gateway {
                     tracing::warn!(session_id = %session, conn_id = conn, holder = %replica, "surface displaced late: the registry names another surface (a displacement message was lost)");
                 }
             }
-            None => match bus.reclaim(session, conn, &att.surface).await {
-                Ok(true) => {
-                    tracing::warn!(session_id = %session, conn_id = conn, "surface registered again: the registry had lost it");
+            None => {
+                // Either the registry lost the entry (Redis restarted empty: this connection is
+                // still the session's) or a newer surface displaced this one and then detached
+                // (the session is suspended): only the first is claimed again.
+                let suspended = matches!(
+                    self.store().get_session(session).await,
+                    Ok(Some(s)) if s.status == sbp_protocol::SessionStatus::Suspended
+                );
+                if suspended {
+                    if self.hub().displace(session, conn) {
+                        tracing::warn!(session_id = %session, conn_id = conn, "surface displaced late: another surface took the session and detached");
+                    }
+                    return;
                 }
-                Ok(false) => {} // claimed by another surface meanwhile: the next pass displaces this one
-                Err(e) => {
-                    tracing::warn!(session_id = %session, error = %e, "registering the surface again failed");
+                match bus.reclaim(session, conn, &att.surface).await {
+                    Ok(true) => {
+                        tracing::warn!(session_id = %session, conn_id = conn, "surface registered again: the registry had lost it");
+                    }
+                    Ok(false) => {} // claimed by another surface meanwhile: the next pass displaces this one
+                    Err(e) => {
+                        tracing::warn!(session_id = %session, error = %e, "registering the surface again failed");
+                    }
                 }
-            },
+            }
         }
     }
 
-    /// Heartbeats, fails turns of replicas that stopped, and ends calls waiting on them.
+    /// Heartbeats into the database and fails the turns of replicas that stopped doing so.
     async fn replica_upkeep(self) {
         let shutdown = self.inner.replica_stop.clone();
         let every = self.config().replica_heartbeat;
@@ -319,7 +387,10 @@ impl Gateway {
             }
             let now = Utc::now();
             let id = &self.config().replica_id;
-            if let Err(e) = self.store().replica_heartbeat(id, now).await {
+            // Bounded: a stalled database must not stop the rest of the upkeep for long (the
+            // heartbeat is retried on the next tick).
+            let beat = tokio::time::timeout(every, self.store().replica_heartbeat(id, now)).await;
+            if let Ok(Err(e)) = beat {
                 tracing::warn!(error = %e, "recording the replica heartbeat failed");
             }
             let stale = now - chrono_span(self.config().replica_timeout);
@@ -331,9 +402,25 @@ impl Gateway {
                 }
                 Err(e) => tracing::warn!(error = %e, "recovering turns of stopped replicas failed"),
             }
-            if let Some(bus) = self.bus() {
-                self.reconcile_holders(bus.as_ref()).await;
+        }
+    }
+
+    /// The bus side of the upkeep, in its own task so a slow or unreachable Redis never delays
+    /// the heartbeat that keeps this replica's turns from being failed by the others: the
+    /// registry reconcile, expiring relays, and failing calls waiting on dead replicas.
+    async fn bus_upkeep(self) {
+        let Some(bus) = self.bus().cloned() else {
+            return;
+        };
+        let shutdown = self.inner.replica_stop.clone();
+        let mut tick = tokio::time::interval(self.config().replica_heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
             }
+            self.reconcile_holders(bus.as_ref()).await;
             let expired = self.hub().expire_relays(std::time::Instant::now());
             if expired > 0 {
                 tracing::info!(
@@ -342,7 +429,7 @@ impl Gateway {
                 );
             }
             let waited_on = self.hub().remote_call_replicas();
-            if let (Some(bus), false) = (self.bus(), waited_on.is_empty()) {
+            if !waited_on.is_empty() {
                 match bus.alive(&waited_on).await {
                     Ok(alive) => {
                         let dead: Vec<&String> = waited_on

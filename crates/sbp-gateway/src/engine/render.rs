@@ -45,11 +45,19 @@ pub struct Renderer {
 /// A turn streaming live to one connection.
 #[derive(Debug)]
 struct Live {
-    /// The model's text this connection received, in order. Producers stop streaming a turn to a
-    /// connection at the first delta it misses, so this is always a prefix of the reply.
+    /// The upstream round whose text is streaming (the stored reply is the last round's text).
+    round: u32,
+    /// That round's text as this connection received it. A delta that does not start where this
+    /// ends (one was missed: a full inbox, a lost bus message) stops the live stream for good, so
+    /// this stays a prefix of the round's text and the completed turn supplies the rest.
     received: String,
+    broken: bool,
     adapter: Option<Adapter>,
 }
+
+/// Turns kept streaming per connection; beyond it the oldest is forgotten (a turn that failed
+/// after streaming never completes).
+const MAX_LIVE: usize = 16;
 
 impl Renderer {
     pub fn new(rendering: Rendering) -> Self {
@@ -59,18 +67,41 @@ impl Renderer {
         }
     }
 
-    /// A live delta of turn `chunk_id`, as this surface gets it (`None`: nothing to send now).
-    pub fn chunk(&mut self, chunk_id: Uuid, delta: &str) -> Option<String> {
+    /// A live delta of turn `chunk_id`, `offset` bytes into the text of its upstream round
+    /// `round`, as this surface gets it (`None`: nothing to send now).
+    pub fn chunk(
+        &mut self,
+        chunk_id: Uuid,
+        delta: &str,
+        round: u32,
+        offset: u64,
+    ) -> Option<String> {
         let profile = match &self.rendering {
             // The rewrite starts when the reply is complete.
             Rendering::Ctp { .. } => return None,
             Rendering::Raw => None,
             Rendering::Adapt(profile) => Some(*profile),
         };
+        if !self.live.contains_key(&chunk_id) && self.live.len() >= MAX_LIVE {
+            // Chunk ids are UUIDv7: the smallest is the oldest turn.
+            if let Some(oldest) = self.live.keys().min().copied() {
+                self.live.remove(&oldest);
+            }
+        }
         let live = self.live.entry(chunk_id).or_insert_with(|| Live {
+            round,
             received: String::new(),
+            broken: false,
             adapter: profile.map(Adapter::new),
         });
+        if round != live.round {
+            live.round = round;
+            live.received.clear();
+        }
+        if live.broken || offset != live.received.len() as u64 {
+            live.broken = true;
+            return None;
+        }
         live.received.push_str(delta);
         match &mut live.adapter {
             None => Some(delta.to_owned()),
@@ -83,31 +114,33 @@ impl Renderer {
 
     /// The rest of turn `chunk_id` (`content`, the whole stored reply) after what streamed to
     /// this connection, adapted: all of it when nothing did, the remainder when streaming
-    /// stopped early (the connection fell behind, or the stream went to another one). Not used
-    /// for CTP.
+    /// stopped early (the connection fell behind, a delta was lost, or the stream went to
+    /// another connection). Not used for CTP.
     pub fn rest(&mut self, chunk_id: Uuid, content: &str) -> String {
         let live = self.live.remove(&chunk_id);
         let profile = match &self.rendering {
             Rendering::Raw => None,
             Rendering::Adapt(profile) | Rendering::Ctp { profile, .. } => Some(*profile),
         };
-        match live {
-            None => match profile {
-                None => content.to_owned(),
-                Some(p) => adapt(&p, content),
-            },
-            Some(live) => {
-                // Anything else would mean the stored reply differs from what streamed: then
-                // finish what streamed rather than repeat text the surface already has.
-                let remaining = content.strip_prefix(live.received.as_str()).unwrap_or("");
-                match live.adapter {
-                    None => remaining.to_owned(),
-                    Some(mut a) => {
-                        let mut out = a.push(remaining);
-                        out.push_str(&a.finish());
-                        out
-                    }
-                }
+        let whole = |content: &str| match profile {
+            None => content.to_owned(),
+            Some(p) => adapt(&p, content),
+        };
+        let Some(live) = live else {
+            return whole(content);
+        };
+        let Some(remaining) = content.strip_prefix(live.received.as_str()) else {
+            // What streamed is not the start of the stored reply (it should be): better the
+            // surface sees text twice than not at all.
+            tracing::warn!(%chunk_id, "streamed text is not a prefix of the stored reply; sending it whole");
+            return whole(content);
+        };
+        match live.adapter {
+            None => remaining.to_owned(),
+            Some(mut a) => {
+                let mut out = a.push(remaining);
+                out.push_str(&a.finish());
+                out
             }
         }
     }
@@ -351,14 +384,38 @@ mod tests {
         let reply = "First part. **Second** part.";
         let id = Uuid::now_v7();
         let mut raw = Renderer::new(Rendering::Raw);
-        assert_eq!(raw.chunk(id, "First "), Some("First ".into()));
+        assert_eq!(raw.chunk(id, "First ", 0, 0), Some("First ".into()));
         assert_eq!(raw.rest(id, reply), "part. **Second** part.");
         // Nothing streamed here: all of it.
         assert_eq!(raw.rest(Uuid::now_v7(), reply), reply);
-        // What streamed is not the stored reply's start: nothing is repeated.
+        // A missed delta stops the stream; the rest follows what did arrive.
+        let gap = Uuid::now_v7();
+        assert!(raw.chunk(gap, "First ", 0, 0).is_some());
+        assert_eq!(raw.chunk(gap, "**Second** ", 0, 12), None);
+        assert_eq!(raw.chunk(gap, "part.", 0, 23), None);
+        assert_eq!(raw.rest(gap, reply), "part. **Second** part.");
+        // Tool rounds: the stored reply is the last round's text.
+        let rounds = Uuid::now_v7();
+        raw.chunk(rounds, "Let me check. ", 0, 0);
+        raw.chunk(rounds, "First ", 1, 0);
+        assert_eq!(raw.rest(rounds, reply), "part. **Second** part.");
+        // What streamed is not the stored reply's start: all of it rather than nothing.
         let other = Uuid::now_v7();
-        raw.chunk(other, "Something else");
-        assert_eq!(raw.rest(other, reply), "");
+        raw.chunk(other, "Something else", 0, 0);
+        assert_eq!(raw.rest(other, reply), reply);
+    }
+
+    #[test]
+    fn turns_that_never_complete_do_not_pile_up() {
+        let mut raw = Renderer::new(Rendering::Raw);
+        let first = Uuid::now_v7();
+        raw.chunk(first, "abandoned", 0, 0);
+        for _ in 0..MAX_LIVE {
+            raw.chunk(Uuid::now_v7(), "x", 0, 0);
+        }
+        assert_eq!(raw.live.len(), MAX_LIVE);
+        // The oldest was forgotten: its completion is sent whole.
+        assert_eq!(raw.rest(first, "abandoned text"), "abandoned text");
     }
 
     #[test]
@@ -370,7 +427,7 @@ mod tests {
             let mut r = Renderer::new(Rendering::Adapt(voice()));
             let mut got = String::new();
             if cut > 0 {
-                got.push_str(&r.chunk(id, &reply[..cut]).unwrap_or_default());
+                got.push_str(&r.chunk(id, &reply[..cut], 0, 0).unwrap_or_default());
             }
             got.push_str(&r.rest(id, reply));
             assert_eq!(got, whole, "streamed {cut} bytes first");

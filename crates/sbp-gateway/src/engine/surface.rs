@@ -90,12 +90,10 @@ impl Gateway {
             .map_err(|_| AttachError::NotFound(format!("No session with ID {path_id}")))?;
         self.check_token(id, &frame.session_token).await?;
         let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
-        let (conn_id, inbox) = {
-            let _guard = self.hub().session_lock(id).lock().await;
-            self.across_replicas(id, self.take_session(id, surface.clone()))
-                .await
-                .map_err(|e| AttachError::Internal(e.to_string()))??
-        };
+        let (conn_id, inbox) = self
+            .across_replicas(id, self.take_session(id, surface.clone()))
+            .await
+            .map_err(|e| AttachError::Internal(e.to_string()))??;
         let ack_mode = frame.last_seq.is_some();
         let after = frame.last_seq.unwrap_or(0);
         if after > 0 {
@@ -133,13 +131,22 @@ impl Gateway {
     }
 
     /// A live delta for this connection, adapted for its surface (`None`: nothing to send now).
-    pub fn live_chunk(&self, d: &mut Delivery, chunk_id: Uuid, delta: &str) -> Option<ServerFrame> {
-        d.renderer.chunk(chunk_id, delta).map(|delta| {
-            ServerFrame::TurnChunk(TurnChunk {
-                chunk_id: chunk_id.to_string(),
-                delta,
+    pub fn live_chunk(
+        &self,
+        d: &mut Delivery,
+        chunk_id: Uuid,
+        delta: &str,
+        round: u32,
+        offset: u64,
+    ) -> Option<ServerFrame> {
+        d.renderer
+            .chunk(chunk_id, delta, round, offset)
+            .map(|delta| {
+                ServerFrame::TurnChunk(TurnChunk {
+                    chunk_id: chunk_id.to_string(),
+                    delta,
+                })
             })
-        })
     }
 
     /// The frames for a completed turn, in order after anything this connection has not yet seen.
@@ -336,7 +343,6 @@ impl Gateway {
     /// the session is suspended and from now on turns go to the tether. A displaced connection
     /// changes nothing.
     pub async fn detach(&self, d: &Delivery, reason: &str) {
-        let _guard = self.hub().session_lock(d.session_id).lock().await;
         if let Err(e) = self
             .across_replicas(d.session_id, self.release_session(d, reason))
             .await
@@ -344,22 +350,30 @@ impl Gateway {
             // Without the bus's lock, still release: a session left "running" with no surface is
             // worse than a race with an attach on another replica.
             tracing::warn!(session_id = %d.session_id, error = %e, "detaching without the replica lock");
+            let _guard = self.hub().session_lock(d.session_id).lock().await;
             self.release_session(d, reason).await;
         }
     }
 
-    /// Runs `work` holding the session's lock across replicas (nothing more without a bus).
+    /// Runs `work` holding the session's locks: the bus's (with replicas), then this process's
+    /// striped one. Always in that order, so the two never deadlock, and a session waiting for
+    /// its bus lock does not hold a stripe other sessions share.
     async fn across_replicas<T>(
         &self,
         session: Uuid,
         work: impl Future<Output = T>,
     ) -> Result<T, sbp_bus::BusError> {
-        let Some(bus) = self.bus() else {
-            return Ok(work.await);
+        let lock = match self.bus() {
+            Some(bus) => Some(bus.lock(session).await?),
+            None => None,
         };
-        let lock = bus.lock(session).await?;
-        let out = work.await;
-        bus.unlock(lock).await;
+        let out = {
+            let _guard = self.hub().session_lock(session).lock().await;
+            work.await
+        };
+        if let (Some(bus), Some(lock)) = (self.bus(), lock) {
+            bus.unlock(lock).await;
+        }
         Ok(out)
     }
 
@@ -392,6 +406,11 @@ impl Gateway {
                 Ok(_) => {}
                 Err(e) => {
                     self.hub().remove_if_current(id, conn_id);
+                    // The claim may have been applied before the error: do not leave the
+                    // registry naming a connection that never served.
+                    if let Err(e) = bus.release(id, conn_id).await {
+                        tracing::warn!(session_id = %id, error = %e, "withdrawing a failed claim failed");
+                    }
                     return Err(AttachError::Internal(e.to_string()));
                 }
             }
@@ -540,7 +559,8 @@ impl Gateway {
             .await
             .map_err(internal)?;
         let surface = frame.surface_context.clone().unwrap_or_default();
-        d.renderer = Renderer::new(self.rendering_for(&surface));
+        // Turns streaming live keep what they streamed here (a re-attach must not repeat it).
+        d.renderer.rendering = self.rendering_for(&surface);
         d.surface = Arc::new(surface.clone());
         self.hub()
             .update_surface(d.session_id, d.conn_id, surface.clone());

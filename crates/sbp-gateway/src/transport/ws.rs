@@ -357,8 +357,8 @@ async fn connection_loop(
                         close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
                         return "displaced";
                     }
-                    Some(ConnMsg::Chunk { chunk_id, delta }) => {
-                        gw.live_chunk(d, chunk_id, &delta).map(|f| (f, None)).into_iter().collect()
+                    Some(ConnMsg::Chunk { chunk_id, delta, round, offset }) => {
+                        gw.live_chunk(d, chunk_id, &delta, round, offset).map(|f| (f, None)).into_iter().collect()
                     }
                     Some(ConnMsg::TurnDone(done)) => {
                         let turn = Box::pin(gw.on_turn_done(d, *done)).await;
