@@ -372,6 +372,9 @@ impl Gateway {
                 rx
             }
         };
+        // If this future is dropped while waiting (the HTTP caller went away), the pending entry
+        // goes with it instead of waiting for an answer nobody will read.
+        let _forget = ForgetCall { gw: self, call_id };
         let reply = match tokio::time::timeout_at(deadline, &mut rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => ToolReply::Error(DISCONNECTED.into()),
@@ -585,6 +588,21 @@ impl Gateway {
             "error": error,
             "duration_ms": out.elapsed.as_secs_f64() * 1000.0,
         }))
+    }
+}
+
+/// Removes a surface call's pending entry when its waiter ends, however it ends (a no-op once the
+/// call was answered).
+struct ForgetCall<'a> {
+    gw: &'a Gateway,
+    call_id: Uuid,
+}
+
+impl Drop for ForgetCall<'_> {
+    fn drop(&mut self) {
+        self.gw
+            .hub()
+            .finish_call(self.call_id, ToolReply::Error(DISCONNECTED.into()));
     }
 }
 
