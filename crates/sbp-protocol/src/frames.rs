@@ -13,6 +13,8 @@ pub const CLOSE_PROTOCOL_ERROR: u16 = 1003;
 pub const CLOSE_TOO_BIG: u16 = 1009;
 pub const CLOSE_FORBIDDEN: u16 = 4003;
 pub const CLOSE_NOT_FOUND: u16 = 4004;
+/// Extension (docs/PROTOCOL-EXTENSIONS.md): another surface attached to the session.
+pub const CLOSE_DISPLACED: u16 = 4409;
 
 /// A frame from a surface.
 #[derive(Debug, Clone, PartialEq, Serialize)]

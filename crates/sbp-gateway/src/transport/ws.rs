@@ -19,7 +19,7 @@ use crate::engine::hub::{ConnMsg, Inbox};
 use crate::engine::{AttachError, CtpFrames, Delivery};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
-pub const CLOSE_DISPLACED: u16 = 4409;
+pub use sbp_protocol::frames::CLOSE_DISPLACED;
 /// Read and write buffer size of a WebSocket connection.
 const WS_BUFFER: usize = 1024;
 /// Close code for an internal failure during attach.

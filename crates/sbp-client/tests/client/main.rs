@@ -1,0 +1,9 @@
+//! Integration tests of the client SDK against the real gateway, in-process on loopback. One
+//! binary; a module per area.
+
+mod support;
+
+mod reconnect;
+mod rest;
+mod surface;
+mod tools;
