@@ -199,11 +199,16 @@ pub struct SessionAttached {
     pub surface_id: Option<String>,
     pub device_type: String,
     /// Tether turns about to be delivered (the spec's name).
+    #[serde(default)]
     pub queued_turns: u64,
-    /// The same count under the seeds' L2 name.
+    /// The same count under the seeds' L2 name (absent from gateways that only send the spec's).
+    #[serde(default)]
     pub tether_turns_pending: u64,
+    #[serde(default)]
     pub mcp_tools_registered: Vec<String>,
+    #[serde(default)]
     pub sbp_version: String,
+    #[serde(default)]
     pub sbp_level: String,
     /// The stored SurfaceContext, echoed back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,10 +226,16 @@ pub struct TetherTurn {
     pub content: Option<String>,
     pub model_used: Option<String>,
     pub created_at: String,
-    /// Extension: the turn's per-session monotonic sequence number, for ACK and `last_seq`.
+    /// Extension: the turn's per-session monotonic sequence number, for ACK and `last_seq`
+    /// (0 from gateways without it).
+    #[serde(default)]
     pub seq: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
+    /// Extension: the `chunk_id` its live TURN_CHUNKs carried, so a client that saw part of the
+    /// turn stream can replace that partial text with this whole turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

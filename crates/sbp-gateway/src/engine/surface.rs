@@ -524,6 +524,7 @@ impl Delivery {
             created_at: iso(&e.created_at),
             seq: e.seq,
             session_id: Some(self.session_id.to_string()),
+            chunk_id: Some(e.chunk_id.to_string()),
         });
         self.tether_index += 1;
         self.last_sent = self.last_sent.max(e.seq);

@@ -273,6 +273,68 @@ async fn upstream_chunks_reach_the_surface_one_by_one() {
     assert_eq!(deltas.concat(), reply);
 }
 
+/// The next frame that is not a TURN_CHUNK, with the deltas of the chunks before it added to
+/// `deltas` (all of turn `chunk_id`, if set).
+async fn frame_after_chunks(ws: &mut Ws, deltas: &mut Vec<String>, chunk_id: &Value) -> Value {
+    loop {
+        let f = ws.recv().await;
+        if f["type"] != "TURN_CHUNK" {
+            return f;
+        }
+        assert!(chunk_id.is_null() || f["chunk_id"] == *chunk_id, "{f}");
+        deltas.push(f["delta"].as_str().expect("delta").to_owned());
+    }
+}
+
+/// A repeated ATTACH_SESSION on the socket while a turn streams to it (SPEC 7.4: resuming is
+/// idempotent) keeps what already streamed there: the surface ends up with the reply exactly
+/// once, whether the re-attach comes between chunks or after the last one (when only the turn's
+/// completion is left), and is not sent the whole reply again on top.
+#[tokio::test]
+async fn reattach_mid_stream_does_not_repeat_what_streamed() {
+    let gw = TestGateway::with_fake().await;
+    let (id, token) = gw.session().await;
+    let (mut ws, _) = gw.attach(&id, &token, json!({})).await;
+    let reply = "one two three four five six";
+    // 300 ms between upstream events: after the last chunk the finish event and [DONE] are
+    // still to come, time enough for the re-attach to be handled first.
+    let prompt = format!("[[fake:reply={reply}]] [[fake:chunks=3]] [[fake:chunk_delay=300]]");
+    let turn = gw.spawn_post(
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": prompt}]}),
+        &[("x-session-token", &token)],
+    );
+    let reattach = json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token});
+
+    let first = ws.recv().await;
+    assert_eq!(first["type"], "TURN_CHUNK", "{first}");
+    let chunk_id = first["chunk_id"].clone();
+    let mut deltas = vec![first["delta"].as_str().expect("delta").to_owned()];
+    ws.send(reattach.clone()).await;
+    let f = frame_after_chunks(&mut ws, &mut deltas, &chunk_id).await;
+    assert_eq!(f["type"], "SESSION_ATTACHED", "{f}");
+    while deltas.len() < 3 {
+        let f = ws.recv().await;
+        assert_eq!(f["type"], "TURN_CHUNK", "the turn streams on: {f}");
+        assert_eq!(f["chunk_id"], chunk_id, "{f}");
+        deltas.push(f["delta"].as_str().expect("delta").to_owned());
+    }
+    ws.send(reattach).await;
+    let f = ws.recv().await;
+    assert_eq!(
+        f["type"], "SESSION_ATTACHED",
+        "re-attached before the turn completed (else raise chunk_delay): {f}"
+    );
+    let complete = frame_after_chunks(&mut ws, &mut deltas, &chunk_id).await;
+    assert_eq!(complete["type"], "TURN_COMPLETE", "{complete}");
+    assert_eq!(complete["chunk_id"], chunk_id, "{complete}");
+    assert_eq!(deltas.concat(), reply, "what the surface got: {deltas:?}");
+
+    let (status, _, body) = turn.await.expect("turn task");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], reply);
+}
+
 #[tokio::test]
 async fn pushed_turn_while_attached_is_delivered_live_with_its_seq() {
     let gw = TestGateway::start().await;
@@ -428,6 +490,8 @@ async fn live_turns_in_ack_mode_wait_for_their_ack() {
         (again[0]["content"].clone(), again[0]["seq"].clone()),
         (json!("live but unacked"), json!(seq))
     );
+    // The redelivered turn names the chunk_id it streamed under, so a client can match the two.
+    assert_eq!(again[0]["chunk_id"], complete["chunk_id"], "{}", again[0]);
     ws.send(json!({"type": "ACK", "seq": seq})).await;
     detach(&mut ws).await;
     let (_ws, attached) = gw.attach(&id, &token, json!({"last_seq": 0})).await;
