@@ -1,8 +1,9 @@
 //! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
 //! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming, the L5
-//! TOOL_CALL round trip, also across two replicas), prints a summary and writes
-//! `bench-out/results.json`. See BENCHMARKS.md.
+//! TOOL_CALL round trip, also across two replicas, attach + detach cycles through the client SDK),
+//! prints a summary and writes `bench-out/results.json`. See BENCHMARKS.md.
 
+mod attach;
 mod bus;
 mod client;
 mod http;
@@ -56,6 +57,11 @@ enum Command {
     /// --toolcall-lanes sessions at once; next to an HTTP and a WebSocket floor. With --bus:
     /// across two replicas (surfaces on A, calls through B).
     Toolcall,
+    /// Attach + detach cycles through the client SDK (`Surface::connect` -> SESSION_ATTACHED ->
+    /// `Surface::close`): --attach-sessions sessions, --attach-lanes lanes cycling over them for
+    /// --duration (or --iterations cycles per lane), once per --attach-variants; then checks that
+    /// every attached session ended suspended and no surface is left.
+    Attach,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -101,13 +107,31 @@ struct Opts {
     #[arg(long, global = true, default_value_t = 10_000)]
     surfaces: usize,
     /// Export + import pairs of the roaming scenario [default: 20]; tool calls per session in
-    /// each phase of the toolcall scenario [default: 5000].
+    /// each phase of the toolcall scenario [default: 5000]; measured cycles per lane of the attach
+    /// scenario [default: as many as fit in --duration].
     #[arg(long, global = true)]
     iterations: Option<usize>,
     /// Concurrent sessions (each with its own surface and HTTP connection) of the toolcall
     /// scenario's throughput phase.
     #[arg(long, global = true, default_value_t = 16)]
     toolcall_lanes: usize,
+    /// Sessions of the attach scenario (made with the SDK's `Client::create_session`; lane `i`
+    /// cycles over sessions `i`, `i + lanes`, ...).
+    #[arg(long, global = true, default_value_t = 1000)]
+    attach_sessions: usize,
+    /// Concurrent attach + detach lanes of the attach scenario.
+    #[arg(long, global = true, default_value_t = 16)]
+    attach_lanes: usize,
+    /// Variants of the attach scenario, each on a fresh gateway: `plain` (attach, close) and
+    /// `tethered` (one turn pushed before each attach, drained by it and ACKed on close).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "plain,tethered"
+    )]
+    attach_variants: Vec<attach::Variant>,
     /// Messages in the roaming scenario's session (as imported from a bundle built by the bench).
     #[arg(long, global = true, default_value_t = 10_000)]
     roaming_messages: usize,
@@ -239,6 +263,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             "surfaces": o.surfaces,
             "iterations": o.iterations,
             "toolcall_lanes": o.toolcall_lanes,
+            "attach_sessions": o.attach_sessions,
+            "attach_lanes": o.attach_lanes,
+            "attach_variants": o.attach_variants,
             "roaming_messages": o.roaming_messages,
             "sync": o.sync,
             "database": o.database.as_deref().map(without_credentials),
@@ -256,6 +283,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         idle: None,
         roaming: None,
         toolcall: None,
+        attach: Vec::new(),
         errors: Vec::new(),
         targets: Vec::new(),
         load_at_end: [0.0; 3],
@@ -410,6 +438,39 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
 
+    if all || matches!(cli.command, Command::Attach) {
+        let stop = match o.iterations {
+            Some(n) => attach::Stop::Cycles(n),
+            None => attach::Stop::After(duration),
+        };
+        for &variant in &o.attach_variants {
+            let label = format!("attach-{}-{}", variant.as_str(), env.storage(primary));
+            let how = match stop {
+                attach::Stop::Cycles(n) => format!("{n} cycles per lane"),
+                attach::Stop::After(d) => format!("{:.0} s", d.as_secs_f64()),
+            };
+            println!(
+                "\n== {label}: {} lanes over {} sessions, {how}",
+                o.attach_lanes, o.attach_sessions
+            );
+            let p = attach::Params {
+                sessions: o.attach_sessions,
+                lanes: o.attach_lanes,
+                warmup,
+                stop,
+                variant,
+                sync: primary,
+            };
+            match attach::run(&env, &label, &p).await {
+                Ok(r) => {
+                    print_attach(&r);
+                    results.attach.push(r);
+                }
+                Err(e) => results.fail(&label, &e),
+            }
+        }
+    }
+
     results.load_at_end = procs::loadavg();
     results.targets = targets(&results);
     print_targets(&results.targets);
@@ -463,6 +524,7 @@ struct Results {
     idle: Option<idle::Report>,
     roaming: Option<roaming::Report>,
     toolcall: Option<toolcall::Report>,
+    attach: Vec<attach::Report>,
     errors: Vec<Value>,
     targets: Vec<Target>,
 }
@@ -630,6 +692,28 @@ fn targets(r: &Results) -> Vec<Target> {
                 t.throughput.lanes
             ),
             met: l.gateway_added.p99_ms <= 1.0 && l.errors == 0 && t.throughput.errors == 0,
+        });
+    }
+    for a in r
+        .attach
+        .iter()
+        .filter(|a| a.variant == attach::Variant::Plain)
+    {
+        out.push(Target {
+            name: format!(
+                "attach + detach through the SDK, {} lanes over {} sessions",
+                a.lanes, a.sessions
+            ),
+            target: ">= 5000 cycles/s".into(),
+            measured: format!(
+                "{:.0} cycles/s (attach p50 {:.3} ms, cycle p99 {:.3} ms; {} errors; state check {})",
+                a.cycles_per_s,
+                a.attach.p50_ms,
+                a.cycle.p99_ms,
+                a.errors,
+                if a.check.ok { "ok" } else { "FAILED" }
+            ),
+            met: a.cycles_per_s >= 5000.0 && a.errors == 0 && a.check.ok,
         });
     }
     out
@@ -902,6 +986,58 @@ fn print_toolcall(r: &toolcall::Report) {
                 .map(|m| format!("; redis-server now {:.1} MiB", mib(m.rss_kib)))
                 .unwrap_or_default()
         ),
+    }
+}
+
+fn print_attach(r: &attach::Report) {
+    println!(
+        "  {:.0} cycles/s: {} cycles in {:.2} s, {} errors (warm-up {} cycles)",
+        r.cycles_per_s, r.cycles, r.seconds, r.errors, r.warmup_cycles
+    );
+    if let Some(e) = &r.first_error {
+        println!("  first error: {e}");
+    }
+    println!("  attach {}", r.attach);
+    println!("  close  {}", r.close);
+    println!("  cycle  {}", r.cycle);
+    if let Some(d) = &r.drain {
+        println!("  drain  {d}");
+    }
+    if let Some(p) = &r.push {
+        println!("  push   {p}");
+    }
+    println!(
+        "  CPU per cycle: gateway {:.3} ms, bench (SDK) {:.3} ms; gateway RSS peak {:.1} MiB (VmHWM), {:.1} MiB sampled; data {}",
+        r.gateway_cpu_ms_per_cycle,
+        r.bench_cpu_ms_per_cycle,
+        mib(r.gateway_mem_end.hwm_kib),
+        mib(r.gateway_rss_peak_sampled_kib),
+        data_files(&r.data_files)
+    );
+    print_cpu(&r.cpu);
+    let c = &r.check;
+    let by_status: Vec<String> = c
+        .sessions_by_status
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    println!(
+        "  check {}: attached surfaces {}, sessions {} ({} attached, {} never), wrong status {}, showing a surface {}, tether pending {} (depth {}); ws connections {} of {} connects; settled in {:.0} ms",
+        if c.ok { "ok" } else { "FAILED" },
+        c.attached_surfaces,
+        by_status.join(", "),
+        c.sessions_attached,
+        c.sessions_never_attached,
+        c.wrong_status,
+        c.surface_attached,
+        c.tether_pending,
+        c.tether_depth,
+        c.ws_connections,
+        c.connects_attempted,
+        c.settle_ms
+    );
+    for e in &c.examples {
+        println!("    {e}");
     }
 }
 

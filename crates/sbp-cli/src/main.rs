@@ -1,5 +1,7 @@
 //! The `sbp` binary. `sbp serve` runs the gateway; logs go to stderr, the one startup line to stdout.
+//! `sbp attach` is a terminal surface for a session of any SBP gateway.
 
+mod attach;
 mod config;
 mod serve;
 
@@ -20,6 +22,9 @@ struct Cli {
 enum Command {
     /// Run the gateway (L1 stateful proxy + L2 tether over WebSocket) on one port.
     Serve(Box<config::ServeArgs>),
+    /// Attach this terminal to a session as a surface: see what happened while away, chat, and
+    /// answer the agent's tool calls with local tools (clock, system info, files, MCP servers).
+    Attach(Box<attach::AttachArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,15 +38,36 @@ fn main() -> anyhow::Result<()> {
                 .build()?;
             runtime.block_on(serve::run(settings))
         }
+        Command::Attach(args) => {
+            // Warnings only by default: stdout is the conversation, and stderr shares the terminal.
+            let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            init_logging_with("text", "warn", Some(ansi));
+            let code = attach::main(*args);
+            if code != 0 {
+                std::process::exit(code);
+            }
+            Ok(())
+        }
     }
 }
 
 fn init_logging(format: &str) {
+    init_logging_with(format, "info", None);
+}
+
+/// `ansi`: colour the log lines or not; `None` leaves tracing-subscriber's default.
+fn init_logging_with(format: &str, default_level: &str, ansi: Option<bool>) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("SBP_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_env("SBP_LOG").unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
+    let builder = match ansi {
+        Some(ansi) => builder.with_ansi(ansi),
+        None => builder,
+    };
     if format == "json" {
         builder.json().init();
     } else {

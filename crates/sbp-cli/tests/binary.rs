@@ -8,6 +8,9 @@ mod support;
 #[path = "binary/replicas.rs"]
 mod replicas;
 
+#[path = "binary/attach.rs"]
+mod attach;
+
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::Duration;

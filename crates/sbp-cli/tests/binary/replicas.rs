@@ -3,10 +3,12 @@
 //! by another, tool calls (model, backend and MCP) go to that surface and their results come back,
 //! tethered turns drain on whichever replica the surface attaches to next, one surface per session
 //! across replicas (racing attaches, a surface moving mid-turn, a displacement lost in a bus
-//! blip), failover after `kill -9`, graceful SIGTERM with turns still running, and the flags that
-//! refuse a replicated setup that cannot work.
+//! blip, then a turn or a detach before the next registry pass), deltas lost in a bus blip,
+//! failover after `kill -9`, graceful SIGTERM with turns still running, and the flags that refuse
+//! a replicated setup that cannot work.
 
 use std::os::unix::process::ExitStatusExt as _;
+use std::time::Duration;
 
 use rmcp::ServiceExt as _;
 use rmcp::model::CallToolRequestParams;
@@ -901,4 +903,131 @@ async fn replicated_without_a_bus_or_over_sqlite_is_refused() {
         "{err}"
     );
     assert!(!out.contains("listening"), "{out}");
+}
+
+/// Replica B's pub/sub connection drops mid-stream while a turn on A streams to the surface on B,
+/// so deltas published meanwhile are lost (pub/sub is at-most-once) and later ones arrive after a
+/// hole. The surface must still get the reply exactly once: what streamed before the hole, then
+/// the rest before TURN_COMPLETE; never the text after the hole glued on, nor a repeat.
+// Several threads: the fake upstream keeps streaming while the test blocks on redis-cli.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deltas_lost_in_a_bus_blip_leave_no_hole_in_the_surface_text() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let dep = Deployment::new(Some(&fake.base_url()));
+    let (a, b) = tokio::join!(dep.replica("a"), dep.replica("b"));
+    let (id, token) = new_session(&a).await;
+    let (mut ws, _) = b.attach(&id, &token).await;
+
+    let words: Vec<String> = (1..=20).map(|i| format!("w{i}")).collect();
+    let reply = words.join(" ");
+    // 20 deltas 50 ms apart: B's bus waits 100 ms before it subscribes again, so a cut loses two
+    // or more of them, and more follow once it is back.
+    let prompt = format!("[[fake:reply={reply}]] [[fake:chunks=20]] [[fake:chunk_delay=50]]");
+    let in_flight = tokio::spawn(send(ask(&a, Some(&token), &prompt, json!({}))));
+    let first = ws.recv().await;
+    assert_eq!(first["type"], "TURN_CHUNK", "{first}");
+    assert_eq!(dep.cut_subscription(b.proc.pid()), 1, "B's subscription");
+
+    let (status, _, body) = in_flight.await.expect("turn task");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(reply_text(&body), reply);
+    let rest = live_turn(&mut ws, None).await;
+    assert_eq!(
+        rest.chunk_id,
+        first["chunk_id"].as_str().unwrap_or_default()
+    );
+    let mut deltas = vec![first["delta"].as_str().expect("delta").to_owned()];
+    deltas.extend(rest.deltas);
+    assert_eq!(deltas.concat(), reply, "the surface's text: {deltas:?}");
+    assert!(
+        deltas.len() < 20,
+        "some deltas were lost in the blip (else this test shows nothing): {deltas:?}"
+    );
+    assert_eq!(
+        b.session(&id, &token).await["tether_turns_pending"],
+        0,
+        "delivered live"
+    );
+}
+
+/// The displacement sent to replica `gw` never arrived (else the test around this proves nothing).
+fn assert_displacement_unheard(gw: &Sbp) {
+    let log = strip_ansi(&gw.proc.stderr());
+    assert!(
+        !log.contains("surface displaced by an attach on another replica"),
+        "the displacement got through the cut subscription:\n{log}"
+    );
+}
+
+/// Replica A's pub/sub connection is down while a surface on B takes the session from A's, so
+/// A never hears of the displacement. A turn asked through A right away (before A's next
+/// registry pass, a heartbeat away) must go to the surface on B, which the registry names, not
+/// to A's stale one; A's surface is closed with 4409.
+#[tokio::test]
+async fn turn_right_after_a_lost_displacement_goes_to_the_new_surface() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    // One registry pass a second: A's upkeep cannot fix things before the turn does.
+    let dep = Deployment::new(Some(&fake.base_url())).with_heartbeat("1", "5");
+    let (a, b) = tokio::join!(dep.replica("a"), dep.replica("b"));
+    let (id, token) = new_session(&b).await;
+    let (mut old, _) = a.attach(&id, &token).await;
+
+    let cutting = dep.keep_cutting_subscription(a.proc.pid());
+    let (mut new, _) = b.attach(&id, &token).await;
+    assert!(cutting.stop() > 0, "A's subscription was cut");
+
+    let body = turn(&a, &token, "who gets this? [[fake:chunks=2]]").await;
+    assert_eq!(reply_text(&body), "echo: who gets this?");
+    let event = old.next_event_within(WAIT).await;
+    assert!(
+        matches!(event, Some(WsEvent::Closed(Some(4409)))),
+        "the stale surface on A gets no turn and is closed as displaced, got {event:?}"
+    );
+    assert_eq!(
+        live_turn(&mut new, None).await.text(),
+        "echo: who gets this?"
+    );
+    assert_displacement_unheard(&a);
+}
+
+/// Replica A's pub/sub connection is down while a surface on B takes the session from A's (the
+/// displacement is lost), and that surface then detaches: the session is suspended and the
+/// registry names no surface. A must not take the empty registry for one that lost its entry and
+/// register its stale surface again: within a few heartbeats that surface is closed with 4409, and
+/// turns go to the tether.
+#[tokio::test]
+async fn surface_displaced_unheard_is_not_revived_when_its_successor_detaches() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    // One registry pass a second: A's pass comes after the new surface has come and gone.
+    let dep = Deployment::new(Some(&fake.base_url())).with_heartbeat("1", "5");
+    let (a, b) = tokio::join!(dep.replica("a"), dep.replica("b"));
+    let (id, token) = new_session(&b).await;
+    let (mut old, _) = a.attach(&id, &token).await;
+
+    let cutting = dep.keep_cutting_subscription(a.proc.pid());
+    let (mut new, _) = b.attach(&id, &token).await;
+    new.send(json!({"type": "DETACH"})).await;
+    assert_eq!(new.closed().await, Some(1000));
+    assert!(cutting.stop() > 0, "A's subscription was cut");
+    let (bref, idref, tokref) = (&b, id.as_str(), token.as_str());
+    eventually(WAIT, "the session is suspended", move || async move {
+        let view = bref.session(idref, tokref).await;
+        (view["status"] == "suspended").then_some(())
+    })
+    .await;
+
+    let event = old.next_event_within(Duration::from_secs(4)).await;
+    assert!(
+        matches!(event, Some(WsEvent::Closed(Some(4409)))),
+        "the stale surface on A is closed within a few heartbeats, got {event:?}"
+    );
+    let view = b.session(&id, &token).await;
+    assert_eq!(
+        (&view["status"], &view["surface_attached"]),
+        (&json!("suspended"), &json!(false)),
+        "no surface was registered again: {view}"
+    );
+    let pushed = b.push(&id, &token, "after the surface left").await;
+    assert_eq!(pushed["delivery"], "tethered", "{pushed}");
+    assert_displacement_unheard(&a);
 }

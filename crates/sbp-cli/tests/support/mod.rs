@@ -8,6 +8,7 @@
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -540,6 +541,8 @@ pub struct Deployment {
     redis: String,
     secret: String,
     llm_base_url: Option<String>,
+    /// `--replica-heartbeat` and `--replica-timeout` of every replica, in seconds.
+    heartbeat: (String, String),
     dir: tempfile::TempDir,
 }
 
@@ -559,8 +562,16 @@ impl Deployment {
             redis: test_redis_url(),
             secret: format!("replicas-share-this-secret-{unique}"),
             llm_base_url: llm_base_url.map(str::to_owned),
+            heartbeat: ("0.2".to_owned(), "1".to_owned()),
             dir: tempfile::tempdir().expect("tempdir"),
         }
+    }
+
+    /// Replicas heartbeat (and reconcile the surface registry) every `every` seconds and count
+    /// as dead after `dead_after`: for tests of what must happen before a replica's next pass.
+    pub fn with_heartbeat(mut self, every: &str, dead_after: &str) -> Self {
+        self.heartbeat = (every.to_owned(), dead_after.to_owned());
+        self
     }
 
     /// The flags of replica `name`.
@@ -575,9 +586,9 @@ impl Deployment {
             "--replica-name",
             name,
             "--replica-heartbeat",
-            "0.2",
+            &self.heartbeat.0,
             "--replica-timeout",
-            "1",
+            &self.heartbeat.1,
             "--jwt-secret",
             &self.secret,
         ]
@@ -606,38 +617,39 @@ impl Deployment {
     /// Cuts replica process `pid`'s pub/sub connection to Redis (`CLIENT KILL`), as a network blip
     /// would; its bus reconnects by itself. Returns how many connections were cut.
     pub fn cut_subscription(&self, pid: u32) -> usize {
-        let redis_port = self
-            .redis
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.trim_end_matches('/').parse().ok())
-            .unwrap_or(6379);
-        let ports = tcp_ports_to(pid, redis_port);
-        let out = Command::new("redis-cli")
-            .args(["-u", &self.redis, "CLIENT", "LIST", "TYPE", "pubsub"])
-            .output()
-            .expect("redis-cli runs");
-        let mut cut = 0;
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let field = |name: &str| {
-                line.split_whitespace()
-                    .find_map(|f| f.strip_prefix(name))
-                    .map(str::to_owned)
-            };
-            let (Some(id), Some(addr)) = (field("id="), field("addr=")) else {
-                continue;
-            };
-            let port: Option<u16> = addr.rsplit(':').next().and_then(|p| p.parse().ok());
-            if port.is_some_and(|p| ports.contains(&p)) {
-                let killed = Command::new("redis-cli")
-                    .args(["-u", &self.redis, "CLIENT", "KILL", "ID", &id])
-                    .output()
-                    .expect("redis-cli runs");
-                assert!(killed.status.success(), "CLIENT KILL ID {id}");
-                cut += 1;
+        pubsub_clients(&self.redis, pid)
+            .iter()
+            .filter(|id| kill_client(&self.redis, id))
+            .count()
+    }
+
+    /// Keeps cutting replica process `pid`'s pub/sub connection, each time it comes back, until
+    /// [`Cutting::stop`]: whatever is published to it meanwhile is lost. (A single cut leaves
+    /// only the bus's first reconnect pause, 100 ms, which a slow step can outlast.)
+    pub fn keep_cutting_subscription(&self, pid: u32) -> Cutting {
+        // The first cut before returning: the connection is down when the caller goes on.
+        let first = self.cut_subscription(pid);
+        assert!(first > 0, "process {pid} has no pub/sub connection to cut");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (redis, flag) = (self.redis.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut cut = first;
+            while !flag.load(Ordering::Relaxed) {
+                // No pause: listing the clients takes a few ms, so the connection is never back
+                // for longer than that.
+                for id in pubsub_clients(&redis, pid) {
+                    // It may have gone by itself meanwhile.
+                    if kill_client(&redis, &id) {
+                        cut += 1;
+                    }
+                }
             }
+            cut
+        });
+        Cutting {
+            stop,
+            thread: Some(thread),
         }
-        cut
     }
 
     /// Keys of this deployment's bus that exist now.
@@ -673,6 +685,75 @@ impl Drop for Deployment {
                 .output();
         }
     }
+}
+
+/// A subscription being cut by [`Deployment::keep_cutting_subscription`]; dropping it stops the
+/// cutting too.
+pub struct Cutting {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<usize>>,
+}
+
+impl Cutting {
+    /// Stops cutting; returns how many times the connection was cut.
+    pub fn stop(mut self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .take()
+            .map_or(0, |t| t.join().expect("the cutting thread"))
+    }
+}
+
+impl Drop for Cutting {
+    fn drop(&mut self) {
+        // Never panicking here: this also runs while a failed test unwinds.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The port of a `redis://host:port` URL (6379 if it has none).
+fn redis_port(redis: &str) -> u16 {
+    redis
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .unwrap_or(6379)
+}
+
+/// Redis client ids of process `pid`'s pub/sub connections (`CLIENT LIST TYPE pubsub`, matched
+/// to the process by its local TCP ports).
+fn pubsub_clients(redis: &str, pid: u32) -> Vec<String> {
+    let ports = tcp_ports_to(pid, redis_port(redis));
+    let out = Command::new("redis-cli")
+        .args(["-u", redis, "CLIENT", "LIST", "TYPE", "pubsub"])
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let field = |name: &str| {
+                line.split_whitespace()
+                    .find_map(|f| f.strip_prefix(name))
+                    .map(str::to_owned)
+            };
+            let (id, addr) = (field("id=")?, field("addr=")?);
+            let port: u16 = addr.rsplit(':').next()?.parse().ok()?;
+            ports.contains(&port).then_some(id)
+        })
+        .collect()
+}
+
+/// `CLIENT KILL ID id`; false if Redis had no such client.
+fn kill_client(redis: &str, id: &str) -> bool {
+    let out = Command::new("redis-cli")
+        .args(["-u", redis, "CLIENT", "KILL", "ID", id])
+        .output()
+        .expect("redis-cli runs");
+    // Redis answers 1 if it closed the client, 0 if there was none.
+    out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "1"
 }
 
 /// Local TCP ports of process `pid`'s connections to `remote_port` (from /proc: its socket fds'
