@@ -1007,12 +1007,16 @@ fn print_attach(r: &attach::Report) {
         println!("  push   {p}");
     }
     println!(
-        "  CPU per cycle: gateway {:.3} ms, bench (SDK) {:.3} ms; gateway RSS peak {:.1} MiB (VmHWM), {:.1} MiB sampled; data {}",
+        "  CPU per cycle: gateway {:.3} ms, bench (SDK) {:.3} ms; gateway RSS peak {:.1} MiB (VmHWM), {:.1} MiB sampled{}",
         r.gateway_cpu_ms_per_cycle,
         r.bench_cpu_ms_per_cycle,
         mib(r.gateway_mem_end.hwm_kib),
         mib(r.gateway_rss_peak_sampled_kib),
-        data_files(&r.data_files)
+        // Nothing in the data directory on PostgreSQL.
+        match data_files(&r.data_files) {
+            d if d.is_empty() => String::new(),
+            d => format!("; data {d}"),
+        }
     );
     print_cpu(&r.cpu);
     let c = &r.check;
