@@ -336,43 +336,19 @@ impl Hub {
     /// Calls waiting on surfaces of replicas for which `dead` says so fail with "surface
     /// disconnected". Returns how many.
     pub fn fail_calls_via(&self, dead: impl Fn(&str) -> bool) -> usize {
-        let failed: Vec<(Uuid, PendingCall)> = {
-            let mut calls = self.calls();
-            let ids: Vec<Uuid> = calls
-                .iter()
-                .filter(|(_, p)| matches!(&p.waiter, Waiter::Local { via: Some(r), .. } if dead(r)))
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter()
-                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
-                .collect()
-        };
-        let n = failed.len();
-        for (id, p) in failed {
-            self.resolve(id, p, ToolReply::Error(DISCONNECTED.into()));
-        }
-        n
+        self.end_calls(
+            |p| matches!(&p.waiter, Waiter::Local { via: Some(r), .. } if dead(r)),
+            DISCONNECTED,
+        )
     }
 
     /// Relayed calls whose waiting replica has given up by `now` end with "timeout" (their
     /// surface never answered). Returns how many.
     pub fn expire_relays(&self, now: std::time::Instant) -> usize {
-        let expired: Vec<(Uuid, PendingCall)> = {
-            let mut calls = self.calls();
-            let ids: Vec<Uuid> = calls
-                .iter()
-                .filter(|(_, p)| matches!(&p.waiter, Waiter::Relay { until, .. } if *until <= now))
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter()
-                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
-                .collect()
-        };
-        let n = expired.len();
-        for (id, p) in expired {
-            self.resolve(id, p, ToolReply::Error(TIMEOUT.into()));
-        }
-        n
+        self.end_calls(
+            |p| matches!(&p.waiter, Waiter::Relay { until, .. } if *until <= now),
+            TIMEOUT,
+        )
     }
 
     /// Replicas that calls of this process are waiting on.
@@ -419,24 +395,19 @@ impl Hub {
         pending.is_some_and(|p| self.resolve(call_id, p, reply))
     }
 
-    /// The connection closed: every call in flight on it fails now with "surface disconnected".
-    pub fn cancel_calls(&self, conn_id: u64) -> usize {
-        let cancelled: Vec<(Uuid, PendingCall)> = {
-            let mut calls = self.calls();
-            let ids: Vec<Uuid> = calls
-                .iter()
-                .filter(|(_, p)| p.conn_id == conn_id)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter()
-                .filter_map(|id| calls.remove(id).map(|p| (*id, p)))
-                .collect()
-        };
-        let n = cancelled.len();
-        for (id, p) in cancelled {
-            self.resolve(id, p, ToolReply::Error(DISCONNECTED.into()));
+    /// Ends every pending call `matches` picks with the error result `error`; returns how many.
+    fn end_calls(&self, matches: impl Fn(&PendingCall) -> bool, error: &str) -> usize {
+        let ended: Vec<(Uuid, PendingCall)> = self.calls().extract_if(|_, p| matches(p)).collect();
+        let n = ended.len();
+        for (id, p) in ended {
+            self.resolve(id, p, ToolReply::Error(error.into()));
         }
         n
+    }
+
+    /// The connection closed: every call in flight on it fails now with "surface disconnected".
+    pub fn cancel_calls(&self, conn_id: u64) -> usize {
+        self.end_calls(|p| p.conn_id == conn_id, DISCONNECTED)
     }
 
     /// The lock serialising attach/detach state changes of `session`.
