@@ -21,8 +21,16 @@ pub async fn serve(
     gateway: Gateway,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt as _;
     let app = transport::router(gateway.clone());
     let stop = gateway.shutdown_token();
+    // Frames are small and often sent back to back (an ACK after a TURN_COMPLETE, a TOOL_RESULT
+    // after a PONG): with Nagle on, the second waits for the peer's delayed ACK, up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::debug!(%err, "could not set TCP_NODELAY");
+        }
+    });
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             tokio::select! {

@@ -521,7 +521,9 @@ async fn handshake(
     timeout: Duration,
 ) -> Result<(Ws, Box<SessionAttached>, Vec<String>), HandshakeError> {
     let attempt = async {
-        let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str())
+        // Nagle off: an ACK or TOOL_RESULT right after another small frame must not wait for the
+        // gateway's delayed ACK (up to 40 ms).
+        let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url.as_str(), None, true)
             .await
             .map_err(HandshakeError::Socket)?;
         ws.send(Message::text(attach))
