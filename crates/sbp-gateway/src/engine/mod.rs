@@ -11,6 +11,7 @@ mod render;
 mod roaming;
 mod sessions;
 mod surface;
+mod tokens;
 mod tools;
 
 pub use chat::{ChatInput, ChatOutcome, ChatReply, SseEvent};
@@ -60,6 +61,7 @@ struct Inner {
     provider: Arc<dyn Provider>,
     server_tools: Arc<dyn ServerTools>,
     hub: Hub,
+    tokens: tokens::TokenCache,
     bus: Option<Arc<dyn Bus>>,
     metrics: Metrics,
     tasks: TaskTracker,
@@ -133,6 +135,7 @@ impl Gateway {
                 provider,
                 server_tools,
                 hub: Hub::new(bus.clone()),
+                tokens: tokens::TokenCache::default(),
                 bus,
                 metrics: Metrics::default(),
                 tasks: TaskTracker::new(),
@@ -463,6 +466,10 @@ impl Gateway {
 
     pub(crate) fn hub(&self) -> &Hub {
         &self.inner.hub
+    }
+
+    pub(crate) fn tokens(&self) -> &tokens::TokenCache {
+        &self.inner.tokens
     }
 
     pub fn metrics(&self) -> &Metrics {

@@ -67,8 +67,26 @@ impl Gateway {
             .get_session(id)
             .await?
             .ok_or_else(|| ApiError::session_not_found(id))?;
+        self.tokens().remember(id, &session.token_hash);
         self.authorize(&session, caller)?;
         Ok(session)
+    }
+
+    /// [`Gateway::authorized_session`] for callers that need only the id: a session token whose
+    /// hash is cached is checked without reading the store.
+    pub async fn authorized_session_id(
+        &self,
+        raw_id: &str,
+        caller: &Caller,
+    ) -> Result<Uuid, ApiError> {
+        let id = parse_uuid(raw_id)?;
+        let open = self.config().insecure_no_session_auth || caller.operator;
+        if let (false, Some(token)) = (open, &caller.session_token)
+            && self.tokens().check(id, token) == Some(true)
+        {
+            return Ok(id);
+        }
+        Ok(self.authorized_session(raw_id, caller).await?.id)
     }
 
     pub(crate) fn authorize(
@@ -107,7 +125,9 @@ impl Gateway {
             metadata,
         };
         let id = new.id;
+        let hash = new.token_hash.clone();
         self.store().create_session(new).await?;
+        self.tokens().remember(id, &hash);
         self.metrics().sessions_created.fetch_add(1, Relaxed);
         let session = self
             .store()

@@ -467,12 +467,22 @@ impl Gateway {
 impl Gateway {
     /// The session exists (else SESSION_NOT_FOUND) and `token` is its token (else FORBIDDEN).
     async fn check_token(&self, id: Uuid, token: &str) -> Result<(), AttachError> {
+        match self.tokens().check(id, token) {
+            Some(true) => return Ok(()),
+            Some(false) => {
+                return Err(AttachError::Forbidden(
+                    "session_token invalid or expired".into(),
+                ));
+            }
+            None => {}
+        }
         let session = self
             .store()
             .get_session(id)
             .await
             .map_err(internal)?
             .ok_or_else(|| AttachError::NotFound(format!("No session with ID {id}")))?;
+        self.tokens().remember(id, &session.token_hash);
         if !auth::token_matches(token, &session.token_hash) {
             return Err(AttachError::Forbidden(
                 "session_token invalid or expired".into(),

@@ -562,8 +562,9 @@ impl Gateway {
         call: BackendToolCall,
     ) -> Result<Value, ApiError> {
         let id = super::parse_uuid(raw_id)?;
-        let (session, att) = tokio::join!(self.authorized_session(raw_id, caller), self.locate(id));
-        let session = session?.id;
+        let (session, att) =
+            tokio::join!(self.authorized_session_id(raw_id, caller), self.locate(id));
+        let session = session?;
         let timeout = call.timeout.unwrap_or(self.config().tool_timeout);
         let out = self
             .call_surface_tool_on(session, att, &call.tool_name, call.tool_input, timeout)
