@@ -53,6 +53,9 @@ pub trait SessionStore: Send + Sync {
     /// Marks the session as having had a surface: from now on undelivered turns are tethered.
     /// Optionally moves `suspended` -> `running` in the same write (a surface attached).
     async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord>;
+    /// `running` -> `suspended` in one write (the surface left); any other status is left alone.
+    /// Whether the session was running.
+    async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool>;
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>>;
 }
 

@@ -294,6 +294,10 @@ impl SessionStore for PostgresStore {
         ops::mark_attached(&self.client().await?, id, now).await
     }
 
+    async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool> {
+        ops::suspend_if_running(&self.client().await?, id, now).await
+    }
+
     /// One row per status in `SessionStatus::ALL` order, zero counts included.
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         ops::count_sessions_by_status(&self.client().await?).await

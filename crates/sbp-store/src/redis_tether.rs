@@ -712,6 +712,10 @@ impl<S: Store + ?Sized + 'static> SessionStore for TetheredStore<S> {
         self.shared.inner.mark_attached(id, now).await
     }
 
+    async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool> {
+        self.shared.inner.suspend_if_running(id, now).await
+    }
+
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         self.shared.inner.count_sessions_by_status().await
     }

@@ -302,6 +302,11 @@ impl SessionStore for SqliteStore {
         self.write(move |c| ops::mark_attached(c, id, now)).await
     }
 
+    async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool> {
+        self.write(move |c| ops::suspend_if_running(c, id, now))
+            .await
+    }
+
     /// One row per status in `SessionStatus::ALL` order, zero counts included.
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         self.read(ops::count_sessions_by_status).await

@@ -15,6 +15,7 @@ macro_rules! for_each_case {
             status_transitions,
             suspended_lookup_and_counts,
             mark_attached,
+            suspend_if_running,
             begin_turn_with_create,
             begin_turn_is_atomic,
             finish_turn_counts_and_snapshots,

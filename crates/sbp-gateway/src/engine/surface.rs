@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use sbp_protocol::frames::{AttachSession, SessionAttached, TetherTurn, TurnChunk};
-use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
+use sbp_protocol::{ServerFrame, SurfaceContext};
 use sbp_store::TetherEntry;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -445,20 +445,12 @@ impl Gateway {
                 }
             }
         }
-        match self.store().get_session(d.session_id).await {
-            Ok(Some(s)) if s.status == SessionStatus::Running => {
-                if let Err(e) = self
-                    .store()
-                    .update_status(d.session_id, SessionStatus::Suspended, Utc::now())
-                    .await
-                {
-                    tracing::error!(session_id = %d.session_id, error = %e, "suspending on detach failed");
-                }
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(session_id = %d.session_id, error = %e, "reading session on detach failed")
-            }
+        if let Err(e) = self
+            .store()
+            .suspend_if_running(d.session_id, Utc::now())
+            .await
+        {
+            tracing::error!(session_id = %d.session_id, error = %e, "suspending on detach failed");
         }
         tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, reason, "surface detached; tether active");
     }

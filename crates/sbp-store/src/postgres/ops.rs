@@ -192,6 +192,21 @@ pub(crate) async fn update_status(
     Ok(current)
 }
 
+pub(crate) async fn suspend_if_running(
+    c: &impl GenericClient,
+    id: Uuid,
+    now: Timestamp,
+) -> StoreResult<bool> {
+    let st = prep(
+        c,
+        "UPDATE sessions SET status = 'suspended', updated_at = $2 \
+         WHERE id = $1 AND status = 'running'",
+    )
+    .await?;
+    let n = c.execute(&st, &[&id, &now]).await.map_err(db_err)?;
+    Ok(n > 0)
+}
+
 pub(crate) async fn mark_attached(
     c: &impl GenericClient,
     id: Uuid,

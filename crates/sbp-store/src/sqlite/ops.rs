@@ -128,6 +128,16 @@ pub(crate) fn mark_attached(
     .ok_or(StoreError::NotFound)
 }
 
+pub(crate) fn suspend_if_running(conn: &Connection, id: Uuid, now: Timestamp) -> StoreResult<bool> {
+    conn.prepare_cached(
+        "UPDATE sessions SET status = 'suspended', updated_at = ?2 \
+         WHERE id = ?1 AND status = 'running'",
+    )
+    .and_then(|mut st| st.execute(params![uuid(&id), ts(&now)]))
+    .map(|n| n > 0)
+    .map_err(db_err)
+}
+
 /// Every status, zero counts included, in `SessionStatus::ALL` order.
 pub(crate) fn count_sessions_by_status(
     conn: &Connection,

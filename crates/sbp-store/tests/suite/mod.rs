@@ -297,6 +297,44 @@ pub async fn mark_attached(store: Arc<dyn Store>) {
     );
 }
 
+pub async fn suspend_if_running(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-a").await;
+    assert!(
+        !store.suspend_if_running(s.id, t(1)).await.expect("idle"),
+        "an idle session is not suspended"
+    );
+    assert_eq!(session(&store, s.id).await.status, SessionStatus::Idle);
+    store.mark_attached(s.id, t(2)).await.expect("attach");
+    assert!(store.suspend_if_running(s.id, t(3)).await.expect("running"));
+    let rec = session(&store, s.id).await;
+    assert_eq!(
+        (rec.status, rec.updated_at),
+        (SessionStatus::Suspended, t(3))
+    );
+    assert!(
+        !store.suspend_if_running(s.id, t(4)).await.expect("again"),
+        "suspended once"
+    );
+    assert_eq!(session(&store, s.id).await.updated_at, t(3));
+
+    let done = created(&store, "agent-a").await;
+    store
+        .update_status(done.id, SessionStatus::Completed, t(1))
+        .await
+        .expect("complete");
+    assert!(!store.suspend_if_running(done.id, t(2)).await.expect("done"));
+    assert_eq!(
+        session(&store, done.id).await.status,
+        SessionStatus::Completed
+    );
+    assert!(
+        !store
+            .suspend_if_running(Uuid::new_v4(), t(2))
+            .await
+            .expect("unknown")
+    );
+}
+
 // ---- turns ----
 
 pub async fn begin_turn_with_create(store: Arc<dyn Store>) {
