@@ -205,9 +205,14 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
         } else {
             "socket write failed"
         };
-        Box::pin(gw.detach(&delivery, reason)).await;
+        if reason != DETACHED {
+            Box::pin(gw.detach(&delivery, reason)).await;
+        }
     }
 }
+
+/// The reason a connection ended with the surface's DETACH (already detached when returned).
+const DETACHED: &str = "DETACH";
 
 /// Writes frames in order; after each frame that carries a tether seq, reports it sent.
 async fn send_all(
@@ -327,8 +332,11 @@ async fn connection_loop(
                         return "protocol error";
                     }
                     Ok(ClientFrame::Detach) => {
+                        // Suspended before the close frame acknowledges the DETACH: a client that
+                        // saw its close complete then reads the session suspended.
+                        Box::pin(gw.detach(d, DETACHED)).await;
                         close(socket, CLOSE_NORMAL, "detached").await;
-                        return "DETACH";
+                        return DETACHED;
                     }
                     Ok(ClientFrame::Pong) => pong_deadline = None,
                     Ok(ClientFrame::Ack { seq }) => Box::pin(gw.ack(d, seq)).await,

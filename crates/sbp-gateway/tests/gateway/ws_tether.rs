@@ -72,6 +72,22 @@ async fn detached_session(gw: &TestGateway) -> (String, String) {
     (id, token)
 }
 
+/// The close frame that answers DETACH acknowledges it: by then the session is suspended, so a
+/// client reading the session right after its close never sees it still running.
+#[tokio::test]
+async fn detach_is_done_when_its_close_arrives() {
+    let gw = TestGateway::start().await;
+    let (id, token) = gw.session().await;
+    for round in 0..200 {
+        let (mut ws, _) = gw.attach(&id, &token, json!({})).await;
+        ws.send(json!({"type": "DETACH"})).await;
+        ws.expect_close(1000).await;
+        let view = gw.session_view(&id, &token).await;
+        assert_eq!(view["status"], "suspended", "round {round}: {view}");
+        assert_eq!(view["surface_attached"], false, "round {round}: {view}");
+    }
+}
+
 #[tokio::test]
 async fn pushed_turns_are_tethered_and_drained_in_order() {
     let gw = TestGateway::start().await;
