@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use sbp_client::types::{Delivery, PushTurn};
-use sbp_client::{DisconnectKind, Error, Event, ReconnectPolicy, Surface};
+use sbp_client::{DisconnectKind, Error, Event, ReconnectPolicy, Surface, SurfaceConfig};
 use sbp_gateway::GatewayConfig;
 use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 
@@ -286,4 +286,38 @@ async fn without_reconnect_a_drop_ends_the_surface() {
         other => panic!("expected Disconnected, got {other:?}"),
     }
     ended(&mut surface).await;
+}
+
+/// A `https://` gateway is reached over `wss://`: the SDK speaks TLS (a ClientHello is the first
+/// thing the server sees) and a failed handshake is an error, not "TLS support not compiled in".
+#[tokio::test]
+async fn https_gateways_are_attached_over_tls() {
+    use tokio::io::AsyncReadExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let (mut tcp, _) = listener.accept().await.expect("accept");
+        let mut first = [0u8; 1];
+        tcp.read_exact(&mut first).await.expect("read");
+        // Not a TLS server: dropping the connection fails the handshake.
+        first[0]
+    });
+    let config = SurfaceConfig::new(
+        format!("https://{addr}"),
+        "0190a5a4-0000-7000-8000-000000000000",
+        "token",
+    )
+    .reconnect(ReconnectPolicy::disabled());
+    let err = Surface::connect(config)
+        .await
+        .err()
+        .expect("no TLS server here");
+    let first = server.await.expect("server");
+    assert_eq!(first, 0x16, "a TLS handshake record opens the connection");
+    assert!(
+        !format!("{err}").contains("not compiled"),
+        "TLS is built in: {err}"
+    );
 }
