@@ -123,13 +123,17 @@ impl Gateway {
         let opts = opts.unwrap_or_default();
 
         let mut retry: Option<IdempotencyRecord> = None;
+        let mut store_key = None;
         if let Some(key) = &input.idempotency_key {
             if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
                 return Err(ApiError::bad_request(
                     "Idempotency-Key must be 1 to 255 characters",
                 ));
             }
-            if let Some(rec) = self.store().get_idempotency(key).await? {
+            let scoped = scoped_idempotency_key(key, token.as_deref(), input.operator);
+            let found = self.store().get_idempotency(&scoped).await?;
+            store_key = Some(scoped);
+            if let Some(rec) = found {
                 if fingerprint.as_deref() != Some(rec.fingerprint.as_str()) {
                     return Err(ApiError::new(
                         ErrorCode::IdempotencyKeyReused,
@@ -245,7 +249,7 @@ impl Gateway {
                 created_at: now,
                 state: json!({"action": "llm_call", "turn_id": turn_id}),
             }),
-            idempotency: match (&input.idempotency_key, &retry, fingerprint) {
+            idempotency: match (&store_key, &retry, fingerprint) {
                 (Some(key), None, Some(fingerprint)) => Some(NewIdempotency {
                     key: key.clone(),
                     fingerprint,
@@ -288,7 +292,7 @@ impl Gateway {
             client_stream,
             checkpoint_every: opts.checkpoint_every.unwrap_or(1),
             last_task,
-            idempotency_key: input.idempotency_key,
+            idempotency_key: store_key,
             surface,
         };
         let headers = session_headers(&turn.session, turn.created_token.as_deref());
@@ -983,6 +987,19 @@ fn without_gateway_calls(mut out: RoundOut, catalog: &Catalog) -> RoundOut {
         choice.insert("finish_reason".into(), json!(out.finish_reason));
     }
     out
+}
+
+/// The key an Idempotency-Key is stored under: scoped to the caller's credentials, so only the
+/// caller that made a request can replay its response (or retry it in its session). Without a
+/// session token the scope is shared by every anonymous (or every operator) caller: a request that
+/// creates a session has no other identity, so its key must be unguessable (a UUID).
+fn scoped_idempotency_key(key: &str, token: Option<&str>, operator: bool) -> String {
+    let scope = match (token, operator) {
+        (Some(t), _) => format!("token:{}", auth::hash_token(t)),
+        (None, true) => "operator".to_owned(),
+        (None, false) => "anonymous".to_owned(),
+    };
+    auth::sha256_hex(format!("{scope}\n{key}").as_bytes())
 }
 
 /// Removes what belongs to the tool loop from a chunk for the SSE caller: tool-call deltas,

@@ -509,6 +509,54 @@ async fn idempotent_replay_does_not_call_the_upstream_again() {
     assert_eq!(gw.session_view(&id, &token).await["message_count"], 4);
 }
 
+/// An Idempotency-Key belongs to the caller that used it: someone else presenting the same key and
+/// body (without the session's token, or with another session's) gets no replay of the stored
+/// response and cannot run a retry in that session.
+#[tokio::test]
+async fn idempotency_keys_are_scoped_to_the_caller() {
+    let gw = TestGateway::start().await;
+    let (id, token) = gw.session().await;
+    let body = json!({"messages": [user("my bank balance")]});
+    let (s, _, mine) = gw
+        .chat(
+            body.clone(),
+            &[("x-session-token", &token), ("idempotency-key", "k-1")],
+        )
+        .await;
+    assert_eq!(s, 200, "{mine}");
+    // The owner's retry is a replay.
+    let (_, h, again) = gw
+        .chat(
+            body.clone(),
+            &[("x-session-token", &token), ("idempotency-key", "k-1")],
+        )
+        .await;
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(again["choices"], mine["choices"]);
+
+    // Without the token: a new request of its own, not the stored one.
+    let (s, h, theirs) = gw.chat(body.clone(), &[("idempotency-key", "k-1")]).await;
+    assert_eq!(s, 200, "{theirs}");
+    assert!(h.get("idempotent-replayed").is_none(), "{theirs}");
+    assert_ne!(theirs["sbp"]["session_id"], id.as_str(), "{theirs}");
+    // With another session's token: its own turn in its own session.
+    let (other, other_token) = gw.session().await;
+    let (s, h, b) = gw
+        .chat(
+            body.clone(),
+            &[
+                ("x-session-token", &other_token),
+                ("idempotency-key", "k-1"),
+            ],
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert!(h.get("idempotent-replayed").is_none(), "{b}");
+    assert_eq!(b["sbp"]["session_id"], other.as_str(), "{b}");
+    // The owner's session holds its one turn.
+    assert_eq!(gw.session_view(&id, &token).await["message_count"], 4);
+}
+
 #[tokio::test]
 async fn strict_mode_passes_plain_requests_through_untracked() {
     let config = GatewayConfig {
