@@ -310,10 +310,9 @@ async fn https_gateways_are_attached_over_tls() {
         "token",
     )
     .reconnect(ReconnectPolicy::disabled());
-    let err = Surface::connect(config)
-        .await
-        .err()
-        .expect("no TLS server here");
+    let Err(err) = Surface::connect(config).await else {
+        panic!("no TLS server here");
+    };
     let first = server.await.expect("server");
     assert_eq!(first, 0x16, "a TLS handshake record opens the connection");
     assert!(
