@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The project's test command: starts PostgreSQL and Redis if needed, then runs every test of the
-# workspace (unit, storage suite, gateway integration tests over loopback, real-binary tests).
+# The project's test command: starts PostgreSQL and Redis if needed, installs the browser tests'
+# Chromium and playwright-core if needed, then runs every test of the workspace (unit, storage
+# suite, gateway integration tests over loopback, real-binary tests, the page in headless Chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/services.sh
+bash scripts/browser-deps.sh
 export SBP_TEST_DATABASE_URL="${SBP_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 cargo test --workspace --all-targets --locked "$@"

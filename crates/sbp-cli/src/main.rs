@@ -3,6 +3,8 @@
 
 mod attach;
 mod config;
+mod conformance;
+mod demo;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +27,11 @@ enum Command {
     /// Attach this terminal to a session as a surface: see what happened while away, chat, and
     /// answer the agent's tool calls with local tools (clock, system info, files, MCP servers).
     Attach(Box<attach::AttachArgs>),
+    /// Tell the protocol's story on the built-in model, with no setup: two gateways in this
+    /// process, a phone, a watch and a desktop, tether, tools, export, import, fork and handoff.
+    Demo(Box<demo::DemoArgs>),
+    /// Check any SBP gateway against the protocol, level by level (L1..L5); exit status for CI.
+    Conformance(Box<conformance::ConformanceArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,7 +56,22 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Demo(args) => {
+            init_logging_with("text", "warn", None);
+            exit_with(demo::main(*args))
+        }
+        Command::Conformance(args) => {
+            init_logging_with("text", "warn", None);
+            exit_with(conformance::main(*args))
+        }
     }
+}
+
+fn exit_with(code: i32) -> anyhow::Result<()> {
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
 }
 
 fn init_logging(format: &str) {

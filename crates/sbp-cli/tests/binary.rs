@@ -11,6 +11,15 @@ mod replicas;
 #[path = "binary/attach.rs"]
 mod attach;
 
+#[path = "binary/demo.rs"]
+mod demo;
+
+#[path = "binary/conformance.rs"]
+mod conformance;
+
+#[path = "binary/browser.rs"]
+mod browser;
+
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::Duration;

@@ -7,12 +7,14 @@
 //! (`AnthropicProvider`), and the built-in offline `sbp/echo` (`EchoProvider`). `Router` is a
 //! provider too: it picks one of the others by model-name prefix (`claude` → Anthropic, the rest
 //! to a default). The HTTP providers share one transport (timeouts, error statuses, SSE reading).
+//! `tool_names` holds the gateway's naming of the functions it offers (shared with `sbp/echo`).
 
 mod anthropic;
 mod assemble;
 mod echo;
 mod openai;
 mod router;
+pub mod tool_names;
 mod transport;
 
 pub use anthropic::{ANTHROPIC_VERSION, AnthropicOptions, AnthropicProvider};

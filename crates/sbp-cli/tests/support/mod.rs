@@ -823,3 +823,28 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `sbp conformance ARGS...` with a clean environment (no inherited `SBP_*` variable, so no
+/// operator key slips in) and piped output.
+pub fn sbp_conformance(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sbp"));
+    cmd.arg("conformance").args(args);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("SBP_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env_remove("NO_COLOR")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Runs `cmd` to its end (within `within`); returns (exit code, stdout, stderr).
+pub async fn run_to_end(cmd: Command, within: Duration) -> (Option<i32>, String, String) {
+    let mut proc = Proc::spawn(cmd);
+    let status = proc.wait_exit(within).await;
+    let (out, err) = proc.output();
+    (status.code(), out, err)
+}

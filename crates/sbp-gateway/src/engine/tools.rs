@@ -20,10 +20,10 @@ use super::sessions::Caller;
 use crate::error::ApiError;
 
 pub use super::hub::TIMEOUT;
-/// Prefix of a surface tool's function name as the LLM sees it (`gps` -> `surface_gps`).
-pub const SURFACE_PREFIX: &str = "surface_";
-/// Prefix of a southbound MCP server's tool as the LLM sees it (`mcp__<server>__<tool>`).
-pub const SERVER_PREFIX: &str = "mcp__";
+// The function-name scheme lives in sbp-llm, shared with the `sbp/echo` model that reads it back.
+pub use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
+// The functions the client itself declared in the request (they stay the client's).
+use sbp_llm::tool_names::declared_functions as client_functions;
 /// Longest function name OpenAI and Anthropic accept.
 const MAX_FUNCTION_NAME: usize = 64;
 
@@ -189,21 +189,6 @@ fn function_name(raw: &str) -> String {
         .collect();
     name.truncate(MAX_FUNCTION_NAME);
     name
-}
-
-/// Names of the functions the client itself declared in the request (they stay the client's).
-fn client_functions(body: &Map<String, Value>) -> Vec<String> {
-    body.get("tools")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(|t| {
-            t.pointer("/function/name")
-                .or_else(|| t.get("name"))
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .collect()
 }
 
 impl Gateway {

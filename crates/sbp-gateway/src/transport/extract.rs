@@ -99,8 +99,9 @@ pub fn bearer(headers: &HeaderMap) -> Option<String> {
         .then(|| key.trim().to_owned())
 }
 
-/// With operator API keys configured, every endpoint but `/healthz` and the WebSocket (which
-/// authenticates with the session token in ATTACH_SESSION) needs `Authorization: Bearer <key>`.
+/// With operator API keys configured, every endpoint but `/healthz`, the browser page and its
+/// assets (which hold no data) and the WebSocket (which authenticates with the session token in
+/// ATTACH_SESSION) needs `Authorization: Bearer <key>`.
 pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
     let keys = &gw.config().api_keys;
     if keys.is_empty() {
@@ -108,8 +109,15 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
         return next.run(req).await;
     }
     let path = req.uri().path();
-    // The WebSocket and MCP endpoints authenticate with the session token instead.
-    let open = path == "/healthz" || path.starts_with("/v1/sbp/ws/") || is_mcp_path(path);
+    // The WebSocket and MCP endpoints authenticate with the session token instead; the page and
+    // its assets are static files, and the API calls the page makes carry the key themselves.
+    let open = path == "/healthz"
+        || path == "/"
+        || path
+            .strip_prefix("/assets/")
+            .is_some_and(|file| !file.is_empty() && !file.contains('/'))
+        || path.starts_with("/v1/sbp/ws/")
+        || is_mcp_path(path);
     let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
     if !valid && !open {
         return ApiError::new(

@@ -4,6 +4,7 @@
 mod extract;
 mod http;
 mod mcp;
+mod page;
 mod roaming;
 mod tools;
 mod ws;
@@ -19,6 +20,8 @@ pub use extract::error_response;
 pub fn router(gateway: Gateway) -> Router {
     let max_body = gateway.config().max_body_bytes;
     let mut app = Router::new()
+        .route("/", get(page::index))
+        .route("/assets/{file}", get(page::asset))
         .route("/healthz", get(http::healthz))
         .route("/metrics", get(http::metrics))
         .route("/v1/chat/completions", post(http::chat_completions))

@@ -3,7 +3,6 @@
 mod support;
 
 mod anthropic;
-mod conformance;
 mod http_l1;
 mod lifecycle;
 mod mcp;
