@@ -6,30 +6,43 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
 use uuid::Uuid;
 
-/// At most this many sessions (~1 MiB); when full the cache starts over, which only costs reads.
+/// At most this many sessions (48 bytes each in the table, no other allocation: ~0.8 MiB at its
+/// largest); when full the cache starts over, which only costs reads.
 const CAPACITY: usize = 8192;
 
 #[derive(Debug, Default)]
 pub(crate) struct TokenCache {
-    hashes: Mutex<HashMap<Uuid, Box<str>>>,
+    /// The SHA-256 of each session's token (the store keeps it hex-encoded).
+    hashes: Mutex<HashMap<Uuid, [u8; 32]>>,
 }
 
 impl TokenCache {
     /// `Some(matches)` when the session's hash is known, `None` when the store must be asked.
     pub(crate) fn check(&self, id: Uuid, token: &str) -> Option<bool> {
-        let hashes = self.hashes.lock().unwrap_or_else(|p| p.into_inner());
-        let hash = hashes.get(&id)?;
-        Some(crate::auth::token_matches(token, hash))
+        let known = *self.lock().get(&id)?;
+        let presented: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        Some(presented.ct_eq(&known).into())
     }
 
-    pub(crate) fn remember(&self, id: Uuid, hash: &str) {
-        let mut hashes = self.hashes.lock().unwrap_or_else(|p| p.into_inner());
+    /// Remembers a session's stored (hex) token hash; one that does not decode is left out.
+    pub(crate) fn remember(&self, id: Uuid, hex_hash: &str) {
+        let mut raw = [0u8; 32];
+        if hex::decode_to_slice(hex_hash, &mut raw).is_err() {
+            return;
+        }
+        let mut hashes = self.lock();
         if hashes.len() >= CAPACITY && !hashes.contains_key(&id) {
             hashes.clear();
         }
-        hashes.insert(id, hash.into());
+        hashes.insert(id, raw);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, [u8; 32]>> {
+        self.hashes.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -53,11 +66,21 @@ mod tests {
     fn stays_bounded() {
         let cache = TokenCache::default();
         let ids: Vec<Uuid> = (0..CAPACITY + 10).map(|_| Uuid::now_v7()).collect();
+        let hash = hash_token("t");
         for id in &ids {
-            cache.remember(*id, "h");
+            cache.remember(*id, &hash);
         }
-        let len = cache.hashes.lock().map(|h| h.len()).unwrap_or(0);
+        let len = cache.lock().len();
         assert!(len <= CAPACITY, "{len}");
+        assert_eq!(cache.check(ids[CAPACITY + 9], "t"), Some(true));
         assert_eq!(cache.check(ids[CAPACITY + 9], "x"), Some(false));
+    }
+
+    #[test]
+    fn a_hash_that_is_not_hex_sha256_is_not_cached() {
+        let cache = TokenCache::default();
+        let id = Uuid::now_v7();
+        cache.remember(id, "not-a-hash");
+        assert_eq!(cache.check(id, "anything"), None);
     }
 }
