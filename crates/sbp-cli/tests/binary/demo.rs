@@ -4,17 +4,14 @@
 //! coordinates in the final reply, the import's message count, the lineage with its fork and
 //! handoff); colour only when asked for; a failure names where it happened and exits 1; Ctrl-C
 //! stops it with exit status 130 and nothing left behind.
-//!
-//! The command setup (no inherited `SBP_*`) repeats `support::sbp_conformance`'s; it stays here
-//! until the support module grows a shared helper.
 
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use sbp_adapt::estimate_tokens;
 use serde_json::Value;
 
-use crate::support::Proc;
+use crate::support::{self, Proc};
 
 /// A debug build on two shared cores: the demo itself takes well under a second.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -39,20 +36,10 @@ async fn demo(args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String, Strin
     (status, out, err, elapsed)
 }
 
-/// The `sbp demo ARGS...` command, its output piped.
+/// The `sbp demo ARGS...` command (clean environment, output piped) with `env` added.
 fn demo_command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sbp"));
-    cmd.arg("demo").args(args);
-    for (key, _) in std::env::vars_os() {
-        let k = key.to_string_lossy();
-        if k.starts_with("SBP_") || k == "NO_COLOR" {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = support::sbp_command("demo", args);
+    cmd.envs(env.iter().copied());
     cmd
 }
 

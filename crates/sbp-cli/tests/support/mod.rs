@@ -824,11 +824,11 @@ where
     }
 }
 
-/// `sbp conformance ARGS...` with a clean environment (no inherited `SBP_*` variable, so no
-/// operator key slips in) and piped output.
-pub fn sbp_conformance(args: &[&str]) -> Command {
+/// `sbp SUBCOMMAND ARGS...` with a clean environment (no inherited `SBP_*` variable, so no
+/// operator key or config slips in, and no `NO_COLOR`) and piped output.
+pub fn sbp_command(subcommand: &str, args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sbp"));
-    cmd.arg("conformance").args(args);
+    cmd.arg(subcommand).args(args);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("SBP_") {
             cmd.env_remove(key);
@@ -839,6 +839,11 @@ pub fn sbp_conformance(args: &[&str]) -> Command {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     cmd
+}
+
+/// `sbp conformance ARGS...`, see [`sbp_command`].
+pub fn sbp_conformance(args: &[&str]) -> Command {
+    sbp_command("conformance", args)
 }
 
 /// Runs `cmd` to its end (within `within`); returns (exit code, stdout, stderr).
