@@ -564,6 +564,12 @@ impl Gateway {
                 finish_reason: c.finish_reason,
             });
         }
+        let mut request = request;
+        if !turn.client_stream && !request.contains_key("stream_options") {
+            // Streaming for the surface only: without this an OpenAI upstream sends no usage,
+            // and the caller, who asked for a plain completion, would get `usage: null`.
+            request.insert("stream_options".into(), json!({"include_usage": true}));
+        }
         let mut stream = provider.stream(request).await.map_err(upstream_error)?;
         let mut asm = Assembler::default();
         let mut caller_gone = false;

@@ -289,6 +289,28 @@ async fn upstream_chunks_reach_the_surface_one_by_one() {
     assert_eq!(deltas.concat(), reply);
 }
 
+/// A caller that did not ask for a stream still gets the turn's usage when the gateway streams
+/// upstream on its own account (for the attached surface): it asks for the usage chunk.
+#[tokio::test]
+async fn usage_survives_streaming_for_the_surface() {
+    let gw = TestGateway::with_fake().await;
+    let (id, token) = gw.session().await;
+    let (mut ws, _) = gw.attach(&id, &token, json!({})).await;
+    let (status, body) = say(&gw, &token, "count these five words", Value::Null, false).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["usage"]["completion_tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 0),
+        "{body}"
+    );
+    let upstream = gw.fake().requests();
+    let last = upstream.last().expect("the turn's request");
+    assert_eq!(last["stream"], true, "{last}");
+    assert_eq!(last["stream_options"]["include_usage"], true, "{last}");
+    live_chunks(&mut ws).await;
+}
+
 /// The next frame that is not a TURN_CHUNK, with the deltas of the chunks before it added to
 /// `deltas` (all of turn `chunk_id`, if set).
 async fn frame_after_chunks(ws: &mut Ws, deltas: &mut Vec<String>, chunk_id: &Value) -> Value {
