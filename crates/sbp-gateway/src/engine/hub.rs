@@ -30,19 +30,24 @@ pub const TIMEOUT: &str = "timeout";
 /// A message from the engine to one attached connection.
 #[derive(Debug, Clone)]
 pub enum ConnMsg {
-    /// A live streaming delta of the turn `chunk_id`, starting `offset` bytes into the text of
-    /// the turn's upstream round `round`.
-    Chunk {
-        chunk_id: Uuid,
-        delta: String,
-        round: u32,
-        offset: u64,
-    },
+    /// A live streaming delta (boxed like `TurnDone`: a channel allocates its first block of
+    /// slots up front, so the slot size is paid by every idle connection).
+    Chunk(Box<LiveChunk>),
     /// A turn was completed and persisted (boxed: inbox slots stay small, which matters for
     /// thousands of idle connections).
     TurnDone(Box<TurnDone>),
     /// Another surface attached to the session; this connection must close.
     Displaced,
+}
+
+/// A live streaming delta of the turn `chunk_id`, starting `offset` bytes into the text of the
+/// turn's upstream round `round`.
+#[derive(Debug, Clone)]
+pub struct LiveChunk {
+    pub chunk_id: Uuid,
+    pub delta: String,
+    pub round: u32,
+    pub offset: u64,
 }
 
 /// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own queue so
@@ -573,12 +578,12 @@ impl<'a> LiveSink<'a> {
             Route::Local { tx, .. } => {
                 self.hub.is_current(self.session, target.conn_id)
                     && tx
-                        .try_send(ConnMsg::Chunk {
+                        .try_send(ConnMsg::Chunk(Box::new(LiveChunk {
                             chunk_id: self.chunk_id,
                             delta: delta.to_owned(),
                             round: self.round,
                             offset: self.offset,
-                        })
+                        })))
                         .is_ok()
             }
             // The holder's replica drops it if the connection is no longer current; the turn

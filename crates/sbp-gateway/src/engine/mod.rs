@@ -253,12 +253,12 @@ impl Gateway {
                 } => self.hub().chunk_for(
                     session,
                     conn,
-                    hub::ConnMsg::Chunk {
+                    hub::ConnMsg::Chunk(Box::new(hub::LiveChunk {
                         chunk_id,
                         delta,
                         round,
                         offset,
-                    },
+                    })),
                 ),
                 BusMsg::TurnDone { session, done } => self.hub().notify(
                     session,

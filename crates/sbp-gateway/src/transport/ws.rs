@@ -365,8 +365,8 @@ async fn connection_loop(
                         close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
                         return "displaced";
                     }
-                    Some(ConnMsg::Chunk { chunk_id, delta, round, offset }) => {
-                        gw.live_chunk(d, chunk_id, &delta, round, offset).map(|f| (f, None)).into_iter().collect()
+                    Some(ConnMsg::Chunk(c)) => {
+                        gw.live_chunk(d, c.chunk_id, &c.delta, c.round, c.offset).map(|f| (f, None)).into_iter().collect()
                     }
                     Some(ConnMsg::TurnDone(done)) => {
                         let turn = Box::pin(gw.on_turn_done(d, *done)).await;
