@@ -1,11 +1,11 @@
 // Scenario: the agent's side calls the page's browser tools through the backend endpoint
-// POST /v1/sbp/sessions/{id}/tool_calls. Each call shows a permission prompt; Allow on
+// POST /v1/sbp/sessions/{id}/tool_calls, and the model calls one inside a turn. Each call shows a permission prompt; Allow on
 // geolocation answers with the position the browser context was given, Deny answers "denied by
 // user", page_info never includes the URL fragment (which carried the token of the joined
 // session), notify shows a message, and a browser that refuses the location gives an error.
 
 import assert from 'node:assert/strict';
-import { GATEWAY, api, connState, scenario, shot, until } from './lib.mjs';
+import { GATEWAY, api, connState, scenario, sendMessage, shot, until } from './lib.mjs';
 
 const EIFFEL = { latitude: 48.8584, longitude: 2.2945 };
 
@@ -81,6 +81,23 @@ await scenario('tools', async ({ newPage }) => {
       .some((t) => t.innerText.includes('Boarding soon') && t.innerText.includes('Gate B12')));
   }
   await shot(page, '2-after-the-calls');
+
+  // The model itself calls the page's tool inside a turn (sbp/echo turns `[call geolocation]` into
+  // a call of `surface_geolocation`): the same prompt, and the result reaches the model, whose
+  // reply streams back into the page.
+  const beforeTurn = await page.evaluate(() => window.__sbpStats.toolCalls);
+  await sendMessage(page, 'Where am I? [call geolocation]');
+  await until(page, 'the prompt for the model\'s call', (n) => window.__sbpStats.toolCalls > n
+    && !document.getElementById('tool-prompt').hidden
+    && document.getElementById('tool-prompt-name').textContent === 'geolocation', beforeTurn);
+  await page.getByTestId('tool-allow').click();
+  const reply = await until(page, 'the reply carrying the position', () => {
+    const done = [...document.querySelectorAll('#log .msg-assistant[data-state="complete"]')];
+    const hit = done.find((m) => m.querySelector('.body').innerText.includes('surface_geolocation returned'));
+    return hit ? hit.querySelector('.body').innerText : null;
+  });
+  assert.ok(reply.includes(String(EIFFEL.latitude)) && reply.includes(String(EIFFEL.longitude)), reply);
+  await shot(page, '2b-model-called-geolocation');
 
   // A second browser without the location permission attaches: the first page is displaced, and
   // the browser's refusal comes back as the tool's error.

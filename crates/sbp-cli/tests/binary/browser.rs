@@ -245,8 +245,8 @@ async fn browser_page_completes_a_reply_cut_mid_stream_once() {
 }
 
 /// Scenario 4: geolocation (with the position Playwright gives the browser), Deny, page_info
-/// without the URL fragment, notify, and a browser that refuses the location, each behind the
-/// page's permission prompt.
+/// without the URL fragment, notify, the model calling geolocation inside a turn, and a browser
+/// that refuses the location, each behind the page's permission prompt.
 #[tokio::test]
 async fn browser_page_answers_tool_calls_after_a_prompt() {
     let _one = BROWSER.lock().await;
@@ -263,10 +263,27 @@ async fn browser_page_answers_tool_calls_after_a_prompt() {
         str_field(&result, "geo_error").contains("denied"),
         "{result}"
     );
-    // Backend calls are not part of the transcript.
+    // Backend calls are not part of the transcript; the model's call is, as a whole tool round.
     let id = str_field(&result, "session_id");
     let token = str_field(&result, "session_token");
-    assert!(gw.messages(id, token).await.is_empty());
+    let transcript = gw.messages(id, token).await;
+    let roles: Vec<&str> = transcript.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        roles,
+        ["user", "assistant", "tool", "assistant"],
+        "{transcript:?}"
+    );
+    assert!(transcript[2].1.contains("48.8584"), "{transcript:?}");
+    assert!(
+        transcript[3]
+            .1
+            .starts_with("Echo: surface_geolocation returned"),
+        "{transcript:?}"
+    );
+    assert!(
+        !transcript.iter().any(|(_, c)| c.contains("Boarding soon")),
+        "{transcript:?}"
+    );
 }
 
 /// Scenario 5: with `--api-key` the page and its assets load without a key, its API calls are
