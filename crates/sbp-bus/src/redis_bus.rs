@@ -242,11 +242,17 @@ fn millis(d: Duration) -> u64 {
 }
 
 /// `<replica>|<conn>|<surface JSON>` back into a holder; `None` for anything else.
-fn parse_holder(value: &str) -> Option<Holder> {
+/// `<replica>|<conn>|<surface JSON>` split into the holder's id and the (unparsed) rest.
+fn holder_id(value: &str) -> Option<(String, u64, Option<&str>)> {
     let mut parts = value.splitn(3, '|');
     let replica = parts.next()?.to_owned();
     let conn = parts.next()?.parse().ok()?;
-    let surface = SurfaceContext::from_value(&serde_json::from_str(parts.next()?).ok()?);
+    Some((replica, conn, parts.next()))
+}
+
+fn parse_holder(value: &str) -> Option<Holder> {
+    let (replica, conn, surface) = holder_id(value)?;
+    let surface = SurfaceContext::from_value(&serde_json::from_str(surface?).ok()?);
     Some(Holder {
         replica,
         conn,
@@ -386,15 +392,10 @@ impl Bus for RedisBus {
             .query_async(&mut redis)
             .await
             .map_err(unavailable)?;
+        // Only who holds each session: the surfaces are not parsed.
         Ok(values
             .into_iter()
-            .map(|v| {
-                let v = v?;
-                let mut parts = v.splitn(3, '|');
-                let replica = parts.next()?.to_owned();
-                let conn = parts.next()?.parse().ok()?;
-                Some((replica, conn))
-            })
+            .map(|v| holder_id(&v?).map(|(replica, conn, _)| (replica, conn)))
             .collect())
     }
 

@@ -112,6 +112,14 @@ impl Resp {
         matches!(self.status, 404 | 405) && self.error_code() != Some("SBP_SESSION_NOT_FOUND")
     }
 
+    /// SKIP (reason: what was asked, the status, then `why`) when the endpoint is missing.
+    pub fn skip_if_missing(&self, why: &str) -> Result<(), Problem> {
+        if self.endpoint_missing() {
+            return Err(skip(format!("{}: {} {why}", self.what, self.status)));
+        }
+        Ok(())
+    }
+
     /// The whole body as text (not cut), for searching it.
     pub fn body_text(&self) -> String {
         match &self.body {
@@ -332,12 +340,7 @@ impl Ctx {
                 Some(&s.token),
             )
             .await?;
-        if resp.endpoint_missing() {
-            return Err(skip(format!(
-                "{}: {} (no transcript endpoint to read back)",
-                resp.what, resp.status
-            )));
-        }
+        resp.skip_if_missing("(no transcript endpoint to read back)")?;
         resp.expect(&[200])?;
         let items = match &resp.body {
             Value::Array(a) => Some(a),

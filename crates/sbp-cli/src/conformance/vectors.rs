@@ -38,7 +38,7 @@ use super::checks::Level;
 use super::client::{
     Ctx, QUEUED, Resp, Socket, at, code_text, first_u64, is_uuid, model_substituted,
 };
-use super::outcome::{Outcome, Problem, ensure, fail, pass, pass_with, short, skip};
+use super::outcome::{Outcome, Problem, ensure, fail, pass, pass_with, short};
 use super::pattern::Pattern;
 
 /// One vector file to run.
@@ -459,12 +459,9 @@ impl Run<'_> {
             f = ws.expect_type("TOOL_CALL") => f?,
             answer = &mut call => {
                 let answer = answer?;
-                if answer.endpoint_missing() {
-                    return Err(skip(format!(
-                        "{}: {} — backend tool-call endpoint not offered (needed to make the gateway send a TOOL_CALL)",
-                        answer.what, answer.status
-                    )));
-                }
+                answer.skip_if_missing(
+                    "— backend tool-call endpoint not offered (needed to make the gateway send a TOOL_CALL)",
+                )?;
                 return Err(fail(format!(
                     "{} answered {} {} before any TOOL_CALL reached the surface",
                     answer.what,

@@ -547,7 +547,7 @@ impl Gateway {
     /// and finish reasons: those belong to the loop, and the last round says how the turn ended.
     async fn upstream_round(
         &self,
-        request: Map<String, Value>,
+        mut request: Map<String, Value>,
         turn: &Turn,
         sink: &mut LiveSink<'_>,
         events: Option<&mpsc::Sender<SseEvent>>,
@@ -564,7 +564,6 @@ impl Gateway {
                 finish_reason: c.finish_reason,
             });
         }
-        let mut request = request;
         if !turn.client_stream && !request.contains_key("stream_options") {
             // Streaming for the surface only: without this an OpenAI upstream sends no usage,
             // and the caller, who asked for a plain completion, would get `usage: null`.

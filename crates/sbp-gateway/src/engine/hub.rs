@@ -262,15 +262,7 @@ impl Hub {
         conn_id: u64,
         call_id: Uuid,
     ) -> oneshot::Receiver<ToolReply> {
-        let (tx, rx) = oneshot::channel();
-        self.calls().insert(
-            call_id,
-            PendingCall {
-                session,
-                conn_id,
-                waiter: Waiter::Local { tx, via: None },
-            },
-        );
+        let rx = self.wait_for_reply(session, conn_id, call_id, None);
         if !self.is_current(session, conn_id) {
             self.finish_call(call_id, ToolReply::Error(DISCONNECTED.into()));
         }
@@ -287,16 +279,24 @@ impl Hub {
         call_id: Uuid,
         replica: Arc<str>,
     ) -> oneshot::Receiver<ToolReply> {
+        self.wait_for_reply(session, conn_id, call_id, Some(replica))
+    }
+
+    /// A pending call answered here (`via`: the replica its surface is on, if not this one).
+    fn wait_for_reply(
+        &self,
+        session: Uuid,
+        conn_id: u64,
+        call_id: Uuid,
+        via: Option<Arc<str>>,
+    ) -> oneshot::Receiver<ToolReply> {
         let (tx, rx) = oneshot::channel();
         self.calls().insert(
             call_id,
             PendingCall {
                 session,
                 conn_id,
-                waiter: Waiter::Local {
-                    tx,
-                    via: Some(replica),
-                },
+                waiter: Waiter::Local { tx, via },
             },
         );
         rx

@@ -27,13 +27,7 @@ struct Exported {
 
 /// SKIP for an endpoint the seeds only recommend (or only SPEC names), when it is not there.
 fn recommended(resp: &Resp) -> Result<(), Problem> {
-    if resp.endpoint_missing() {
-        return Err(skip(format!(
-            "{}: {} — recommended, not implemented",
-            resp.what, resp.status
-        )));
-    }
-    Ok(())
+    resp.skip_if_missing("— recommended, not implemented")
 }
 
 fn is_jwt(t: &str) -> bool {

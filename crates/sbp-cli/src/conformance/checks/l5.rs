@@ -26,13 +26,7 @@ type Pending = Spawned<Result<Resp, Problem>>;
 
 /// SKIP when the backend tool-call endpoint is not offered (it is this gateway's own).
 fn offered(resp: &Resp) -> Result<(), Problem> {
-    if resp.endpoint_missing() {
-        return Err(skip(format!(
-            "{}: {} — backend tool-call endpoint not offered",
-            resp.what, resp.status
-        )));
-    }
-    Ok(())
+    resp.skip_if_missing("— backend tool-call endpoint not offered")
 }
 
 /// A session with a surface declaring [`TOOL`].
