@@ -609,3 +609,16 @@ impl<'a> LiveSink<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ConnMsg;
+
+    /// Every idle connection pays for its inbox's first block of 32 slots: each byte a message
+    /// grows costs 10,000 idle surfaces ~0.3 MiB (BENCHMARKS.md, "Idle surfaces after issues 5
+    /// and 6"). Box a new bulky variant instead of widening this.
+    #[test]
+    fn inbox_messages_stay_small() {
+        assert!(std::mem::size_of::<ConnMsg>() <= 16);
+    }
+}
