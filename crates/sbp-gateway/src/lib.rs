@@ -9,7 +9,7 @@ pub mod metrics;
 pub mod transport;
 
 pub use config::{CtpRule, GatewayConfig, run_replica_id};
-pub use engine::{BusLink, Gateway};
+pub use engine::{BusLink, Gateway, ServerTools};
 pub use error::ApiError;
 
 use std::future::Future;
