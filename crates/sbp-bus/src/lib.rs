@@ -19,29 +19,23 @@ mod redis_bus;
 pub use redis_bus::{RedisBus, RedisBusOptions};
 
 use async_trait::async_trait;
-use sbp_protocol::SurfaceContext;
 use sbp_protocol::frames::ToolCall;
+use sbp_protocol::{SurfaceContext, ToolOutcome};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use uuid::Uuid;
 
 /// A message from one replica to another.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum BusMsg {
-    /// A live delta of turn `chunk_id` for connection `conn` (dropped if it is no longer current):
-    /// it starts `offset` bytes into the text of the turn's upstream round `round`, so the
-    /// receiver can tell a missed delta.
+    /// A live delta for connection `conn` (dropped if it is no longer current).
     Chunk {
         session: Uuid,
         conn: u64,
-        chunk_id: Uuid,
-        delta: String,
-        round: u32,
-        offset: u64,
+        chunk: LiveChunk,
     },
     /// A turn of `session` was completed and committed; for its current connection.
-    TurnDone { session: Uuid, done: TurnDoneMsg },
+    TurnDone { session: Uuid, done: TurnDone },
     /// Send `call` to connection `conn` and route its TOOL_RESULT to `reply_to`.
     ToolCall {
         session: Uuid,
@@ -50,27 +44,32 @@ pub enum BusMsg {
         call: ToolCall,
     },
     /// The outcome of a call relayed by [`BusMsg::ToolCall`].
-    ToolReply { call_id: Uuid, outcome: CallOutcome },
+    ToolReply { call_id: Uuid, outcome: ToolOutcome },
     /// Another replica's surface took `session` over: connection `conn` must close.
     Displace { session: Uuid, conn: u64 },
 }
 
-/// A completed turn as the connection holding the session needs it.
+/// A live streaming delta of the turn `chunk_id`, starting `offset` bytes into the text of the
+/// turn's upstream round `round`, so the receiver can tell a missed delta. The same notice
+/// reaches a connection from a turn in its own process or, over the bus, from another replica.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnDoneMsg {
+pub struct LiveChunk {
     pub chunk_id: Uuid,
+    pub delta: String,
+    pub round: u32,
+    pub offset: u64,
+}
+
+/// A completed (committed) turn as the connection holding the session needs it, wherever the
+/// turn ran.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnDone {
+    pub chunk_id: Uuid,
+    /// Its tether seq, when it was tethered.
     pub seq: Option<u64>,
     pub role: String,
     pub content: Option<String>,
     pub model_used: Option<String>,
-}
-
-/// What a relayed tool call ended with.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CallOutcome {
-    Result(Value),
-    Error(String),
 }
 
 /// The replica and connection holding a session's surface, and the surface as it declared itself.
@@ -154,6 +153,7 @@ pub fn valid_replica_id(id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sbp_protocol::ToolFailure;
     use serde_json::json;
 
     #[test]
@@ -162,18 +162,24 @@ mod tests {
             BusMsg::Chunk {
                 session: Uuid::now_v7(),
                 conn: 7,
-                chunk_id: Uuid::now_v7(),
-                delta: "héllo".into(),
-                round: 2,
-                offset: 17,
+                chunk: LiveChunk {
+                    chunk_id: Uuid::now_v7(),
+                    delta: "héllo".into(),
+                    round: 2,
+                    offset: 17,
+                },
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: CallOutcome::Result(json!({"lat": 1.5})),
+                outcome: Ok(json!({"lat": 1.5})),
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: CallOutcome::Error("timeout".into()),
+                outcome: Err(ToolFailure::Timeout),
+            },
+            BusMsg::ToolReply {
+                call_id: Uuid::new_v4(),
+                outcome: Err(ToolFailure::Surface("denied".into())),
             },
             BusMsg::ToolCall {
                 session: Uuid::now_v7(),

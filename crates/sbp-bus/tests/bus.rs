@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use sbp_bus::{Bus, BusError, BusMsg, CallOutcome, Holder, RedisBus, TurnDoneMsg};
+use sbp_bus::{Bus, BusError, BusMsg, Holder, LiveChunk, RedisBus, TurnDone};
 use sbp_protocol::SurfaceContext;
+use sbp_protocol::ToolFailure;
 use sbp_protocol::frames::ToolCall;
 use serde_json::json;
 use tokio::time::{Instant, timeout};
@@ -176,16 +177,18 @@ async fn messages_arrive_at_their_replica_in_send_order() {
             .map(|i| BusMsg::Chunk {
                 session,
                 conn: 7,
-                chunk_id,
-                delta: format!("délta {i} |"),
-                round: 0,
-                offset: i,
+                chunk: LiveChunk {
+                    chunk_id,
+                    delta: format!("délta {i} |"),
+                    round: 0,
+                    offset: i,
+                },
             })
             .collect();
         sent.extend([
             BusMsg::TurnDone {
                 session,
-                done: TurnDoneMsg {
+                done: TurnDone {
                     chunk_id,
                     seq: Some(12),
                     role: "assistant".into(),
@@ -206,11 +209,11 @@ async fn messages_arrive_at_their_replica_in_send_order() {
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: CallOutcome::Result(json!({"lat": 1.5})),
+                outcome: Ok(json!({"lat": 1.5})),
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: CallOutcome::Error("timeout".into()),
+                outcome: Err(ToolFailure::Timeout),
             },
         ]);
         for m in &sent {
@@ -242,7 +245,7 @@ async fn messages_arrive_at_their_replica_in_send_order() {
         // And back the other way.
         let reply = BusMsg::ToolReply {
             call_id: Uuid::new_v4(),
-            outcome: CallOutcome::Result(json!(["ok"])),
+            outcome: Ok(json!(["ok"])),
         };
         assert!(b.send("a", reply.clone()));
         assert_eq!(recv(&mut a_rx).await, reply);

@@ -192,7 +192,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         bus_link,
     )
     .await
-    .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let listener = tokio::net::TcpListener::bind(s.listen)
         .await
         .with_context(|| format!("binding {}", s.listen))?;

@@ -49,6 +49,15 @@ pub struct GatewayConfig {
     pub replica_timeout: Duration,
 }
 
+impl GatewayConfig {
+    /// Whether the operator's allowlist lets surfaces' `tool` be called (no allowlist: any).
+    pub fn tool_allowed(&self, tool: &str) -> bool {
+        self.tool_allowlist
+            .as_ref()
+            .is_none_or(|list| list.iter().any(|t| t == tool))
+    }
+}
+
 /// A replica id unique to this run: `name` and a random suffix.
 pub fn run_replica_id(name: &str) -> String {
     let suffix = uuid::Uuid::new_v4().simple().to_string();

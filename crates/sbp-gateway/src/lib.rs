@@ -1,5 +1,6 @@
-//! The SBP gateway as a library: the engine (sessions, turns, tether, attached surfaces) and its
-//! HTTP/WebSocket transport. `serve` runs it on an already-bound listener until `shutdown` resolves.
+//! The SBP gateway as a library: the engine (one service per concept: turns, sessions, surfaces,
+//! tools, replicas, roaming) and its HTTP/WebSocket transport. `serve` runs it on an already-bound
+//! listener until `shutdown` resolves.
 
 pub mod auth;
 pub mod config;
@@ -9,8 +10,10 @@ pub mod metrics;
 pub mod transport;
 
 pub use config::{CtpRule, GatewayConfig, run_replica_id};
-pub use engine::{BusLink, Gateway, ServerTools};
-pub use error::ApiError;
+pub use engine::Gateway;
+pub use engine::replicas::BusLink;
+pub use engine::tools::ServerTools;
+pub use error::Error;
 
 use std::future::Future;
 

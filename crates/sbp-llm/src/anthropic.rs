@@ -9,7 +9,8 @@ mod response;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use serde_json::{Map, Value};
+use sbp_protocol::ChatRequest;
+use serde_json::Value;
 
 use crate::transport::{self, Endpoint};
 use crate::{ChunkStream, Completion, LlmError, Provider};
@@ -65,17 +66,9 @@ impl AnthropicProvider {
     }
 
     /// The translated request, ready to send, and the model it asked for.
-    fn request(
-        &self,
-        body: &Map<String, Value>,
-        stream: bool,
-    ) -> (reqwest::RequestBuilder, String) {
-        let requested = body
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned();
-        let translated = request::translate(body, self.opts.default_max_tokens, stream);
+    fn request(&self, req: &ChatRequest, stream: bool) -> (reqwest::RequestBuilder, String) {
+        let requested = req.model.clone().unwrap_or_default();
+        let translated = request::translate(req, self.opts.default_max_tokens, stream);
         let count = |key: &str| {
             translated
                 .get(key)
@@ -102,8 +95,8 @@ impl Provider for AnthropicProvider {
         requested.to_owned()
     }
 
-    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
-        let (req, requested) = self.request(&body, false);
+    async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError> {
+        let (req, requested) = self.request(&request, false);
         let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
         let resp = transport::send(req, self.opts.request_timeout).await?;
         let message = transport::read_json(resp, deadline).await?;
@@ -111,8 +104,8 @@ impl Provider for AnthropicProvider {
         Completion::from_body(body, &requested)
     }
 
-    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
-        let (req, requested) = self.request(&body, true);
+    async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, LlmError> {
+        let (req, requested) = self.request(&request, true);
         let resp = transport::send(req, self.opts.request_timeout).await?;
         let mut translator = StreamTranslator::new(&requested, chrono::Utc::now().timestamp());
         Ok(transport::sse_chunks(

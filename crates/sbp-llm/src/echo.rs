@@ -32,10 +32,11 @@
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use serde_json::{Map, Value, json};
+use sbp_protocol::{ChatMessage, ChatRequest};
+use serde_json::{Value, json};
 
-use crate::tool_names::{SERVER_PREFIX, SURFACE_PREFIX, declared_functions};
-use crate::{ChunkStream, Completion, LlmError, Provider, content_text};
+use crate::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
+use crate::{ChunkStream, Completion, LlmError, Provider};
 
 pub const ECHO_MODEL: &str = "sbp/echo";
 
@@ -69,11 +70,8 @@ impl Call {
 }
 
 impl EchoProvider {
-    fn reply(body: &Map<String, Value>) -> Reply {
-        let messages: &[Value] = body
-            .get("messages")
-            .and_then(Value::as_array)
-            .map_or(&[], Vec::as_slice);
+    fn reply(body: &ChatRequest) -> Reply {
+        let messages = body.messages.as_slice();
         if let Some(text) = tool_results(messages) {
             return Reply::Text(bounded(body, text));
         }
@@ -83,9 +81,8 @@ impl EchoProvider {
         let last_user = messages
             .iter()
             .rev()
-            .find(|m| role(m) == Some("user"))
-            .and_then(|m| m.get("content"))
-            .and_then(content_text)
+            .find(|m| m.role() == Some("user"))
+            .and_then(ChatMessage::text)
             .unwrap_or_default();
         let text = if last_user.trim().is_empty() {
             "Echo: (no user message)".to_owned()
@@ -102,17 +99,9 @@ impl EchoProvider {
     }
 }
 
-fn role(message: &Value) -> Option<&str> {
-    message.get("role").and_then(Value::as_str)
-}
-
 /// `text` cut to the request's `max_tokens` (or `max_completion_tokens`), counted in words.
-fn bounded(body: &Map<String, Value>, text: String) -> String {
-    let limit = body
-        .get("max_tokens")
-        .or_else(|| body.get("max_completion_tokens"))
-        .and_then(Value::as_u64);
-    match limit {
+fn bounded(body: &ChatRequest, text: String) -> String {
+    match body.output_token_limit() {
         Some(n) => first_words(&text, usize::try_from(n).unwrap_or(usize::MAX)).to_owned(),
         None => text,
     }
@@ -159,11 +148,11 @@ fn starts_with_block(text: &str) -> bool {
 }
 
 /// The answer to trailing tool messages, when the conversation ends with some.
-fn tool_results(messages: &[Value]) -> Option<String> {
+fn tool_results(messages: &[ChatMessage]) -> Option<String> {
     let trailing = messages
         .iter()
         .rev()
-        .take_while(|m| role(m) == Some("tool"))
+        .take_while(|m| m.role() == Some("tool"))
         .count();
     if trailing == 0 {
         return None;
@@ -172,11 +161,11 @@ fn tool_results(messages: &[Value]) -> Option<String> {
     let parts: Vec<String> = results
         .iter()
         .map(|m| {
-            let id = m.get("tool_call_id").and_then(Value::as_str);
-            let name = id
+            let name = m
+                .tool_call_id()
                 .and_then(|id| called_function(messages, id))
-                .unwrap_or_else(|| "a tool".to_owned());
-            let content = m.get("content").and_then(content_text).unwrap_or_default();
+                .unwrap_or("a tool");
+            let content = m.text().unwrap_or_default();
             format!("{name} returned {content}")
         })
         .collect();
@@ -184,24 +173,21 @@ fn tool_results(messages: &[Value]) -> Option<String> {
 }
 
 /// The function name of the assistant tool call whose id is `id`.
-fn called_function(messages: &[Value], id: &str) -> Option<String> {
+fn called_function<'a>(messages: &'a [ChatMessage], id: &str) -> Option<&'a str> {
     messages
         .iter()
         .rev()
-        .filter(|m| role(m) == Some("assistant"))
-        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
-        .flatten()
-        .find(|c| c.get("id").and_then(Value::as_str) == Some(id))
-        .and_then(|c| c.pointer("/function/name"))
-        .and_then(Value::as_str)
-        .map(str::to_owned)
+        .filter(|m| m.role() == Some("assistant"))
+        .flat_map(ChatMessage::tool_calls)
+        .find(|c| c.id() == Some(id))
+        .and_then(|c| c.name())
 }
 
 /// The calls the last user message asks for, when the request offers tools and at least one
 /// directive names one of them.
-fn tool_calls(body: &Map<String, Value>, messages: &[Value]) -> Option<Vec<Call>> {
-    let mut offered = declared_functions(body);
-    match tool_choice(body) {
+fn tool_calls(body: &ChatRequest, messages: &[ChatMessage]) -> Option<Vec<Call>> {
+    let mut offered = body.declared_functions();
+    match tool_choice(body.tool_choice.as_ref()) {
         Choice::None => return None,
         Choice::Any => {}
         Choice::Only(name) => offered.retain(|f| *f == name),
@@ -209,8 +195,8 @@ fn tool_calls(body: &Map<String, Value>, messages: &[Value]) -> Option<Vec<Call>
     if offered.is_empty() {
         return None;
     }
-    let last = messages.last().filter(|m| role(m) == Some("user"))?;
-    let text = last.get("content").and_then(content_text)?;
+    let last = messages.last().filter(|m| m.role() == Some("user"))?;
+    let text = last.text()?;
     let calls: Vec<Call> = directives(&text)
         .into_iter()
         .filter_map(|(name, arguments)| {
@@ -235,8 +221,8 @@ enum Choice {
     Only(String),
 }
 
-fn tool_choice(body: &Map<String, Value>) -> Choice {
-    match body.get("tool_choice") {
+fn tool_choice(choice: Option<&Value>) -> Choice {
+    match choice {
         Some(Value::String(s)) if s == "none" => Choice::None,
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("none") => {
             Choice::None
@@ -252,7 +238,7 @@ fn tool_choice(body: &Map<String, Value>) -> Choice {
 
 /// The offered function `name` stands for: its exact name first, then one whose name without
 /// the gateway's prefix is `name`.
-fn resolve<'a>(offered: &'a [String], name: &str) -> Option<&'a str> {
+fn resolve<'a>(offered: &[&'a str], name: &str) -> Option<&'a str> {
     let unprefixed = |f: &str| -> Option<String> {
         if let Some(tool) = f.strip_prefix(SURFACE_PREFIX) {
             return Some(tool.to_owned());
@@ -262,13 +248,13 @@ fn resolve<'a>(offered: &'a [String], name: &str) -> Option<&'a str> {
     };
     offered
         .iter()
-        .find(|f| f.as_str() == name)
+        .find(|f| **f == name)
         .or_else(|| {
             offered
                 .iter()
                 .find(|f| unprefixed(f).as_deref() == Some(name))
         })
-        .map(String::as_str)
+        .copied()
 }
 
 /// Every well-formed `[call NAME]` / `[call NAME {...}]` in `text`: the name and the arguments as
@@ -316,13 +302,11 @@ fn directive(s: &str) -> Option<(String, String, usize)> {
         .then(|| (name, args, pos + ']'.len_utf8()))
 }
 
-fn usage(body: &Map<String, Value>, reply: &str) -> Value {
+fn usage(body: &ChatRequest, reply: &str) -> Value {
     let prompt_words: usize = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(|m| m.get("content").and_then(content_text))
+        .messages
+        .iter()
+        .filter_map(ChatMessage::text)
         .map(|t| t.split_whitespace().count())
         .sum();
     let completion = reply.split_whitespace().count();
@@ -347,7 +331,7 @@ impl Provider for EchoProvider {
         ECHO_MODEL.to_owned()
     }
 
-    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
+    async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let reply = Self::reply(&body);
         let (message, finish) = match &reply {
             Reply::Text(text) => (json!({"role": "assistant", "content": text}), "stop"),
@@ -368,7 +352,7 @@ impl Provider for EchoProvider {
         Completion::from_body(response, ECHO_MODEL)
     }
 
-    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
+    async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
         let reply = Self::reply(&body);
         let usage = usage(&body, &reply_words(&reply));
         let id = Self::id();
@@ -435,8 +419,8 @@ mod tests {
     use super::*;
     use crate::Assembler;
 
-    fn body(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap_or_default()
+    fn body(v: Value) -> ChatRequest {
+        crate::test_request(v)
     }
 
     fn gps_tools() -> Value {
@@ -447,7 +431,7 @@ mod tests {
         ])
     }
 
-    async fn streamed(b: Map<String, Value>) -> (Assembler, Vec<Value>) {
+    async fn streamed(b: ChatRequest) -> (Assembler, Vec<Value>) {
         let mut s = EchoProvider.stream(b).await.expect("streams");
         let mut a = Assembler::default();
         let mut chunks = Vec::new();

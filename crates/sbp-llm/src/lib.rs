@@ -1,5 +1,6 @@
-//! Upstream LLM providers. A provider takes an OpenAI-format request body and returns either a whole
-//! completion or a stream of OpenAI-format chunks; `Assembler` folds chunks into the final message.
+//! Upstream LLM providers. A provider takes a typed OpenAI-format request ([`ChatRequest`], parsed
+//! once at the gateway's edge) and returns either a whole completion or a stream of OpenAI-format
+//! chunks; `Assembler` folds chunks into the final message.
 //! The OpenAI chat-completions format is the gateway's lingua franca: providers for other APIs
 //! translate both ways at their edge, so nothing above them sees another format.
 //!
@@ -25,7 +26,9 @@ pub use router::{ModelMatch, Router};
 
 use async_trait::async_trait;
 use futures::stream::BoxStream;
-use serde_json::{Map, Value};
+pub use sbp_protocol::chat::content_text;
+use sbp_protocol::{ChatMessage, ChatRequest};
+use serde_json::Value;
 
 /// An upstream failure, classified the way the gateway reports it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -48,7 +51,7 @@ pub struct Completion {
     /// OpenAI-compatible upstreams; the translation for others.
     pub body: Value,
     /// The assistant message (`role`, `content`, `tool_calls`, ...).
-    pub message: Value,
+    pub message: ChatMessage,
     pub model: String,
     pub finish_reason: Option<String>,
 }
@@ -76,7 +79,7 @@ impl Completion {
             .to_owned();
         Ok(Self {
             body,
-            message,
+            message: ChatMessage::from_value(message),
             model,
             finish_reason,
         })
@@ -84,7 +87,7 @@ impl Completion {
 
     /// The message text, when the content is a string.
     pub fn text(&self) -> Option<&str> {
-        self.message.get("content").and_then(Value::as_str)
+        self.message.content().and_then(Value::as_str)
     }
 }
 
@@ -95,21 +98,24 @@ pub type ChunkStream = BoxStream<'static, Result<Value, LlmError>>;
 pub trait Provider: Send + Sync {
     /// The model name reported as `model_routed_to` when the provider does not say otherwise.
     fn route_name(&self, requested: &str) -> String;
-    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError>;
-    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError>;
+    /// A whole completion of `request` (its `stream` and `sbp` are not sent).
+    async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError>;
+    /// `request` answered as a stream of chunks (its `sbp` is not sent).
+    async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, LlmError>;
 }
 
-/// The text of a chat message's `content`: a string, or the text parts of an array of parts.
-pub fn content_text(content: &Value) -> Option<String> {
-    match content {
-        Value::String(s) => Some(s.clone()),
-        Value::Array(parts) => {
-            let texts: Vec<&str> = parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect();
-            (!texts.is_empty()).then(|| texts.join(""))
-        }
-        _ => None,
-    }
+/// A request parsed from a JSON object, for tests; `messages` may be missing or empty (panics on
+/// any other invalid field).
+#[cfg(test)]
+pub(crate) fn test_request(v: Value) -> ChatRequest {
+    let Value::Object(mut body) = v else {
+        panic!("not an object: {v}");
+    };
+    let messages = match body.insert("messages".into(), serde_json::json!([{"role": "user"}])) {
+        Some(Value::Array(list)) => list.into_iter().map(ChatMessage::from_value).collect(),
+        _ => Vec::new(),
+    };
+    let mut req = ChatRequest::from_object(body).expect("a valid chat request");
+    req.messages = messages;
+    req
 }

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use eventsource_stream::Event;
-use serde_json::{Map, Value};
+use sbp_protocol::ChatRequest;
+use serde_json::Value;
 
 use crate::transport::{self, Endpoint, Flow};
 use crate::{ChunkStream, Completion, LlmError, Provider};
@@ -34,8 +35,11 @@ impl OpenAiProvider {
         Ok(Self { endpoint, opts })
     }
 
-    fn request(&self, body: &Map<String, Value>) -> reqwest::RequestBuilder {
-        let mut req = self.endpoint.post().json(body);
+    /// The request as sent upstream: without the SBP namespace, streamed or not as asked.
+    fn request(&self, mut body: ChatRequest, stream: bool) -> reqwest::RequestBuilder {
+        body.sbp = None;
+        body.stream = Some(stream);
+        let mut req = self.endpoint.post().json(&body);
         if let Some(key) = &self.opts.api_key {
             req = req.bearer_auth(key);
         }
@@ -49,22 +53,16 @@ impl Provider for OpenAiProvider {
         requested.to_owned()
     }
 
-    async fn complete(&self, mut body: Map<String, Value>) -> Result<Completion, LlmError> {
-        body.insert("stream".into(), Value::Bool(false));
-        let requested = body
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned();
+    async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
+        let requested = body.model.clone().unwrap_or_default();
         let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
-        let resp = transport::send(self.request(&body), self.opts.request_timeout).await?;
+        let resp = transport::send(self.request(body, false), self.opts.request_timeout).await?;
         let value = transport::read_json(resp, deadline).await?;
         Completion::from_body(value, &requested)
     }
 
-    async fn stream(&self, mut body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
-        body.insert("stream".into(), Value::Bool(true));
-        let resp = transport::send(self.request(&body), self.opts.request_timeout).await?;
+    async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
+        let resp = transport::send(self.request(body, true), self.opts.request_timeout).await?;
         Ok(transport::sse_chunks(
             resp,
             self.opts.stream_idle_timeout,

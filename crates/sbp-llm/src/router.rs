@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use serde_json::{Map, Value};
+use sbp_protocol::ChatRequest;
 
 use crate::{ChunkStream, Completion, LlmError, Provider};
 
@@ -92,8 +92,8 @@ impl Router {
 
     /// The provider for a request body, with the body's `model` rewritten when the route
     /// strips its prefix.
-    fn route(&self, mut body: Map<String, Value>) -> (&Arc<dyn Provider>, Map<String, Value>) {
-        let model = body.get("model").and_then(Value::as_str).unwrap_or("");
+    fn route(&self, mut body: ChatRequest) -> (&Arc<dyn Provider>, ChatRequest) {
+        let model = body.model.as_deref().unwrap_or("");
         let (provider, upstream) = self.resolve(model);
         let rewrite = (upstream != model).then(|| upstream.to_owned());
         tracing::debug!(
@@ -103,7 +103,7 @@ impl Router {
             "routing request"
         );
         if let Some(upstream) = rewrite {
-            body.insert("model".into(), Value::String(upstream));
+            body.model = Some(upstream);
         }
         (provider, body)
     }
@@ -116,12 +116,12 @@ impl Provider for Router {
         provider.route_name(upstream)
     }
 
-    async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
+    async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let (provider, body) = self.route(body);
         provider.complete(body).await
     }
 
-    async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
+    async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
         let (provider, body) = self.route(body);
         provider.stream(body).await
     }
@@ -142,13 +142,13 @@ mod tests {
             format!("{}:{requested}", self.0)
         }
 
-        async fn complete(&self, body: Map<String, Value>) -> Result<Completion, LlmError> {
-            let model = body.get("model").cloned().unwrap_or(Value::Null);
+        async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
+            let model = body.model;
             let reply = json!({"model": model, "choices": [{"message": {"role": "assistant", "content": self.0}}]});
             Completion::from_body(reply, "")
         }
 
-        async fn stream(&self, body: Map<String, Value>) -> Result<ChunkStream, LlmError> {
+        async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
             let c = self.complete(body).await?;
             let chunk = json!({"model": c.model, "choices": [{"delta": {"content": self.0}}]});
             Ok(futures::stream::iter([Ok(chunk)]).boxed())
@@ -165,11 +165,11 @@ mod tests {
             .with_route(ModelMatch::prefix("cla"), Arc::new(Named("shadowed")))
     }
 
-    fn body(model: &str) -> Map<String, Value> {
-        json!({"model": model, "messages": []})
-            .as_object()
-            .cloned()
-            .unwrap_or_default()
+    fn body(model: &str) -> ChatRequest {
+        ChatRequest {
+            model: Some(model.to_owned()),
+            ..ChatRequest::default()
+        }
     }
 
     /// Each case: requested model, provider that answers, model it is given.
@@ -204,7 +204,10 @@ mod tests {
     #[tokio::test]
     async fn a_body_without_a_model_goes_to_the_default() {
         let r = router();
-        let c = r.complete(Map::new()).await.expect("the default answers");
+        let c = r
+            .complete(ChatRequest::default())
+            .await
+            .expect("the default answers");
         assert_eq!(c.text(), Some("default"));
         assert!(format!("{r:?}").contains("anthropic/"));
     }

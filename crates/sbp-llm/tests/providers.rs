@@ -121,7 +121,7 @@ async fn anthropic_tool_round_trip() {
 
     let mut follow_up = first;
     let messages = follow_up["messages"].as_array_mut().expect("messages");
-    messages.push(c.message.clone());
+    messages.push(c.message.clone().into());
     messages.push(json!({"role": "tool", "tool_call_id": id, "content": "sunny, 21C"}));
     let answer = provider
         .complete(body(follow_up.clone()))

@@ -1,11 +1,13 @@
-//! The roaming bundle: its content address (`bundle_cid`) and a lenient typed reader for import.
+//! The roaming bundle: its content address (`bundle_cid`), the writer an export uses
+//! ([`Envelope`], [`write_messages`]) and a lenient typed reader for import.
 //!
 //! `bundle_cid` is the hex SHA-256 of the canonical JSON (see [`crate::canonical`]) of the bundle
 //! without its digest field. The seeds name that field `bundle_cid`; the Python reference server
 //! names it `hash`. Both are excluded from the digest and both are accepted on verification.
 
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
+use uuid::Uuid;
 
 use crate::canonical::{sorted_entries, write_entries, write_entry};
 
@@ -172,6 +174,159 @@ fn matching(claimed: String, computed: String) -> Result<String, CidError> {
         Ok(computed)
     } else {
         Err(CidError::Mismatch { claimed, computed })
+    }
+}
+
+/// The memory format this gateway understands: `payload` is a JSON object of application-defined
+/// keys. Bundles whose memory names another schema import without their memory.
+pub const MEMORY_SCHEMA_KV: &str = "urn:sbp:memory:kv:v1";
+pub const KNOWN_MEMORY_SCHEMAS: &[&str] = &[MEMORY_SCHEMA_KV];
+
+/// A stored message as an export writes it: the chat message object and the gateway's facts
+/// about it, which join it as the keys `role`, `model_used`, `cost_usd` and `created_at`.
+#[derive(Debug, Clone, Copy)]
+pub struct MessageOut<'a> {
+    pub body: &'a Value,
+    pub role: &'a str,
+    pub model_used: Option<&'a str>,
+    pub cost_usd: Option<f64>,
+    /// RFC 3339.
+    pub created_at: &'a str,
+}
+
+/// The canonical bytes of a run of bundle messages (`m1, m2, ...`, without brackets, so runs
+/// written in parallel can be joined) and their summed cost when any message has one.
+pub fn write_messages<'a>(
+    messages: impl ExactSizeIterator<Item = MessageOut<'a>>,
+) -> (Vec<u8>, Option<f64>) {
+    let mut out = Vec::with_capacity(messages.len() * 512);
+    let mut cost: Option<f64> = None;
+    for (i, m) in messages.enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        write_message(&m, &mut out);
+        if let Some(c) = m.cost_usd {
+            cost = Some(cost.unwrap_or(0.0) + c);
+        }
+    }
+    (out, cost)
+}
+
+/// One bundle entry, written without building the merged object.
+fn write_message(m: &MessageOut<'_>, out: &mut Vec<u8>) {
+    let role = Value::String(m.role.to_owned());
+    let model_used = json!(m.model_used);
+    let cost_usd = json!(m.cost_usd);
+    let created_at = Value::String(m.created_at.to_owned());
+    let extra = [
+        ("cost_usd", &cost_usd),
+        ("created_at", &created_at),
+        ("model_used", &model_used),
+        ("role", &role),
+    ];
+    match m.body {
+        Value::Object(body) => crate::canonical::write_object_with(body, &extra, out),
+        other => {
+            let mut body = Map::new();
+            body.insert("content".to_owned(), other.clone());
+            crate::canonical::write_object_with(&body, &extra, out);
+        }
+    }
+}
+
+/// Everything of a bundle but its messages (SPEC 8.2 and the seeds), written with the field
+/// names of spec, docs and reference server. Timestamps are RFC 3339.
+#[derive(Debug, Clone)]
+pub struct Envelope<'a> {
+    pub exported_at: &'a str,
+    pub label: Option<&'a str>,
+    pub session: EnvelopeSession<'a>,
+    /// `(schema_id, payload)`; none: an empty document of [`MEMORY_SCHEMA_KV`].
+    pub memory: Option<(&'a str, &'a Value)>,
+    pub snapshot: Option<EnvelopeSnapshot<'a>>,
+    pub message_count: u64,
+    pub total_cost_usd: Option<f64>,
+    pub export_id: Uuid,
+    /// `<software>/<version>` of the exporting gateway.
+    pub exported_by: &'a str,
+}
+
+/// The exported session, as the envelope's `session` describes it.
+#[derive(Debug, Clone)]
+pub struct EnvelopeSession<'a> {
+    pub id: Uuid,
+    pub agent_id: &'a str,
+    pub status: &'a str,
+    pub last_task: Option<&'a str>,
+    pub created_at: &'a str,
+    pub step_count: u64,
+    pub model: Option<&'a str>,
+}
+
+/// The snapshot a bundle carries (`state_snapshot`).
+#[derive(Debug, Clone)]
+pub struct EnvelopeSnapshot<'a> {
+    pub id: Uuid,
+    pub kind: &'a str,
+    pub step_count: u64,
+    pub message_count: u64,
+    pub model: Option<&'a str>,
+    pub current_task: Option<&'a str>,
+    pub created_at: &'a str,
+    pub state: &'a Value,
+}
+
+impl Envelope<'_> {
+    /// The envelope as a JSON object, ready for [`seal_with_raw`] with the messages.
+    pub fn to_map(&self) -> Map<String, Value> {
+        let memory = match self.memory {
+            Some((schema_id, payload)) => json!({ "schema_id": schema_id, "payload": payload }),
+            None => json!({ "schema_id": MEMORY_SCHEMA_KV, "payload": {} }),
+        };
+        let snapshot = self.snapshot.as_ref().map_or(Value::Null, |s| {
+            json!({
+                "snapshot_id": s.id,
+                "kind": s.kind,
+                "step": s.step_count,
+                "step_count": s.step_count,
+                "message_count": s.message_count,
+                "model": s.model,
+                "current_task": s.current_task,
+                "created_at": s.created_at,
+                "state": s.state,
+            })
+        });
+        let s = &self.session;
+        let body = json!({
+            "sbp_version": BUNDLE_FORMAT_VERSION,
+            "exported_at": self.exported_at,
+            "label": self.label,
+            "session": {
+                "id": s.id,
+                "agent_id": s.agent_id,
+                "agent_external_id": s.agent_id,
+                "status": s.status,
+                "last_task": s.last_task,
+                "created_at": s.created_at,
+                "step_count": s.step_count,
+                "message_count": self.message_count,
+                "model": s.model,
+            },
+            "memory": memory,
+            "state_snapshot": snapshot,
+            "metadata": {
+                "export_id": self.export_id,
+                "message_count": self.message_count,
+                "total_cost_usd": self.total_cost_usd,
+                "exported_by": self.exported_by,
+            },
+        });
+        match body {
+            Value::Object(m) => m,
+            // `json!` of an object literal is always an object.
+            _ => Map::new(),
+        }
     }
 }
 

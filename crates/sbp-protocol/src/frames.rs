@@ -58,6 +58,16 @@ pub struct ToolResult {
     pub error: Option<String>,
 }
 
+impl ToolResult {
+    /// How the call ended: the surface's error, else its result (`null` when it sent none).
+    pub fn outcome(self) -> crate::ToolOutcome {
+        match self.error {
+            Some(e) => Err(crate::ToolFailure::Surface(e)),
+            None => Ok(self.result.unwrap_or(Value::Null)),
+        }
+    }
+}
+
 /// Why a text frame could not be parsed; each maps to PROTOCOL_ERROR + 1003.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum FrameError {

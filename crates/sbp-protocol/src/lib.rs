@@ -1,21 +1,26 @@
 //! SBP wire types shared by the gateway and its clients: WebSocket frames, the SurfaceContext,
-//! the `sbp` completion namespace, the error envelope, the session lifecycle, Python-compatible
-//! canonical JSON, roaming bundles (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
+//! the chat-completions request, tool-call outcomes, the `sbp` completion namespace, the error
+//! envelope, the session lifecycle, Python-compatible canonical JSON, roaming bundles
+//! (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
 
 pub mod bundle;
 pub mod canonical;
+pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod frames;
 pub mod lifecycle;
 pub mod surface;
 pub mod token;
+pub mod tools;
 
+pub use chat::{ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, ToolDecl};
 pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use frames::{ClientFrame, FrameError, ServerFrame};
 pub use lifecycle::{SessionStatus, SnapshotKind};
 pub use surface::{SurfaceContext, ToolSchema};
+pub use tools::{ToolFailure, ToolOutcome};
 
 /// The wire protocol version advertised in SESSION_ATTACHED unless configured otherwise (the seeds' v1.2).
 pub const DEFAULT_SBP_VERSION: &str = "1.2";

@@ -20,14 +20,35 @@ use uuid::Uuid;
 pub enum StoreError {
     #[error("not found")]
     NotFound,
-    /// The operation conflicts with stored state (a duplicate key, a forbidden status change).
+    /// The operation conflicts with stored state.
     #[error("conflict: {0}")]
-    Conflict(String),
+    Conflict(ConflictKind),
     /// A roaming export was already consumed by another import.
     #[error("export already consumed")]
     Consumed,
     #[error("storage backend error: {0}")]
     Backend(String),
+}
+
+/// What a write conflicted with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConflictKind {
+    /// A record with this key exists already (a unique or primary key).
+    #[error("a record with this key exists")]
+    Duplicate,
+    /// The Idempotency-Key is held by another request (in progress, done, or not this session's
+    /// failed one).
+    #[error("the Idempotency-Key is held by another request")]
+    IdempotencyKey,
+    /// The session's status does not allow the change (or changed concurrently).
+    #[error("the session's status does not allow this change")]
+    SessionStatus,
+    /// The turn is not running in this session (finished, failed, or another session's).
+    #[error("the turn is not running in this session")]
+    TurnNotRunning,
+    /// The write's own parts disagree (e.g. a created session with another id): a caller bug.
+    #[error("the write's records disagree with each other")]
+    Inconsistent,
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;

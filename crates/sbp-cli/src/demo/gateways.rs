@@ -45,7 +45,7 @@ impl Instance {
         };
         let gateway = Gateway::start(config, Arc::new(store), provider)
             .await
-            .map_err(|e| anyhow::anyhow!("starting gateway {name}: {}", e.message))?;
+            .map_err(|e| anyhow::anyhow!("starting gateway {name}: {e}"))?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding 127.0.0.1:0")?;

@@ -1,63 +1,71 @@
-//! Extractors and response mapping: JSON bodies parsed into objects with errors in the SBP envelope,
-//! the caller's credentials, operator API-key authentication, and `ApiError` -> HTTP response.
+//! Extractors: JSON bodies parsed into objects (and chat-completions requests) with errors in the
+//! SBP envelope, the caller's credentials, and operator API-key authentication.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use sbp_protocol::ErrorCode;
+use sbp_protocol::ChatRequest;
 use serde_json::{Map, Value};
 
-use crate::engine::Caller;
-use crate::{ApiError, Gateway};
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        error_response(&self)
-    }
-}
-
-pub fn error_response(err: &ApiError) -> Response {
-    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, axum::Json(err.body())).into_response();
-    add_headers(resp.headers_mut(), &err.headers);
-    resp
-}
-
-pub fn add_headers(map: &mut HeaderMap, headers: &[(&'static str, String)]) {
-    for (name, value) in headers {
-        if let Ok(v) = HeaderValue::from_str(value) {
-            map.insert(HeaderName::from_static(name), v);
-        }
-    }
-}
+use crate::Gateway;
+use crate::engine::sessions::Caller;
+use crate::error::Error;
 
 /// A request body that must be a JSON object (an empty body is `{}`).
 pub struct JsonObject(pub Map<String, Value>);
 
 impl<S: Send + Sync> FromRequest<S> for JsonObject {
-    type Rejection = ApiError;
+    type Rejection = Error;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(ErrorCode::PayloadTooLarge, "request body is too large")
-            } else {
-                ApiError::bad_request(format!("cannot read request body: {e}"))
-            }
-        })?;
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(Self(Map::new()));
+        let bytes = body_bytes(req, state).await?;
+        json_object(&bytes).map(Self)
+    }
+}
+
+async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Error> {
+    Bytes::from_request(req, state).await.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Error::TooLarge("request body is too large".into())
+        } else {
+            Error::invalid(format!("cannot read request body: {e}"))
         }
-        match serde_json::from_slice::<Value>(&bytes) {
-            Ok(Value::Object(map)) => Ok(Self(map)),
-            Ok(_) => Err(ApiError::bad_request("request body must be a JSON object")),
-            Err(e) => Err(ApiError::bad_request(format!(
-                "request body is not valid JSON: {e}"
-            ))),
-        }
+    })
+}
+
+fn json_object(bytes: &[u8]) -> Result<Map<String, Value>, Error> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(Error::invalid("request body must be a JSON object")),
+        Err(e) => Err(Error::invalid(format!(
+            "request body is not valid JSON: {e}"
+        ))),
+    }
+}
+
+/// A `POST /v1/chat/completions` body, typed, with the SHA-256 of the bytes received when the
+/// request carries an `Idempotency-Key` (the key's fingerprint: a retry sends the same bytes).
+pub struct ChatBody {
+    pub request: ChatRequest,
+    pub digest: Option<String>,
+}
+
+impl<S: Send + Sync> FromRequest<S> for ChatBody {
+    type Rejection = Error;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let keyed = req.headers().contains_key("idempotency-key");
+        let bytes = body_bytes(req, state).await?;
+        let digest = keyed.then(|| crate::auth::sha256_hex(&bytes));
+        let request =
+            ChatRequest::from_object(json_object(&bytes)?).map_err(|e| Error::Invalid(e.0))?;
+        Ok(Self { request, digest })
     }
 }
 
@@ -66,7 +74,7 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
 pub struct Operator(pub bool);
 
 impl<S: Send + Sync> FromRequestParts<S> for Caller {
-    type Rejection = ApiError;
+    type Rejection = Error;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         Ok(Caller {
@@ -120,9 +128,8 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
         || is_mcp_path(path);
     let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
     if !valid && !open {
-        return ApiError::new(
-            ErrorCode::Unauthorized,
-            "a valid operator API key is required (Authorization: Bearer <key>)",
+        return Error::Unauthorized(
+            "a valid operator API key is required (Authorization: Bearer <key>)".into(),
         )
         .into_response();
     }

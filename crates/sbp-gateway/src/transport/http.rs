@@ -12,11 +12,15 @@ use sbp_protocol::ErrorCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::extract::{JsonObject, Operator, add_headers, header};
-use crate::engine::{Caller, ChatInput, ChatOutcome, ChatReply, PushTurn, SseEvent, iso};
-use crate::{ApiError, Gateway};
+use super::errors::{self, add_headers, session_headers};
+use super::extract::{ChatBody, JsonObject, Operator, header};
+use crate::Gateway;
+use crate::engine::iso;
+use crate::engine::sessions::{Caller, PushTurn};
+use crate::engine::turns::{ChatInput, ChatOutcome, IdempotencyKey, SseEvent};
+use crate::error::Error;
 
-type ApiResult = Result<Response, ApiError>;
+type ApiResult = Result<Response, Error>;
 
 pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
@@ -27,12 +31,12 @@ pub async fn metrics(State(gw): State<Gateway>) -> ApiResult {
     Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
 }
 
-pub async fn not_found() -> ApiError {
-    ApiError::new(ErrorCode::NotFound, "no such endpoint")
+pub async fn not_found() -> Response {
+    errors::routing(ErrorCode::NotFound, "no such endpoint")
 }
 
-pub async fn method_not_allowed() -> ApiError {
-    ApiError::new(
+pub async fn method_not_allowed() -> Response {
+    errors::routing(
         ErrorCode::MethodNotAllowed,
         "method not allowed on this endpoint",
     )
@@ -42,58 +46,89 @@ pub async fn chat_completions(
     State(gw): State<Gateway>,
     operator: Option<axum::Extension<Operator>>,
     headers: HeaderMap,
-    JsonObject(body): JsonObject,
+    ChatBody { request, digest }: ChatBody,
 ) -> ApiResult {
+    let idempotency = header(&headers, "idempotency-key").map(|key| IdempotencyKey {
+        key,
+        fingerprint: digest.unwrap_or_default(),
+    });
     let input = ChatInput {
-        body,
+        request,
         session_token: header(&headers, "x-session-token"),
         agent_id: header(&headers, "x-agent-id"),
-        idempotency_key: header(&headers, "idempotency-key"),
+        idempotency,
         operator: operator.is_some_and(|o| o.0.0),
     };
-    match gw.chat(input).await? {
-        ChatOutcome::Reply(reply) => Ok(reply_response(reply)),
+    let (status, body, headers) = match gw.turns().chat(input).await? {
+        ChatOutcome::Completed { body, session } => {
+            (StatusCode::OK, body, session_headers(&session))
+        }
+        ChatOutcome::Proxied(body) => (StatusCode::OK, body, Vec::new()),
+        ChatOutcome::ResumeAvailable { meta, session } => (
+            StatusCode::ACCEPTED,
+            json!({"sbp": meta}),
+            session_headers(&session),
+        ),
+        ChatOutcome::Replayed {
+            status,
+            body,
+            session_id,
+            new_token,
+        } => {
+            let mut headers = vec![
+                ("x-session-id", session_id.to_string()),
+                ("idempotent-replayed", "true".into()),
+            ];
+            headers.extend(new_token.map(|t| ("x-session-token", t)));
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            (status, body, headers)
+        }
         ChatOutcome::Stream {
-            headers,
+            session,
             first,
             events,
         } => {
-            let rest = futures::stream::unfold(events, |mut rx| async move {
-                rx.recv().await.map(|ev| (ev, rx))
-            });
-            let stream = futures::stream::once(async move { first })
-                .chain(rest)
-                .scan(false, |finished, ev| {
-                    // Nothing is sent after [DONE] or an error event.
-                    if *finished {
-                        return futures::future::ready(None);
-                    }
-                    let event = match ev {
-                        SseEvent::Data(v) => Event::default().data(v.to_string()),
-                        SseEvent::Failed(e) => {
-                            *finished = true;
-                            Event::default()
-                                .data(serde_json::to_string(&e.body()).unwrap_or_default())
-                        }
-                        SseEvent::Done => {
-                            *finished = true;
-                            Event::default().data("[DONE]")
-                        }
-                    };
-                    futures::future::ready(Some(Ok::<_, Infallible>(event)))
-                });
-            let mut resp = Sse::new(stream).into_response();
-            add_headers(resp.headers_mut(), &headers);
-            Ok(resp)
+            let mut resp = sse(first, events).into_response();
+            if let Some(session) = &session {
+                add_headers(resp.headers_mut(), &session_headers(session));
+            }
+            return Ok(resp);
         }
-    }
+    };
+    let mut resp = (status, Json(body)).into_response();
+    add_headers(resp.headers_mut(), &headers);
+    Ok(resp)
 }
 
-fn reply_response(reply: ChatReply) -> Response {
-    let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
-    let mut resp = (status, Json(reply.body)).into_response();
-    add_headers(resp.headers_mut(), &reply.headers);
-    resp
+/// A streamed completion as server-sent events; nothing is sent after `[DONE]` or an error.
+fn sse(
+    first: SseEvent,
+    events: tokio::sync::mpsc::Receiver<SseEvent>,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let rest = futures::stream::unfold(events, |mut rx| async move {
+        rx.recv().await.map(|ev| (ev, rx))
+    });
+    let stream = futures::stream::once(async move { first })
+        .chain(rest)
+        .scan(false, |finished, ev| {
+            if *finished {
+                return futures::future::ready(None);
+            }
+            let event = match ev {
+                SseEvent::Data(v) => Event::default().data(v.to_string()),
+                SseEvent::Failed(e) => {
+                    *finished = true;
+                    Event::default()
+                        .data(serde_json::to_string(&errors::body(&e)).unwrap_or_default())
+                }
+                SseEvent::Done => {
+                    *finished = true;
+                    Event::default().data("[DONE]")
+                }
+            };
+            futures::future::ready(Some(Ok::<_, Infallible>(event)))
+        });
+    Sse::new(stream)
 }
 
 pub async fn create_session(
@@ -105,7 +140,7 @@ pub async fn create_session(
         None | Some(Value::Null) => header(&headers, "x-agent-id"),
         Some(Value::String(s)) if !s.is_empty() && s.len() <= 256 => Some(s.clone()),
         Some(_) => {
-            return Err(ApiError::bad_request(
+            return Err(Error::invalid(
                 "`agent_id` must be a string of 1 to 256 characters",
             ));
         }
@@ -113,9 +148,9 @@ pub async fn create_session(
     let metadata = match body.get("metadata") {
         None | Some(Value::Null) => json!({}),
         Some(v @ Value::Object(_)) => v.clone(),
-        Some(_) => return Err(ApiError::bad_request("`metadata` must be an object")),
+        Some(_) => return Err(Error::invalid("`metadata` must be an object")),
     };
-    let (session, token) = gw.create_session(agent, metadata).await?;
+    let (session, token) = gw.sessions().create(agent, metadata).await?;
     let body = json!({
         "session_id": session.id,
         "session_token": token,
@@ -142,8 +177,8 @@ pub async fn get_session(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
-    Ok(Json(gw.session_view(&session).await?).into_response())
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    Ok(Json(gw.sessions().view(&session).await?).into_response())
 }
 
 #[derive(Deserialize)]
@@ -158,10 +193,10 @@ pub async fn list_messages(
     Path(id): Path<String>,
     query: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
-    let Query(page) = query.map_err(|e| ApiError::bad_request(format!("bad query: {e}")))?;
-    let session = gw.authorized_session(&id, &caller).await?;
+    let Query(page) = query.map_err(|e| Error::invalid(format!("bad query: {e}")))?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let limit = page.limit.unwrap_or(100).clamp(1, 1000);
-    let messages = gw.list_messages(&session, page.after, limit).await?;
+    let messages = gw.sessions().messages(&session, page.after, limit).await?;
     let next = messages
         .last()
         .map(|m| m.seq)
@@ -195,13 +230,13 @@ pub async fn set_status(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let status = body
         .get("status")
         .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad_request("`status` must be a string"))?;
+        .ok_or_else(|| Error::invalid("`status` must be a string"))?;
     let previous = session.status;
-    let updated = gw.set_status(&session, status).await?;
+    let updated = gw.sessions().set_status(&session, status).await?;
     Ok(Json(json!({
         "session_id": updated.id,
         "status": updated.status,
@@ -217,12 +252,13 @@ pub async fn latest_snapshot(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let snap = gw
-        .store_latest_snapshot(session.id)
+        .sessions()
+        .latest_snapshot(session.id)
         .await?
-        .ok_or_else(|| ApiError::new(ErrorCode::NotFound, "this session has no snapshot yet"))?;
-    Ok(Json(gw.snapshot_json(&snap).await?).into_response())
+        .ok_or_else(|| Error::NotFound("this session has no snapshot yet".into()))?;
+    Ok(Json(gw.sessions().snapshot_json(&snap).await?).into_response())
 }
 
 pub async fn list_snapshots(
@@ -230,8 +266,8 @@ pub async fn list_snapshots(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
-    let snaps = gw.snapshots(session.id, 100).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    let snaps = gw.sessions().snapshots(session.id, 100).await?;
     let items: Vec<Value> = snaps
         .iter()
         .map(|s| {
@@ -243,11 +279,11 @@ pub async fn list_snapshots(
     Ok(Json(json!({"session_id": session.id, "snapshots": items})).into_response())
 }
 
-fn push_from(v: &serde_json::Map<String, Value>) -> Result<PushTurn, ApiError> {
+fn push_from(v: &serde_json::Map<String, Value>) -> Result<PushTurn, Error> {
     let content = v
         .get("content")
         .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad_request("`content` must be a string"))?
+        .ok_or_else(|| Error::invalid("`content` must be a string"))?
         .to_owned();
     let role = match v.get("role") {
         None | Some(Value::Null) => "assistant".to_owned(),
@@ -257,7 +293,7 @@ fn push_from(v: &serde_json::Map<String, Value>) -> Result<PushTurn, ApiError> {
             r.clone()
         }
         Some(_) => {
-            return Err(ApiError::bad_request(
+            return Err(Error::invalid(
                 "`role` must be assistant, user, tool or system",
             ));
         }
@@ -279,9 +315,9 @@ pub async fn push_turn(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let push = push_from(&body)?;
-    let (seq, attached) = gw.push_turn(&session, push).await?;
+    let (seq, attached) = gw.sessions().push_turn(&session, push).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({"session_id": session.id, "seq": seq, "delivery": if attached { "live" } else { "tethered" }})),
@@ -297,22 +333,22 @@ pub async fn test_tether(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let turns = body
         .get("turns")
         .and_then(Value::as_array)
-        .ok_or_else(|| ApiError::bad_request("`turns` must be an array"))?;
+        .ok_or_else(|| Error::invalid("`turns` must be an array"))?;
     let mut pushes = Vec::with_capacity(turns.len());
     for t in turns {
         let inner = t.get("turn").unwrap_or(t);
         let obj = inner
             .as_object()
-            .ok_or_else(|| ApiError::bad_request("each turn must be an object"))?;
+            .ok_or_else(|| Error::invalid("each turn must be an object"))?;
         pushes.push(push_from(obj)?);
     }
     let mut seqs = Vec::with_capacity(pushes.len());
     for p in pushes {
-        seqs.push(gw.push_turn(&session, p).await?.0);
+        seqs.push(gw.sessions().push_turn(&session, p).await?.0);
     }
     Ok(
         Json(json!({"session_id": session.id, "enqueued": seqs.len(), "seqs": seqs}))

@@ -19,7 +19,8 @@ use uuid::Uuid;
 
 use super::extract::{Operator, bearer, header};
 use crate::Gateway;
-use crate::engine::{Caller, ToolCallError, tool_message_content};
+use crate::engine::sessions::Caller;
+use crate::engine::tools::{CallRefused, tool_message_content};
 
 /// The MCP route, behind its own authentication.
 pub fn routes(gw: Gateway) -> Router<Gateway> {
@@ -52,7 +53,7 @@ async fn authenticate(
         session_token,
         operator,
     };
-    match gw.authorized_session(&id, &caller).await {
+    match gw.sessions().authorized(&id, &caller).await {
         Ok(session) => {
             req.extensions_mut().insert(McpSession(session.id));
             next.run(req).await
@@ -68,6 +69,7 @@ impl SurfaceToolHost for Host {
     async fn list_tools(&self, session: Uuid) -> Result<Vec<ToolSpec>, HostError> {
         Ok(self
             .0
+            .tools()
             .surface_tools(session)
             .await
             .into_iter()
@@ -86,22 +88,17 @@ impl SurfaceToolHost for Host {
         arguments: Value,
     ) -> Result<ToolOutput, HostError> {
         let timeout: Duration = self.0.config().tool_timeout;
-        match self
-            .0
-            .call_surface_tool(session, name, arguments, timeout)
-            .await
-        {
-            Ok(out) => Ok(match out.reply {
-                crate::engine::hub::ToolReply::Result(v) => ToolOutput::json(v),
-                reply @ crate::engine::hub::ToolReply::Error(_) => {
-                    ToolOutput::error(tool_message_content(&reply))
-                }
+        let tools = self.0.tools();
+        match tools.call_surface(session, name, arguments, timeout).await {
+            Ok(out) => Ok(match out.outcome {
+                Ok(v) => ToolOutput::json(v),
+                failed @ Err(_) => ToolOutput::error(tool_message_content(&failed)),
             }),
-            Err(ToolCallError::NoSurface(m)) if !self.0.is_attached(session).await => {
+            Err(CallRefused::NoSurface(m)) if !tools.is_attached(session).await => {
                 Err(HostError::NoSurface(m))
             }
             // `UnknownTool` carries the tool's name; the MCP error names it.
-            Err(ToolCallError::NoSurface(_) | ToolCallError::NotAllowed(_)) => {
+            Err(CallRefused::NoSurface(_) | CallRefused::NotAllowed(_)) => {
                 Err(HostError::UnknownTool(name.to_owned()))
             }
         }

@@ -1,10 +1,12 @@
 //! HTTP and WebSocket transport: routes, extractors and the mapping of engine results to responses.
 //! Handlers stay thin: extract, call one engine function, map the result.
 
+mod errors;
 mod extract;
 mod http;
 mod mcp;
 mod page;
+mod requests;
 mod roaming;
 mod tools;
 mod ws;
@@ -14,8 +16,6 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, patch, post};
 
 use crate::Gateway;
-
-pub use extract::error_response;
 
 pub fn router(gateway: Gateway) -> Router {
     let max_body = gateway.config().max_body_bytes;

@@ -11,8 +11,6 @@ use axum::response::{IntoResponse, Response};
 use sbp_protocol::ErrorCode;
 use sha2::{Digest as _, Sha256};
 
-use crate::ApiError;
-
 /// No inline script or style anywhere, so `'self'` is all the page needs; `ws:`/`wss:` because
 /// not every browser counts a WebSocket to the page's own host as `'self'`.
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
@@ -66,7 +64,7 @@ pub async fn index(headers: HeaderMap) -> Response {
 pub async fn asset(Path(file): Path<String>, headers: HeaderMap) -> Response {
     match ASSETS.iter().find(|a| a.name == file) {
         Some(asset) => serve(asset, &headers),
-        None => ApiError::new(ErrorCode::NotFound, "no such asset").into_response(),
+        None => super::errors::routing(ErrorCode::NotFound, "no such asset"),
     }
 }
 

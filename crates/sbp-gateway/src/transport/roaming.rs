@@ -8,11 +8,16 @@ use axum::response::{IntoResponse, Response};
 use sbp_store::{ExportRecord, Lineage, LinkKind, LinkRecord};
 use serde_json::{Value, json};
 
-use super::extract::{JsonObject, add_headers};
-use crate::engine::{Caller, ExportRequest, HandoffRequest, ImportRequest, iso, unix_iso};
-use crate::{ApiError, Gateway};
+use super::errors::add_headers;
+use super::extract::JsonObject;
+use super::requests::optional_label;
+use crate::Gateway;
+use crate::engine::iso;
+use crate::engine::roaming::{ExportRequest, HandoffRequest, ImportRequest, unix_iso};
+use crate::engine::sessions::Caller;
+use crate::error::Error;
 
-type ApiResult = Result<Response, ApiError>;
+type ApiResult = Result<Response, Error>;
 
 fn created(body: Value, session_id: &str, token: &str, agent_id: &str) -> Response {
     let mut resp = (StatusCode::CREATED, Json(body)).into_response();
@@ -51,9 +56,9 @@ pub async fn export(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let req = ExportRequest::from_body(&body)?;
-    let out = gw.export_session(&session, req).await?;
+    let out = gw.roaming().export(&session, req).await?;
     let e = &out.export;
     let mut body = json!({
         "export_id": e.id,
@@ -75,7 +80,7 @@ pub async fn export(
 
 pub async fn import(State(gw): State<Gateway>, JsonObject(body): JsonObject) -> ApiResult {
     let req = ImportRequest::from_body(body)?;
-    let out = gw.import_session(req).await?;
+    let out = gw.roaming().import(req).await?;
     let s = &out.session;
     let body = json!({
         "session_id": s.id,
@@ -112,7 +117,7 @@ pub async fn import(State(gw): State<Gateway>, JsonObject(body): JsonObject) -> 
 }
 
 pub async fn inspect_token(State(gw): State<Gateway>, Path(token): Path<String>) -> ApiResult {
-    let info = gw.inspect_token(&token).await?;
+    let info = gw.roaming().inspect_token(&token).await?;
     // `expired` comes with the export (its expiry is the token's `exp`).
     let mut body = export_json(&info.export, chrono::Utc::now());
     body["issued_at"] = json!(unix_iso(info.claims.iat));
@@ -125,9 +130,9 @@ pub async fn handoff(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let source = gw.authorized_session(&id, &caller).await?;
+    let source = gw.sessions().authorized(&id, &caller).await?;
     let req = HandoffRequest::from_body(&body)?;
-    let out = gw.handoff(&source, req).await?;
+    let out = gw.roaming().handoff(&source, req).await?;
     let s = &out.session;
     let body = json!({
         "handoff_id": out.handoff_id,
@@ -162,9 +167,9 @@ pub async fn fork(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let origin = gw.authorized_session(&id, &caller).await?;
-    let label = crate::engine::optional_label(&body)?;
-    let out = gw.fork(&origin, label).await?;
+    let origin = gw.sessions().authorized(&id, &caller).await?;
+    let label = optional_label(&body)?;
+    let out = gw.roaming().fork(&origin, label).await?;
     let s = &out.session;
     let body = json!({
         "fork_id": out.fork_id,
@@ -223,8 +228,8 @@ pub async fn exports(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
-    let view = gw.lineage(&session).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    let view = gw.roaming().lineage(&session).await?;
     Ok(Json(json!({
         "session_id": session.id,
         "exports": exports_json(&view),
@@ -237,8 +242,8 @@ pub async fn lineage(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
-    let view = gw.lineage(&session).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    let view = gw.roaming().lineage(&session).await?;
     let out = |kind: LinkKind| view.outgoing.iter().filter(move |l| l.kind == kind);
     let inc = |kind: LinkKind| view.incoming.iter().filter(move |l| l.kind == kind);
     let outgoing_handoffs: Vec<Value> = out(LinkKind::Handoff)
@@ -349,8 +354,8 @@ pub async fn get_memory(
     caller: Caller,
     Path(id): Path<String>,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
-    let m = gw.memory(&session).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    let m = gw.roaming().memory(&session).await?;
     Ok(Json(memory_json(session.id, &m)).into_response())
 }
 
@@ -360,16 +365,19 @@ pub async fn put_memory(
     Path(id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
-    let session = gw.authorized_session(&id, &caller).await?;
+    let session = gw.sessions().authorized(&id, &caller).await?;
     let schema_id = match body.get("schema_id") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(ApiError::bad_request("`schema_id` must be a string")),
+        Some(_) => return Err(Error::invalid("`schema_id` must be a string")),
     };
     let payload = body
         .get("payload")
         .cloned()
-        .ok_or_else(|| ApiError::bad_request("`payload` (an object) is required"))?;
-    let m = gw.put_memory(&session, schema_id, payload).await?;
+        .ok_or_else(|| Error::invalid("`payload` (an object) is required"))?;
+    let m = gw
+        .roaming()
+        .put_memory(&session, schema_id, payload)
+        .await?;
     Ok(Json(memory_json(session.id, &m)).into_response())
 }

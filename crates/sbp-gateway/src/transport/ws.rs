@@ -15,8 +15,8 @@ use sbp_protocol::{ClientFrame, ServerFrame};
 use tokio::time::Instant;
 
 use crate::Gateway;
-use crate::engine::hub::{ConnMsg, Inbox};
-use crate::engine::{AttachError, CtpFrames, Delivery};
+use crate::engine::connections::{ConnMsg, Inbox};
+use crate::engine::surfaces::{AttachError, CtpFrames, Delivery, Frame};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
 pub use sbp_protocol::frames::CLOSE_DISPLACED;
@@ -60,11 +60,11 @@ async fn next_frame(socket: &mut WebSocket) -> Incoming {
         match socket.recv().await {
             None => return Incoming::Closed,
             Some(Err(e)) => {
-                let text = e.to_string();
-                return if text.contains("too long")
-                    || text.contains("too big")
-                    || text.contains("Space limit")
-                {
+                let too_big = e
+                    .into_inner()
+                    .downcast_ref::<tungstenite::Error>()
+                    .is_some_and(|e| matches!(e, tungstenite::Error::Capacity(_)));
+                return if too_big {
                     Incoming::TooBig
                 } else {
                     Incoming::Closed
@@ -169,7 +169,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
         };
         // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
         // as long as the surface stays attached, so only the small idle loop should live inline.
-        let attached = match Box::pin(gw.attach(&path_id, attach)).await {
+        let attached = match Box::pin(gw.surfaces().attach(&path_id, attach)).await {
             Ok(a) => a,
             Err(e) => {
                 let (frame, code, reason) = match e {
@@ -206,7 +206,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
             "socket write failed"
         };
         if reason != DETACHED {
-            Box::pin(gw.detach(&delivery, reason)).await;
+            Box::pin(gw.surfaces().detach(&delivery, reason)).await;
         }
     }
 }
@@ -215,12 +215,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
 const DETACHED: &str = "DETACH";
 
 /// Writes frames in order; after each frame that carries a tether seq, reports it sent.
-async fn send_all(
-    gw: &Gateway,
-    socket: &mut WebSocket,
-    d: &Delivery,
-    frames: Vec<(ServerFrame, Option<u64>)>,
-) -> bool {
+async fn send_all(gw: &Gateway, socket: &mut WebSocket, d: &Delivery, frames: Vec<Frame>) -> bool {
     let mut sent = Vec::new();
     let mut ok = true;
     for (frame, seq) in frames {
@@ -231,7 +226,7 @@ async fn send_all(
         sent.extend(seq);
     }
     if !sent.is_empty() {
-        Box::pin(gw.sent(d, &sent)).await;
+        Box::pin(gw.surfaces().sent(d, &sent)).await;
     }
     ok
 }
@@ -252,7 +247,7 @@ async fn reattach(
             }
         }
     }
-    match gw.reattach(d, frame).await {
+    match gw.surfaces().reattach(d, frame).await {
         Ok(frames) => {
             if send_all(gw, socket, d, frames).await {
                 Ok(())
@@ -288,7 +283,7 @@ async fn reattach(
 }
 
 /// The next frame of a running CTP rewrite (`None` when it ended).
-async fn next_ctp(ctp: &mut Option<CtpFrames>) -> Option<(ServerFrame, Option<u64>)> {
+async fn next_ctp(ctp: &mut Option<CtpFrames>) -> Option<Frame> {
     match ctp {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
@@ -334,13 +329,13 @@ async fn connection_loop(
                     Ok(ClientFrame::Detach) => {
                         // Suspended before the close frame acknowledges the DETACH: a client that
                         // saw its close complete then reads the session suspended.
-                        Box::pin(gw.detach(d, DETACHED)).await;
+                        Box::pin(gw.surfaces().detach(d, DETACHED)).await;
                         close(socket, CLOSE_NORMAL, "detached").await;
                         return DETACHED;
                     }
                     Ok(ClientFrame::Pong) => pong_deadline = None,
-                    Ok(ClientFrame::Ack { seq }) => Box::pin(gw.ack(d, seq)).await,
-                    Ok(ClientFrame::ToolResult(r)) => gw.tool_result(d.session_id, d.conn_id, r),
+                    Ok(ClientFrame::Ack { seq }) => Box::pin(gw.surfaces().ack(d, seq)).await,
+                    Ok(ClientFrame::ToolResult(r)) => gw.tools().result(d.session_id, d.conn_id, r),
                     Ok(ClientFrame::Attach(a)) => {
                         if let Err(reason) = Box::pin(reattach(gw, socket, d, &mut ctp, a)).await {
                             return reason;
@@ -366,10 +361,10 @@ async fn connection_loop(
                         return "displaced";
                     }
                     Some(ConnMsg::Chunk(c)) => {
-                        gw.live_chunk(d, c.chunk_id, &c.delta, c.round, c.offset).map(|f| (f, None)).into_iter().collect()
+                        gw.surfaces().live_chunk(d, &c).into_iter().collect()
                     }
                     Some(ConnMsg::TurnDone(done)) => {
-                        let turn = Box::pin(gw.on_turn_done(d, *done)).await;
+                        let turn = Box::pin(gw.surfaces().turn_done(d, *done)).await;
                         ctp = turn.ctp;
                         turn.frames
                     }
@@ -380,7 +375,7 @@ async fn connection_loop(
             }
             item = next_ctp(&mut ctp), if ctp.is_some() => match item {
                 // The inbox (and its Displaced) waits while a rewrite streams: check directly.
-                Some(_) if !gw.is_current(d) => {
+                Some(_) if !gw.surfaces().is_current(d) => {
                     close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
                     return "displaced";
                 }
@@ -401,7 +396,7 @@ async fn connection_loop(
                 if ctp.is_some() {
                     continue;
                 }
-                let missed = Box::pin(gw.catch_up(d)).await;
+                let missed = Box::pin(gw.surfaces().catch_up(d)).await;
                 if !Box::pin(send_all(gw, socket, d, missed)).await {
                     return "socket write failed";
                 }

@@ -12,7 +12,7 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceError, ServiceExt};
 use sbp_gateway::GatewayConfig;
-use sbp_gateway::engine::ServerTools;
+use sbp_gateway::ServerTools;
 use sbp_mcp::Southbound;
 use serde_json::{Value, json};
 use uuid::Uuid;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use sbp_fake_llm::FakeLlm;
-use sbp_gateway::engine::ServerTools;
+use sbp_gateway::ServerTools;
 use sbp_gateway::{Gateway, GatewayConfig};
 use sbp_llm::{EchoProvider, OpenAiOptions, OpenAiProvider, Provider};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore};

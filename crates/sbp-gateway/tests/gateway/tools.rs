@@ -119,6 +119,7 @@ fn has_key(v: &Value, key: &str) -> bool {
 /// The engine's snapshots of a session (their `state` is not in the HTTP list).
 async fn snapshot_states(gw: &TestGateway, id: &str) -> Vec<(String, Value)> {
     gw.gateway
+        .sessions()
         .snapshots(Uuid::parse_str(id).expect("session id"), 100)
         .await
         .expect("snapshots")

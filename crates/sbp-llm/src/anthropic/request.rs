@@ -5,21 +5,23 @@
 //! `tool_result` blocks of the next user turn. Translation never fails: what Anthropic cannot
 //! express is dropped with a warning, and what is still wrong is left for the upstream's 400.
 
+use sbp_protocol::{ChatMessage, ChatRequest};
 use serde_json::{Map, Value, json};
 
 use crate::content_text;
 
 /// The Anthropic request body for an OpenAI one.
 pub(crate) fn translate(
-    body: &Map<String, Value>,
+    req: &ChatRequest,
     default_max_tokens: u32,
     stream: bool,
 ) -> Map<String, Value> {
     let mut out = Map::new();
-    if let Some(model) = body.get("model") {
-        out.insert("model".into(), model.clone());
+    if let Some(model) = &req.model {
+        out.insert("model".into(), json!(model));
     }
-    let Conversation { system, turns } = conversation(body.get("messages"));
+    let body = &req.rest;
+    let Conversation { system, turns } = conversation(&req.messages);
     if !system.is_empty() {
         out.insert("system".into(), json!(system.join("\n\n")));
     }
@@ -43,10 +45,8 @@ pub(crate) fn translate(
         "messages".into(),
         Value::Array(turns.into_iter().map(Turn::into_message).collect()),
     );
-    let max_tokens = body
-        .get("max_tokens")
-        .or_else(|| body.get("max_completion_tokens"))
-        .and_then(Value::as_u64)
+    let max_tokens = req
+        .output_token_limit()
         .unwrap_or(u64::from(default_max_tokens));
     out.insert("max_tokens".into(), json!(max_tokens));
     if let Some(stop) = stop_sequences(body.get("stop")) {
@@ -60,7 +60,7 @@ pub(crate) fn translate(
     if let Some(user) = body.get("user").and_then(Value::as_str) {
         out.insert("metadata".into(), json!({"user_id": user}));
     }
-    tools(body, uses_tools, &mut out);
+    tools(req, uses_tools, &mut out);
     if uses_tools && !out.contains_key("tools") {
         // Anthropic refuses tool blocks in a request that defines no tools (e.g. a later turn
         // once the device that had them is gone): define the called ones, and forbid their use.
@@ -103,15 +103,10 @@ impl Turn {
     }
 }
 
-fn conversation(messages: Option<&Value>) -> Conversation {
+fn conversation(messages: &[ChatMessage]) -> Conversation {
     let mut system = Vec::new();
     let mut turns: Vec<Turn> = Vec::new();
-    for (index, message) in messages
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
+    for (index, message) in messages.iter().map(ChatMessage::as_value).enumerate() {
         let role = message.get("role").and_then(Value::as_str).unwrap_or("");
         let content = message.get("content");
         let (role, blocks) = match role {
@@ -270,18 +265,18 @@ fn stop_sequences(stop: Option<&Value>) -> Option<Value> {
 /// Copies `tools` and `tool_choice`. `none` drops the tools, unless the conversation already
 /// holds tool blocks: Anthropic refuses those without tool definitions, so then the tools stay
 /// and the choice says `none`.
-fn tools(body: &Map<String, Value>, uses_tools: bool, out: &mut Map<String, Value>) {
-    let tools: Vec<Value> = body
-        .get("tools")
-        .and_then(Value::as_array)
-        .into_iter()
+fn tools(req: &ChatRequest, uses_tools: bool, out: &mut Map<String, Value>) {
+    let tools: Vec<Value> = req
+        .tools
+        .iter()
         .flatten()
+        .map(|t| t.as_value())
         .filter_map(tool_definition)
         .collect();
     if tools.is_empty() {
         return;
     }
-    let mut choice = match body.get("tool_choice") {
+    let mut choice = match req.tool_choice.as_ref() {
         None | Some(Value::Null) => json!({"type": "auto"}),
         Some(Value::String(s)) if s == "auto" => json!({"type": "auto"}),
         Some(Value::String(s)) if s == "required" => json!({"type": "any"}),
@@ -303,8 +298,8 @@ fn tools(body: &Map<String, Value>, uses_tools: bool, out: &mut Map<String, Valu
             }
         },
     };
-    let explicit = body.get("tool_choice").is_some_and(|c| !c.is_null());
-    let serial = body.get("parallel_tool_calls") == Some(&Value::Bool(false));
+    let explicit = req.tool_choice.as_ref().is_some_and(|c| !c.is_null());
+    let serial = req.rest.get("parallel_tool_calls") == Some(&Value::Bool(false));
     if serial && choice["type"] != "none" {
         choice["disable_parallel_tool_use"] = Value::Bool(true);
     }
@@ -344,8 +339,8 @@ fn tool_definition(tool: &Value) -> Option<Value> {
 mod tests {
     use super::*;
 
-    fn body(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap_or_default()
+    fn body(v: Value) -> ChatRequest {
+        crate::test_request(v)
     }
 
     fn translated(v: Value) -> Value {

@@ -9,7 +9,8 @@ use sbp_llm::{
     AnthropicOptions, AnthropicProvider, Assembler, LlmError, OpenAiOptions, OpenAiProvider,
     Provider,
 };
-use serde_json::{Map, Value, json};
+use sbp_protocol::ChatRequest;
+use serde_json::{Value, json};
 
 pub async fn fake() -> FakeLlm {
     FakeLlm::start().await.expect("fake starts")
@@ -42,22 +43,22 @@ pub fn openai(fake: &FakeLlm) -> OpenAiProvider {
 }
 
 /// An OpenAI request body.
-pub fn body(v: Value) -> Map<String, Value> {
+pub fn body(v: Value) -> ChatRequest {
     match v {
-        Value::Object(map) => map,
+        Value::Object(map) => ChatRequest::from_object(map).expect("a valid request"),
         other => panic!("a body is an object, not {other}"),
     }
 }
 
 /// A one-message OpenAI request for `model`.
-pub fn user(model: &str, text: &str) -> Map<String, Value> {
+pub fn user(model: &str, text: &str) -> ChatRequest {
     body(json!({"model": model, "messages": [{"role": "user", "content": text}]}))
 }
 
 /// Streams `body` and folds every chunk; the error that ended the stream, if one did.
 pub async fn stream(
     provider: &dyn Provider,
-    body: Map<String, Value>,
+    body: ChatRequest,
 ) -> Result<(Assembler, Vec<Value>), LlmError> {
     let mut s = provider.stream(body).await?;
     let mut asm = Assembler::default();

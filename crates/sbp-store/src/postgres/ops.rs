@@ -17,9 +17,9 @@ use super::codec::{
     snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols, turn_row, turn_state,
 };
 use crate::{
-    BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
-    IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, SessionRecord,
-    SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
+    BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
+    IdempotencyRecord, IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot,
+    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
     TurnProgressOutcome, TurnRecord, TurnState,
 };
 
@@ -30,8 +30,8 @@ pub(crate) const INTERRUPTED: &str = "interrupted by gateway restart";
 /// (and will commit or roll back).
 pub(crate) type Tx = Client;
 
-pub(crate) fn conflict(msg: impl Into<String>) -> StoreError {
-    StoreError::Conflict(msg.into())
+pub(crate) fn conflict(kind: ConflictKind) -> StoreError {
+    StoreError::Conflict(kind)
 }
 
 pub(crate) async fn prep(c: &impl GenericClient, sql: &str) -> StoreResult<Statement> {
@@ -137,9 +137,7 @@ pub(crate) fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreR
     if from.can_transition(to) {
         Ok(())
     } else {
-        Err(conflict(format!(
-            "session status cannot change from {from} to {to}"
-        )))
+        Err(conflict(ConflictKind::SessionStatus))
     }
 }
 
@@ -165,7 +163,7 @@ pub(crate) async fn refused_transition(
         Ok(Some(from)) => check_transition(from, to)
             .err()
             // Allowed now, so another write changed the status in between: still a refusal.
-            .unwrap_or_else(|| conflict(format!("session status changed concurrently to {from}"))),
+            .unwrap_or_else(|| conflict(ConflictKind::SessionStatus)),
     }
 }
 
@@ -666,7 +664,7 @@ pub(crate) fn finish_is_one_statement(f: &FinishTurn) -> bool {
 /// statements are sent together in order (pipelined), so a turn costs one round trip.
 pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOutcome> {
     if b.create.as_ref().is_some_and(|c| c.id != b.session_id) {
-        return Err(conflict("begin_turn: create.id differs from session_id"));
+        return Err(conflict(ConflictKind::Inconsistent));
     }
     // Everything prepared first (a cached statement costs nothing), so the executions below are
     // sent in this order: a first-time prepare would otherwise let a later statement overtake.
@@ -767,7 +765,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
             .await
             .map_err(db_err)?;
         if claimed == 0 {
-            return Err(conflict("idempotency key exists"));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
         Ok(())
     };
@@ -790,9 +788,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
             .await
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(
-                "idempotency key is not a failed request of this session",
-            ));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
         Ok(())
     };
@@ -928,7 +924,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
             .await
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict("idempotency key was not claimed by this session"));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
         Ok(())
     };
@@ -938,7 +934,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         // Nothing written: the session is missing, or the turn is not running in it.
         return Err(match current_status(c, f.session_id).await? {
             None => StoreError::NotFound,
-            Some(_) => conflict("turn is not running in this session"),
+            Some(_) => conflict(ConflictKind::TurnNotRunning),
         });
     };
     idem?;
@@ -972,7 +968,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
 }
 
 pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<TurnProgressOutcome> {
-    let not_running = || conflict("turn is not running in this session");
+    let not_running = || conflict(ConflictKind::TurnNotRunning);
     let (update, running, messages, snapshot) = tokio::try_join!(
         prep(
             tx,
@@ -1055,7 +1051,7 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
     match turn.state {
-        TurnState::Done => return Err(conflict("turn already finished")),
+        TurnState::Done => return Err(conflict(ConflictKind::TurnNotRunning)),
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {

@@ -118,7 +118,7 @@ pub(crate) async fn create_export(
     if insert_export(tx, &export).await? {
         Ok(())
     } else {
-        Err(StoreError::Conflict(format!("export {} exists", export.id)))
+        Err(StoreError::Conflict(crate::ConflictKind::Duplicate))
     }
 }
 

@@ -11,17 +11,17 @@ use super::codec::{
     snapshot_row, tether_row, ts, turn_row, turn_state, uuid,
 };
 use crate::{
-    BeginTurn, BeginTurnOutcome, FailTurn, FinishTurn, FinishTurnOutcome, IdempotencyRecord,
-    IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot, NewTetherEntry,
-    SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp, TurnProgress,
-    TurnProgressOutcome, TurnRecord, TurnState,
+    BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
+    IdempotencyRecord, IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot,
+    NewTetherEntry, SessionRecord, SnapshotRecord, StoreError, StoreResult, TetherEntry, Timestamp,
+    TurnProgress, TurnProgressOutcome, TurnRecord, TurnState,
 };
 
 /// Error text of turns failed by `recover_interrupted_turns`.
 pub(crate) const INTERRUPTED: &str = "interrupted by gateway restart";
 
-fn conflict(msg: impl Into<String>) -> StoreError {
-    StoreError::Conflict(msg.into())
+fn conflict(kind: ConflictKind) -> StoreError {
+    StoreError::Conflict(kind)
 }
 
 // ---- sessions ----
@@ -90,9 +90,7 @@ pub(crate) fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreR
     if from.can_transition(to) {
         Ok(())
     } else {
-        Err(conflict(format!(
-            "session status cannot change from {from} to {to}"
-        )))
+        Err(conflict(ConflictKind::SessionStatus))
     }
 }
 
@@ -499,7 +497,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     let turn_id = uuid(&b.turn_id);
     if let Some(create) = &b.create {
         if create.id != b.session_id {
-            return Err(conflict("begin_turn: create.id differs from session_id"));
+            return Err(conflict(ConflictKind::Inconsistent));
         }
         insert_session(conn, create)?;
     }
@@ -527,7 +525,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             })
             .map_err(db_err)?;
         if claimed == 0 {
-            return Err(conflict("idempotency key exists"));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
     }
     if let Some(key) = &b.retry_key {
@@ -548,9 +546,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             })
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(
-                "idempotency key is not a failed request of this session",
-            ));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
     }
     conn.prepare_cached(
@@ -624,7 +620,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             })
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict("turn is not running in this session"));
+            return Err(conflict(ConflictKind::TurnNotRunning));
         }
     }
     insert_messages(conn, &sid, start, &f.messages)?;
@@ -665,7 +661,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             })
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict("idempotency key was not claimed by this session"));
+            return Err(conflict(ConflictKind::IdempotencyKey));
         }
     }
     Ok(FinishTurnOutcome {
@@ -690,7 +686,7 @@ pub(crate) fn record_progress(
         .and_then(|mut st| st.exists(params![uuid(&p.turn_id), sid]))
         .map_err(db_err)?;
     if !running {
-        return Err(conflict("turn is not running in this session"));
+        return Err(conflict(ConflictKind::TurnNotRunning));
     }
     let appended = len_i64(&p.messages)?;
     let (session, start) = updated_session(
@@ -723,7 +719,7 @@ pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
     match turn.state {
-        TurnState::Done => return Err(conflict("turn already finished")),
+        TurnState::Done => return Err(conflict(ConflictKind::TurnNotRunning)),
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {

@@ -111,7 +111,7 @@ pub(crate) fn create_export(
     if insert_export(conn, export)? {
         Ok(())
     } else {
-        Err(StoreError::Conflict(format!("export {} exists", export.id)))
+        Err(StoreError::Conflict(crate::ConflictKind::Duplicate))
     }
 }
 

@@ -1,21 +1,29 @@
-//! Session operations: create, inspect, list messages, change status, push a backend turn, snapshots.
+//! Sessions: who may act on one (session tokens, operator keys), creating one, how it looks from
+//! outside, its status and snapshots, and turns a backend pushes into it.
 
+mod tokens;
+
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
-use sbp_protocol::{ErrorCode, SessionStatus, SurfaceContext};
+use sbp_bus::TurnDone;
+use sbp_protocol::{SessionStatus, SnapshotKind, SurfaceContext};
 use sbp_store::{
     FinishTurn, MessageRecord, NewMessage, NewSession, NewTetherEntry, SessionRecord,
-    SnapshotRecord,
+    SnapshotRecord, Store, StoreError,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::hub::TurnDone;
-use super::{Gateway, iso, parse_uuid};
+use super::iso;
+use super::replicas::Replicas;
 use crate::auth;
-use crate::error::ApiError;
+use crate::config::GatewayConfig;
+use crate::error::{Error, parse_uuid};
+use crate::metrics::Metrics;
+use tokens::TokenCache;
 
 /// Who is calling a session-scoped endpoint.
 #[derive(Debug, Clone, Default)]
@@ -54,67 +62,117 @@ pub struct PushTurn {
     pub model_used: Option<String>,
 }
 
-impl Gateway {
+/// What an ATTACH_SESSION's token check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenCheck {
+    Valid,
+    Wrong,
+    NoSuchSession,
+}
+
+#[derive(Clone)]
+pub struct Sessions {
+    store: Arc<dyn Store>,
+    config: Arc<GatewayConfig>,
+    tokens: Arc<TokenCache>,
+    replicas: Replicas,
+    metrics: Arc<Metrics>,
+}
+
+impl Sessions {
+    pub fn new(
+        store: Arc<dyn Store>,
+        config: Arc<GatewayConfig>,
+        replicas: Replicas,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            store,
+            config,
+            tokens: Arc::new(TokenCache::default()),
+            replicas,
+            metrics,
+        }
+    }
+
     /// Loads a session by path id and checks the caller may act on it.
-    pub async fn authorized_session(
-        &self,
-        raw_id: &str,
-        caller: &Caller,
-    ) -> Result<SessionRecord, ApiError> {
+    pub async fn authorized(&self, raw_id: &str, caller: &Caller) -> Result<SessionRecord, Error> {
         let id = parse_uuid(raw_id)?;
         let session = self
-            .store()
+            .store
             .get_session(id)
             .await?
-            .ok_or_else(|| ApiError::session_not_found(id))?;
-        self.tokens().remember(id, &session.token_hash);
+            .ok_or_else(|| Error::session_not_found(id))?;
+        self.tokens.remember(id, &session.token_hash);
         self.authorize(&session, caller)?;
         Ok(session)
     }
 
-    /// [`Gateway::authorized_session`] for callers that need only the id: a session token whose
-    /// hash is cached is checked without reading the store.
-    pub async fn authorized_session_id(
-        &self,
-        raw_id: &str,
-        caller: &Caller,
-    ) -> Result<Uuid, ApiError> {
+    /// [`Sessions::authorized`] for callers that need only the id: a session token whose hash is
+    /// cached is checked without reading the store.
+    pub async fn authorized_id(&self, raw_id: &str, caller: &Caller) -> Result<Uuid, Error> {
         let id = parse_uuid(raw_id)?;
-        let open = self.config().insecure_no_session_auth || caller.operator;
-        if let (false, Some(token)) = (open, &caller.session_token)
-            && self.tokens().check(id, token) == Some(true)
+        if let (false, Some(token)) = (self.open_to(caller), &caller.session_token)
+            && self.tokens.check(id, token) == Some(true)
         {
             return Ok(id);
         }
-        Ok(self.authorized_session(raw_id, caller).await?.id)
+        Ok(self.authorized(raw_id, caller).await?.id)
     }
 
-    pub(crate) fn authorize(
-        &self,
-        session: &SessionRecord,
-        caller: &Caller,
-    ) -> Result<(), ApiError> {
-        if self.config().insecure_no_session_auth || caller.operator {
+    /// Whether `caller` may act on any session without its token.
+    fn open_to(&self, caller: &Caller) -> bool {
+        self.config.insecure_no_session_auth || caller.operator
+    }
+
+    fn authorize(&self, session: &SessionRecord, caller: &Caller) -> Result<(), Error> {
+        if self.open_to(caller) {
             return Ok(());
         }
         match &caller.session_token {
             Some(t) if auth::token_matches(t, &session.token_hash) => Ok(()),
-            Some(_) => Err(ApiError::forbidden(
+            Some(_) => Err(Error::forbidden(
                 "session token does not match this session",
             )),
-            None => Err(ApiError::new(
-                ErrorCode::Unauthorized,
-                "this endpoint needs the session's token in the X-Session-Token header",
+            None => Err(Error::Unauthorized(
+                "this endpoint needs the session's token in the X-Session-Token header".into(),
             )),
         }
     }
 
+    /// Whether `token` is session `id`'s token (ATTACH_SESSION), from the cache when known.
+    pub async fn check_token(&self, id: Uuid, token: &str) -> Result<TokenCheck, StoreError> {
+        let matches = match self.tokens.check(id, token) {
+            Some(matches) => matches,
+            None => {
+                let Some(session) = self.store.get_session(id).await? else {
+                    return Ok(TokenCheck::NoSuchSession);
+                };
+                self.tokens.remember(id, &session.token_hash);
+                auth::token_matches(token, &session.token_hash)
+            }
+        };
+        Ok(if matches {
+            TokenCheck::Valid
+        } else {
+            TokenCheck::Wrong
+        })
+    }
+
+    /// The session a token belongs to (a completion continuing a session).
+    pub async fn by_token(&self, token: &str) -> Result<Option<SessionRecord>, Error> {
+        Ok(self
+            .store
+            .find_session_by_token(&auth::hash_token(token))
+            .await?)
+    }
+
     /// `POST /v1/sessions`: a new idle session and its token (returned once, stored as a hash).
-    pub async fn create_session(
+    pub async fn create(
         &self,
         agent_id: Option<String>,
         metadata: Value,
-    ) -> Result<(SessionRecord, String), ApiError> {
+    ) -> Result<(SessionRecord, String), Error> {
         let token = auth::new_session_token();
         let now = Utc::now();
         let new = NewSession {
@@ -126,21 +184,21 @@ impl Gateway {
         };
         let id = new.id;
         let hash = new.token_hash.clone();
-        self.store().create_session(new).await?;
-        self.tokens().remember(id, &hash);
-        self.metrics().sessions_created.fetch_add(1, Relaxed);
+        self.store.create_session(new).await?;
+        self.tokens.remember(id, &hash);
+        self.metrics.sessions_created.fetch_add(1, Relaxed);
         let session = self
-            .store()
+            .store
             .get_session(id)
             .await?
-            .ok_or_else(|| ApiError::internal("creating a session", "session vanished"))?;
+            .ok_or_else(|| Error::internal("creating a session", "session vanished"))?;
         Ok((session, token))
     }
 
-    pub async fn session_view(&self, session: &SessionRecord) -> Result<SessionView, ApiError> {
-        let pending = self.store().tether_count(session.id).await?;
+    pub async fn view(&self, session: &SessionRecord) -> Result<SessionView, Error> {
+        let pending = self.store.tether_count(session.id).await?;
         let latest = self.recovery_snapshot(session.id).await?;
-        let attachment = self.locate(session.id).await;
+        let attachment = self.replicas.locate(session.id).await;
         Ok(SessionView {
             session_id: session.id,
             agent_id: session.agent_id.clone(),
@@ -165,21 +223,21 @@ impl Gateway {
     pub async fn recovery_snapshot(
         &self,
         session_id: Uuid,
-    ) -> Result<Option<SnapshotRecord>, ApiError> {
+    ) -> Result<Option<SnapshotRecord>, Error> {
         Ok(self
             .turn_snapshots(session_id)
             .await?
             .into_iter()
-            .find(|s| s.kind != sbp_protocol::SnapshotKind::PreAction))
+            .find(|s| s.kind != SnapshotKind::PreAction))
     }
 
     /// The session's turn-level snapshots, newest first: not the pre_action / post_action pairs the
     /// agent loop writes around each tool call inside a turn (their state names the tool action),
     /// which are not points a turn can be resumed or forked from.
-    pub async fn turn_snapshots(&self, session_id: Uuid) -> Result<Vec<SnapshotRecord>, ApiError> {
+    pub async fn turn_snapshots(&self, session_id: Uuid) -> Result<Vec<SnapshotRecord>, Error> {
         let mut limit = 64;
         loop {
-            let all = self.store().list_snapshots(session_id, limit).await?;
+            let all = self.store.list_snapshots(session_id, limit).await?;
             let full = all.len() == limit as usize;
             let turn_level: Vec<SnapshotRecord> =
                 all.into_iter().filter(|s| !is_tool_snapshot(s)).collect();
@@ -190,10 +248,23 @@ impl Gateway {
         }
     }
 
+    /// The latest snapshot of any kind.
+    pub async fn latest_snapshot(&self, session_id: Uuid) -> Result<Option<SnapshotRecord>, Error> {
+        Ok(self.store.latest_snapshot(session_id, None).await?)
+    }
+
+    pub async fn snapshots(
+        &self,
+        session_id: Uuid,
+        limit: u32,
+    ) -> Result<Vec<SnapshotRecord>, Error> {
+        Ok(self.store.list_snapshots(session_id, limit).await?)
+    }
+
     /// A snapshot with its messages materialised (they are the transcript's first `message_count`).
-    pub async fn snapshot_json(&self, snap: &SnapshotRecord) -> Result<Value, ApiError> {
+    pub async fn snapshot_json(&self, snap: &SnapshotRecord) -> Result<Value, Error> {
         let messages = self
-            .store()
+            .store
             .list_messages(
                 snap.session_id,
                 None,
@@ -214,14 +285,14 @@ impl Gateway {
         }))
     }
 
-    pub async fn list_messages(
+    pub async fn messages(
         &self,
         session: &SessionRecord,
         after: Option<u64>,
         limit: u32,
-    ) -> Result<Vec<MessageRecord>, ApiError> {
+    ) -> Result<Vec<MessageRecord>, Error> {
         Ok(self
-            .store()
+            .store
             .list_messages(session.id, after, limit.clamp(1, 1000))
             .await?)
     }
@@ -231,45 +302,46 @@ impl Gateway {
         &self,
         session: &SessionRecord,
         status: &str,
-    ) -> Result<SessionRecord, ApiError> {
+    ) -> Result<SessionRecord, Error> {
         let to = SessionStatus::parse(status).ok_or_else(|| {
-            ApiError::bad_request(format!(
+            Error::invalid(format!(
                 "unknown status '{status}': expected one of running, suspended, completed, failed"
             ))
         })?;
         if to == SessionStatus::Idle && session.status != SessionStatus::Idle {
-            return Err(ApiError::conflict("a session cannot return to idle"));
+            return Err(Error::conflict("a session cannot return to idle"));
         }
-        self.store()
+        self.store
             .update_status(session.id, to, Utc::now())
             .await
             .map_err(|e| match e {
-                sbp_store::StoreError::Conflict(_) => ApiError::conflict(format!(
+                StoreError::Conflict(_) => Error::conflict(format!(
                     "cannot change status from {} to {to}",
                     session.status
                 )),
                 other => other.into(),
             })?;
-        self.store()
+        self.store
             .get_session(session.id)
             .await?
-            .ok_or_else(|| ApiError::session_not_found(session.id))
+            .ok_or_else(|| Error::session_not_found(session.id))
     }
 
     /// Persists a backend-pushed turn and delivers it live, or tethers it for the next attach.
+    /// Returns its tether seq and whether a surface was attached.
     pub async fn push_turn(
         &self,
         session: &SessionRecord,
         push: PushTurn,
-    ) -> Result<(u64, bool), ApiError> {
+    ) -> Result<(u64, bool), Error> {
         if session.status.is_terminal() {
-            return Err(ApiError::conflict(format!("session is {}", session.status)));
+            return Err(Error::conflict(format!("session is {}", session.status)));
         }
         let now = Utc::now();
         let chunk_id = Uuid::now_v7();
         let body = json!({"role": push.role, "content": push.content});
         let outcome = self
-            .store()
+            .store
             .finish_turn(FinishTurn {
                 session_id: session.id,
                 turn_id: None,
@@ -295,11 +367,12 @@ impl Gateway {
                 now,
             })
             .await?;
-        self.metrics().turns_pushed.fetch_add(1, Relaxed);
-        self.metrics().tether_enqueued.fetch_add(1, Relaxed);
+        self.metrics.turns_pushed.fetch_add(1, Relaxed);
+        self.metrics.tether_enqueued.fetch_add(1, Relaxed);
         let seq = outcome.tether_seq.unwrap_or_default();
         let attached = self
-            .turn_done(
+            .replicas
+            .notify_turn_done(
                 session.id,
                 TurnDone {
                     chunk_id,
@@ -319,26 +392,8 @@ pub fn new_agent_id() -> String {
     format!("agent-{}", Uuid::now_v7())
 }
 
-impl Gateway {
-    /// The latest snapshot of any kind.
-    pub async fn store_latest_snapshot(
-        &self,
-        session_id: Uuid,
-    ) -> Result<Option<SnapshotRecord>, ApiError> {
-        Ok(self.store().latest_snapshot(session_id, None).await?)
-    }
-
-    pub async fn snapshots(
-        &self,
-        session_id: Uuid,
-        limit: u32,
-    ) -> Result<Vec<SnapshotRecord>, ApiError> {
-        Ok(self.store().list_snapshots(session_id, limit).await?)
-    }
-}
-
 /// A snapshot the agent loop wrote around one tool call.
-pub(crate) fn is_tool_snapshot(s: &SnapshotRecord) -> bool {
+fn is_tool_snapshot(s: &SnapshotRecord) -> bool {
     matches!(
         s.state.get("action").and_then(Value::as_str),
         Some("tool_call" | "tool_result")

@@ -1,28 +1,19 @@
 //! What each surface receives (L4): the stored reply stays as the model wrote it; each delivery
 //! adapts it for the surface it goes to — live chunks through a streaming adapter, whole turns
 //! (tether drains) at once — or, when the operator configured a Contextual Translation Pipeline
-//! for the device type, rewrites it with a second LLM pass streamed as TURN_CHUNK frames.
-//! The generating request also hears about the surface attached when the turn starts: a short
-//! system note and `max_tokens` bounded by the surface's `max_output_tokens`.
+//! for the device type, rewrites it with a second LLM pass (`ctp.rs`). The generating request also
+//! hears about the surface attached when the turn starts ([`shape_request`]): a short system note
+//! and `max_tokens` bounded by the surface's `max_output_tokens`. Pure: no IO.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
-use futures::StreamExt;
 use sbp_adapt::{Adapter, Profile, adapt};
-use sbp_llm::{Assembler, content_text};
 use sbp_protocol::frames::{TurnChunk, TurnComplete};
-use sbp_protocol::{ServerFrame, SurfaceContext};
-use serde_json::{Map, Value, json};
-use tokio::sync::mpsc;
+use sbp_protocol::{ChatRequest, ServerFrame, SurfaceContext};
 use uuid::Uuid;
 
-use super::Gateway;
-use super::hub::Attachment;
+use super::Frame;
 use crate::config::CtpRule;
-
-/// Frames produced by a CTP pass, in order; the last one is the turn's TURN_COMPLETE.
-pub type CtpFrames = mpsc::Receiver<(ServerFrame, Option<u64>)>;
 
 /// How one connection renders replies.
 #[derive(Debug, Clone)]
@@ -159,207 +150,52 @@ impl Renderer {
     }
 }
 
-impl Gateway {
-    /// The rendering for a surface: CTP when a rule names its device type (or "*") and it needs
-    /// adaptation, the deterministic adaptation when it needs any, else raw.
-    pub fn rendering_for(&self, ctx: &SurfaceContext) -> Rendering {
-        let profile = Profile::for_surface(ctx);
-        if profile.is_passthrough() {
-            return Rendering::Raw;
-        }
-        let class = ctx.adaptation_class();
-        let rule = self
-            .config()
-            .ctp
-            .iter()
-            .find(|r| r.device_type == class)
-            .or_else(|| self.config().ctp.iter().find(|r| r.device_type == "*"));
-        match rule {
-            Some(rule) => Rendering::Ctp {
-                rule: rule.clone(),
-                profile,
-            },
-            None => Rendering::Adapt(profile),
-        }
+/// The rendering for a surface: CTP when a rule names its device type (or "*") and it needs
+/// adaptation, the deterministic adaptation when it needs any, else raw.
+pub fn rendering_for(rules: &[CtpRule], ctx: &SurfaceContext) -> Rendering {
+    let profile = Profile::for_surface(ctx);
+    if profile.is_passthrough() {
+        return Rendering::Raw;
     }
-
-    /// Tells the generating request about the surface attached when the turn starts: a system
-    /// note after the leading system messages, and `max_tokens` (or `max_completion_tokens`, if
-    /// that is what the client used) no larger than the surface's `max_output_tokens`.
-    pub(crate) fn shape_for_surface(
-        &self,
-        att: Option<&Attachment>,
-        body: &mut Map<String, Value>,
-    ) {
-        let Some(att) = att else {
-            return;
-        };
-        let ctx = att.surface.as_ref();
-        if let Some(limit) = ctx.max_output_tokens {
-            let key = if body.contains_key("max_completion_tokens") {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
-            let bounded = body
-                .get(key)
-                .and_then(Value::as_u64)
-                .map_or(limit, |asked| asked.min(limit));
-            body.insert(key.into(), json!(bounded));
-        }
-        let Some(note) = Profile::for_surface(ctx).instructions(ctx) else {
-            return;
-        };
-        if let Some(Value::Array(messages)) = body.get_mut("messages") {
-            let at = messages
-                .iter()
-                .take_while(|m| m.get("role").and_then(Value::as_str) == Some("system"))
-                .count();
-            messages.insert(at, json!({"role": "system", "content": note}));
-        }
-    }
-
-    /// Streams the CTP rewrite of a completed reply to one connection: TURN_CHUNK frames as the
-    /// rewrite arrives (held to the profile), then `complete`. If the pass fails before it
-    /// produced anything, the deterministic adaptation is sent instead.
-    pub(crate) fn ctp_stream(
-        &self,
-        rule: &CtpRule,
-        profile: &Profile,
-        ctx: &SurfaceContext,
-        content: String,
-        chunk_id: Uuid,
-        complete: (ServerFrame, Option<u64>),
-    ) -> CtpFrames {
-        let (tx, rx) = mpsc::channel(64);
-        let request = ctp_request(rule, profile, ctx, &content);
-        let provider = self.inner.provider.clone();
-        let timeout = self.config().ctp_timeout;
-        let profile = *profile;
-        let chunk = move |delta: String| {
-            (
-                ServerFrame::TurnChunk(TurnChunk {
-                    chunk_id: chunk_id.to_string(),
-                    delta,
-                }),
-                None,
-            )
-        };
-        self.spawn(async move {
-            let mut adapter = Adapter::new(profile);
-            let mut sent_any = false;
-            let deadline = tokio::time::Instant::now() + timeout;
-            let outcome = tokio::time::timeout_at(deadline, async {
-                let mut stream = provider.stream(request).await?;
-                let mut asm = Assembler::default();
-                while let Some(item) = stream.next().await {
-                    let Some(delta) = asm.push(&item?) else {
-                        continue;
-                    };
-                    let out = adapter.push(&delta);
-                    if !out.is_empty() {
-                        sent_any = true;
-                        if tx.send(chunk(out)).await.is_err() {
-                            return Ok(());
-                        }
-                    }
-                }
-                Ok::<(), sbp_llm::LlmError>(())
-            })
-            .await;
-            let failed = match outcome {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(e.to_string()),
-                Err(_) => Some("timed out".to_owned()),
-            };
-            let rest = match (&failed, sent_any) {
-                (Some(e), false) => {
-                    tracing::warn!(chunk_id = %chunk_id, error = %e, "CTP pass failed; sending the deterministic adaptation");
-                    adapt(&profile, &content)
-                }
-                (Some(e), true) => {
-                    tracing::warn!(chunk_id = %chunk_id, error = %e, "CTP pass failed midway; the rewrite ends here");
-                    adapter.finish()
-                }
-                (None, _) => adapter.finish(),
-            };
-            if !rest.is_empty() {
-                let _ = tx.send(chunk(rest)).await;
-            }
-            let _ = tx.send(complete).await;
-        });
-        rx
-    }
-
-    /// The CTP rewrite of a whole (tethered) turn, or the deterministic adaptation when the pass
-    /// fails or takes longer than the CTP timeout.
-    pub(crate) async fn ctp_whole(
-        &self,
-        rule: &CtpRule,
-        profile: &Profile,
-        ctx: &SurfaceContext,
-        content: &str,
-    ) -> String {
-        let request = ctp_request(rule, profile, ctx, content);
-        let call = self.inner.provider.complete(request);
-        match tokio::time::timeout(self.config().ctp_timeout, call).await {
-            Ok(Ok(c)) => match c.message.get("content").and_then(content_text) {
-                Some(text) if !text.trim().is_empty() => adapt(profile, &text),
-                _ => adapt(profile, content),
-            },
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "CTP pass failed; using the deterministic adaptation");
-                adapt(profile, content)
-            }
-            Err(_) => {
-                tracing::warn!(
-                    timeout_ms = duration_ms(self.config().ctp_timeout),
-                    "CTP pass timed out; using the deterministic adaptation"
-                );
-                adapt(profile, content)
-            }
-        }
+    let class = ctx.adaptation_class();
+    let rule = rules
+        .iter()
+        .find(|r| r.device_type == class)
+        .or_else(|| rules.iter().find(|r| r.device_type == "*"));
+    match rule {
+        Some(rule) => Rendering::Ctp {
+            rule: rule.clone(),
+            profile,
+        },
+        None => Rendering::Adapt(profile),
     }
 }
 
-fn duration_ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+/// Tells the generating request about the surface attached when the turn starts: a system note
+/// after the leading system messages, and `max_tokens` (or `max_completion_tokens`, if that is
+/// what the client used) no larger than the surface's `max_output_tokens`.
+pub fn shape_request(ctx: &SurfaceContext, req: &mut ChatRequest) {
+    if let Some(limit) = ctx.max_output_tokens {
+        req.cap_output_tokens(limit);
+    }
+    if let Some(note) = Profile::for_surface(ctx).instructions(ctx) {
+        req.insert_system_note(&note);
+    }
 }
 
-/// The rewriting request: instructions for the surface, then the reply to rewrite.
-fn ctp_request(
-    rule: &CtpRule,
-    profile: &Profile,
-    ctx: &SurfaceContext,
-    content: &str,
-) -> Map<String, Value> {
-    let constraints = profile.instructions(ctx).unwrap_or_default();
-    let system = match &rule.prompt {
-        Some(p) => format!("{p}\n{constraints}"),
-        None => format!(
-            "Rewrite the assistant reply below for the user's {} device. {constraints} Keep its \
-             meaning and facts; add nothing. Answer with the rewritten reply only.",
-            ctx.device_type_or_unknown()
-        ),
-    };
-    let mut body = Map::new();
-    body.insert("model".into(), json!(rule.model));
-    body.insert(
-        "messages".into(),
-        json!([{"role": "system", "content": system.trim()}, {"role": "user", "content": content}]),
-    );
-    if let Some(budget) = profile.budget_tokens {
-        body.insert("max_tokens".into(), json!(budget));
-    }
-    body
+/// A TURN_CHUNK frame of turn `chunk_id`.
+pub fn chunk_frame(chunk_id: Uuid, delta: String) -> Frame {
+    (
+        ServerFrame::TurnChunk(TurnChunk {
+            chunk_id: chunk_id.to_string(),
+            delta,
+        }),
+        None,
+    )
 }
 
 /// A TURN_COMPLETE frame; `seq` marks it for removal from the tether once sent.
-pub fn complete_frame(
-    chunk_id: Uuid,
-    seq: Option<u64>,
-    model_used: Option<String>,
-) -> (ServerFrame, Option<u64>) {
+pub fn complete_frame(chunk_id: Uuid, seq: Option<u64>, model_used: Option<String>) -> Frame {
     (
         ServerFrame::TurnComplete(TurnComplete {
             chunk_id: chunk_id.to_string(),
@@ -373,6 +209,7 @@ pub fn complete_frame(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn voice() -> Profile {
         let ctx = SurfaceContext::from_value(&json!({"device_type": "voice"}));

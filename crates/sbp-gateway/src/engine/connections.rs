@@ -1,0 +1,279 @@
+//! Which connection of this process holds which session, and the inbox that reaches it. One
+//! surface per session: registering a new connection displaces the old one. Attach/detach status
+//! changes of one session are serialised by a striped async lock, so a displaced socket's close
+//! cannot suspend a session a new surface has just attached to (with replicas, the bus's lock is
+//! taken too: `replicas.rs`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use sbp_bus::{LiveChunk, TurnDone};
+use sbp_protocol::SurfaceContext;
+use sbp_protocol::frames::ToolCall;
+use tokio::sync::{Notify, mpsc};
+use uuid::Uuid;
+
+/// Capacity of a connection's inbox. A producer that finds it full stops streaming live to that
+/// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
+pub const CONN_INBOX: usize = 1024;
+const LOCK_STRIPES: usize = 64;
+
+/// A message from the engine to one attached connection.
+#[derive(Debug, Clone)]
+pub enum ConnMsg {
+    /// A live streaming delta (boxed like `TurnDone`: a channel allocates its first block of
+    /// slots up front, so the slot size is paid by every idle connection).
+    Chunk(Box<LiveChunk>),
+    /// A turn was completed and persisted (boxed: inbox slots stay small, which matters for
+    /// thousands of idle connections).
+    TurnDone(Box<TurnDone>),
+    /// Another surface attached to the session; this connection must close.
+    Displaced,
+}
+
+/// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own queue so
+/// a call never waits behind a backlog of chunks or a CTP rewrite.
+#[derive(Debug)]
+pub struct Inbox {
+    pub msgs: mpsc::Receiver<ConnMsg>,
+    pub calls: Arc<CallQueue>,
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // Calls pushed from now on fail at once instead of waiting for a reader that is gone.
+        self.calls.close();
+    }
+}
+
+/// TOOL_CALLs waiting to be written to one connection. A queue and a `Notify` rather than a second
+/// channel: a channel allocates its first block of slots up front, which thousands of idle surfaces
+/// would pay for; this costs nothing until a call is made.
+#[derive(Debug, Default)]
+pub struct CallQueue {
+    queue: Mutex<VecDeque<Box<ToolCall>>>,
+    ready: Notify,
+    closed: AtomicBool,
+}
+
+impl CallQueue {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Box<ToolCall>>> {
+        // push/pop cannot leave the queue half-updated, so a poisoned lock is still usable.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a call for the connection; false when the connection is gone.
+    pub fn push(&self, call: Box<ToolCall>) -> bool {
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        self.queue().push_back(call);
+        self.ready.notify_one();
+        true
+    }
+
+    pub fn pop(&self) -> Option<Box<ToolCall>> {
+        self.queue().pop_front()
+    }
+
+    /// Resolves when calls may be waiting (a permit is kept if nobody is waiting yet).
+    pub async fn ready(&self) {
+        self.ready.notified().await;
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.queue().clear();
+    }
+}
+
+/// The surface attached to a session: its connection and how to reach it.
+#[derive(Debug, Clone)]
+pub struct Attachment {
+    pub conn_id: u64,
+    pub surface: Arc<SurfaceContext>,
+    pub route: Route,
+}
+
+#[derive(Debug, Clone)]
+pub enum Route {
+    /// A connection of this process.
+    Local {
+        tx: mpsc::Sender<ConnMsg>,
+        calls: Arc<CallQueue>,
+    },
+    /// A connection held by this replica of the bus.
+    Remote(Arc<str>),
+}
+
+impl Attachment {
+    /// Tells the (local) connection it was displaced. If its inbox is full it still notices: it is
+    /// gone from the map, and it checks `is_current` when it drains.
+    fn displace(&self) {
+        if let Route::Local { tx, .. } = &self.route {
+            let _ = tx.try_send(ConnMsg::Displaced);
+        }
+    }
+}
+
+pub struct Connections {
+    conns: Mutex<HashMap<Uuid, Attachment>>,
+    next_conn: AtomicU64,
+    stripes: Vec<tokio::sync::Mutex<()>>,
+}
+
+impl std::fmt::Debug for Connections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connections")
+            .field("attached", &self.count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Connections {
+    fn default() -> Self {
+        // Connection ids start at a random point so that ids of different replicas (and of one
+        // replica's successive runs) do not collide: a completed turn names the connection that
+        // streamed it, and a bus message names the connection it is for.
+        let start = (Uuid::new_v4().as_u128() as u64) >> 2;
+        Self {
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(start.max(1)),
+            stripes: (0..LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+        }
+    }
+}
+
+impl Connections {
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Attachment>> {
+        // A panic while holding this lock cannot leave the map half-updated (single insert/remove
+        // calls), so a poisoned lock is still safe to use.
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lock serialising attach/detach state changes of `session`.
+    pub fn session_lock(&self, session: Uuid) -> &tokio::sync::Mutex<()> {
+        let idx = (session.as_u128() % LOCK_STRIPES as u128) as usize;
+        &self.stripes[idx]
+    }
+
+    /// Registers a connection for `session`, displacing (and notifying) the previous one.
+    pub fn register(&self, session: Uuid, surface: Arc<SurfaceContext>) -> (u64, Inbox) {
+        let conn_id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(CONN_INBOX);
+        let calls = Arc::new(CallQueue::default());
+        let att = Attachment {
+            conn_id,
+            surface,
+            route: Route::Local {
+                tx,
+                calls: calls.clone(),
+            },
+        };
+        let old = self.conns().insert(session, att);
+        if let Some(old) = old {
+            old.displace();
+        }
+        (conn_id, Inbox { msgs: rx, calls })
+    }
+
+    /// Removes the connection if it is still the session's current one.
+    pub fn remove_if_current(&self, session: Uuid, conn_id: u64) -> bool {
+        self.take_if_current(session, conn_id).is_some()
+    }
+
+    fn take_if_current(&self, session: Uuid, conn_id: u64) -> Option<Attachment> {
+        let mut conns = self.conns();
+        if conns.get(&session).is_some_and(|a| a.conn_id == conn_id) {
+            conns.remove(&session)
+        } else {
+            None
+        }
+    }
+
+    /// A surface elsewhere took the session over: connection `conn_id`, if still current, stops
+    /// being the session's and is told to close. Its close then changes nothing (it is no longer
+    /// current).
+    pub fn displace(&self, session: Uuid, conn_id: u64) -> bool {
+        match self.take_if_current(session, conn_id) {
+            Some(att) => {
+                att.displace();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Replaces the stored SurfaceContext of the session's connection, if it is still `conn_id`.
+    pub fn update_surface(&self, session: Uuid, conn_id: u64, surface: SurfaceContext) {
+        if let Some(att) = self
+            .conns()
+            .get_mut(&session)
+            .filter(|a| a.conn_id == conn_id)
+        {
+            att.surface = Arc::new(surface);
+        }
+    }
+
+    pub fn is_current(&self, session: Uuid, conn_id: u64) -> bool {
+        self.conns()
+            .get(&session)
+            .is_some_and(|a| a.conn_id == conn_id)
+    }
+
+    pub fn get(&self, session: Uuid) -> Option<Attachment> {
+        self.conns().get(&session).cloned()
+    }
+
+    /// (session, connection) of every connection attached in this process.
+    pub fn all(&self) -> Vec<(Uuid, u64)> {
+        self.conns().iter().map(|(s, a)| (*s, a.conn_id)).collect()
+    }
+
+    pub fn count(&self) -> usize {
+        self.conns().len()
+    }
+
+    /// Best-effort delivery to the session's connection in this process; with `conn`, only if it
+    /// is still that connection.
+    pub fn send(&self, session: Uuid, conn: Option<u64>, msg: ConnMsg) -> bool {
+        match self.get(session) {
+            Some(Attachment {
+                conn_id,
+                route: Route::Local { tx, .. },
+                ..
+            }) if conn.is_none_or(|c| c == conn_id) => tx.try_send(msg).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Queues a TOOL_CALL on the session's connection `conn_id` in this process; false when that
+    /// connection is gone.
+    pub fn push_call(&self, session: Uuid, conn_id: u64, call: ToolCall) -> bool {
+        match self.get(session) {
+            Some(Attachment {
+                conn_id: current,
+                route: Route::Local { calls, .. },
+                ..
+            }) if current == conn_id => calls.push(Box::new(call)),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ConnMsg;
+
+    /// Every idle connection pays for its inbox's first block of 32 slots: each byte a message
+    /// grows costs 10,000 idle surfaces ~0.3 MiB (BENCHMARKS.md, "Idle surfaces after issues 5
+    /// and 6"). Box a new bulky variant instead of widening this.
+    #[test]
+    fn inbox_messages_stay_small() {
+        assert!(std::mem::size_of::<ConnMsg>() <= 16);
+    }
+}

@@ -1,0 +1,465 @@
+//! Import: a roaming token (whose bundle is stored here, or sent along when another gateway
+//! sharing the secret made it) or a raw bundle, verified by its CID, adopted as a new session with
+//! a note of where it came from, in one write that also consumes the token.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use chrono::{DateTime, Utc};
+use sbp_protocol::bundle::{self, BundleMemory, BundleMessage, CidError, ParsedBundle};
+use sbp_protocol::token;
+use sbp_protocol::{SessionStatus, SnapshotKind};
+use sbp_store::{
+    AdoptSession, ExportRecord, LinkKind, LinkRecord, NewBundle, NewExport, NewMessage,
+    NewSnapshot, RestoredSnapshot, StoreError, Timestamp,
+};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use super::{
+    ImportRequest, Imported, KNOWN_MEMORY_SCHEMAS, Roaming, SPLIT_HISTORY_AT, cid_error, integrity,
+    new_session, system_message, token_error,
+};
+use crate::auth;
+use crate::engine::iso;
+use crate::engine::sessions::new_agent_id;
+use crate::error::Error;
+
+impl Roaming {
+    /// `POST /v1/sbp/sessions/import`: a token (whose bundle is stored here, or sent along when it was
+    /// made by another gateway sharing the secret) or a raw bundle, verified by CID.
+    pub async fn import(&self, req: ImportRequest) -> Result<Imported, Error> {
+        let now = Utc::now();
+        let ImportRequest {
+            roaming_token,
+            bundle: sent,
+            target_agent_id,
+            allow_reuse,
+        } = req;
+        let mut plan = ImportPlan {
+            cid: String::new(),
+            export_id: None,
+            source: None,
+            target_agent_id,
+            allow_reuse,
+            via_token: roaming_token.is_some(),
+            bundle: None,
+            export: None,
+            consume: None,
+        };
+        let Some(raw_token) = roaming_token else {
+            // A raw bundle: integrity by CID only; nothing to consume.
+            let bundle = sent
+                .ok_or_else(|| Error::invalid("send a `roaming_token`, a raw `bundle`, or both"))?;
+            let (stored, parsed) = received(bundle)?;
+            plan.cid = stored.cid.clone();
+            plan.bundle = Some(stored);
+            plan.export_id = parsed
+                .export_id
+                .as_deref()
+                .and_then(|s| Uuid::parse_str(s).ok());
+            plan.source = parsed.session.id.clone();
+            return self.adopt_import(plan, parsed, now).await;
+        };
+        let claims =
+            token::verify(&raw_token, &self.config.secret, now.timestamp()).map_err(token_error)?;
+        let (export_id, export) = self.token_export(&claims).await?;
+        plan.export_id = Some(export_id);
+        plan.consume = (!allow_reuse).then_some(export_id);
+        plan.source = Some(claims.sid.clone());
+        let parsed = match export {
+            Some(export) => {
+                if export.imported_at.is_some() && !allow_reuse {
+                    return Err(StoreError::Consumed.into());
+                }
+                let parsed = self.stored_bundle(&export).await?;
+                // A bundle sent along with a token this gateway holds must be that bundle.
+                if let Some(sent) = &sent {
+                    verify_as(sent, &export.bundle_cid)?;
+                }
+                plan.cid = export.bundle_cid;
+                parsed
+            }
+            None => {
+                // Made by another gateway that shares the secret: its bundle must come along.
+                let bundle = sent.ok_or_else(|| {
+                    Error::NotFound(
+                        "the export this token refers to is not stored on this gateway; send its \
+                         `bundle` along with the token"
+                            .into(),
+                    )
+                })?;
+                let (stored, parsed) = received(bundle)?;
+                plan.cid = stored.cid.clone();
+                if parsed.export_id.as_deref() != Some(claims.sub.as_str()) {
+                    return Err(integrity(
+                        "the bundle's metadata.export_id is not the token's export",
+                    ));
+                }
+                if parsed.session.id.as_deref() != Some(claims.sid.as_str()) {
+                    return Err(integrity(
+                        "the bundle's session.id is not the token's session",
+                    ));
+                }
+                let source_session = Uuid::parse_str(&claims.sid)
+                    .map_err(|_| Error::TokenInvalid("`sid` is not a UUID".into()))?;
+                plan.export = Some(NewExport {
+                    id: export_id,
+                    session_id: source_session,
+                    bundle_cid: plan.cid.clone(),
+                    label: parsed.label.clone(),
+                    message_count: parsed.messages.len() as u64,
+                    created_at: DateTime::from_timestamp(claims.iat, 0).unwrap_or(now),
+                    expires_at: DateTime::from_timestamp(claims.exp, 0).unwrap_or(now),
+                    foreign: true,
+                });
+                plan.bundle = Some(stored);
+                parsed
+            }
+        };
+        self.adopt_import(plan, parsed, now).await
+    }
+
+    /// The stored bundle of an export, its integrity verified, parsed. What an export stored (the
+    /// sealed canonical form) is verified by hashing the bytes as they are, while its messages are
+    /// delimited (both passes read the whole bundle, so they run at once), and then parsed in two
+    /// halves at once. Any other stored form is verified by recomputing the CID of the parsed bundle.
+    async fn stored_bundle(&self, export: &ExportRecord) -> Result<ParsedBundle, Error> {
+        let stored = self
+            .store
+            .get_bundle(&export.bundle_cid)
+            .await?
+            .ok_or_else(|| integrity("the bundle of this export is missing from storage"))?;
+        let stored = Arc::new(stored);
+        let (hashed, delimited) = {
+            let (a, b, cid) = (
+                Arc::clone(&stored),
+                Arc::clone(&stored),
+                export.bundle_cid.clone(),
+            );
+            tokio::join!(
+                self.tasks
+                    .blocking(move || bundle::sealed_bytes_match(&a, &cid)),
+                self.tasks.blocking(move || {
+                    std::str::from_utf8(&b)
+                        .map_err(|e| e.to_string())
+                        .and_then(|text| bundle::delimit_messages(text).map_err(|e| e.to_string()))
+                }),
+            )
+        };
+        let joined = |e: tokio::task::JoinError| Error::internal("reading a bundle", e);
+        if hashed.map_err(joined)? {
+            let parts = delimited.map_err(joined)?.map_err(malformed)?;
+            return self
+                .parse_messages(stored, parts.envelope, parts.messages)
+                .await;
+        }
+        let bundle = match serde_json::from_slice::<Value>(&stored) {
+            Ok(v @ Value::Object(_)) => v,
+            _ => {
+                return Err(integrity(
+                    "the stored bundle of this export is not a JSON object",
+                ));
+            }
+        };
+        verify_as(&bundle, &export.bundle_cid)?;
+        parse(bundle)
+    }
+
+    /// Parses the delimited messages of `bytes` (in two halves at once when there are many) and
+    /// assembles the bundle.
+    async fn parse_messages(
+        &self,
+        bytes: Arc<Vec<u8>>,
+        envelope: Map<String, Value>,
+        ranges: Vec<Range<usize>>,
+    ) -> Result<ParsedBundle, Error> {
+        let half = if ranges.len() as u64 >= SPLIT_HISTORY_AT {
+            ranges.len().div_ceil(2)
+        } else {
+            ranges.len().max(1)
+        };
+        let parsing: Vec<_> = ranges
+            .chunks(half)
+            .enumerate()
+            .map(|(n, chunk)| {
+                let (bytes, chunk, first) = (Arc::clone(&bytes), chunk.to_vec(), n * half);
+                self.tasks.blocking(move || {
+                    chunk
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, range)| {
+                            let value = serde_json::from_slice(&bytes[range]).map_err(|e| {
+                                bundle::BundleError {
+                                    path: format!("messages[{}]", first + j),
+                                    reason: e.to_string(),
+                                }
+                            })?;
+                            bundle::parse_message(first + j, value)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        let mut messages = Vec::with_capacity(ranges.len());
+        for piece in parsing {
+            let piece = piece
+                .await
+                .map_err(|e| Error::internal("parsing a bundle", e))?
+                .map_err(|e| malformed(e.to_string()))?;
+            messages.extend(piece);
+        }
+        bundle::parse_envelope(envelope, messages).map_err(|e| malformed(e.to_string()))
+    }
+
+    async fn adopt_import(
+        &self,
+        plan: ImportPlan,
+        parsed: ParsedBundle,
+        now: Timestamp,
+    ) -> Result<Imported, Error> {
+        let ParsedBundle {
+            session: origin,
+            messages: bundle_messages,
+            memory,
+            state_snapshot,
+            label,
+            ..
+        } = parsed;
+        let session_token = auth::new_session_token();
+        let agent_id = plan
+            .target_agent_id
+            .clone()
+            .or_else(|| origin.agent_id.clone().filter(|a| !a.is_empty()))
+            .unwrap_or_else(new_agent_id);
+        let new_id = Uuid::now_v7();
+        let assistant_turns = bundle_messages
+            .iter()
+            .filter(|m| m.role == "assistant")
+            .count() as u64;
+        let mut messages: Vec<NewMessage> = bundle_messages
+            .into_iter()
+            .map(|m| restored_message(m, now))
+            .collect();
+        let restored = messages.len() as u64;
+        let source_text = plan.source.as_deref().unwrap_or("an unknown session");
+        let export_text = plan
+            .export_id
+            .map(|e| format!(", export {e}"))
+            .unwrap_or_default();
+        messages.push(system_message(
+            format!(
+                "This session was imported from {source_text} (bundle {}{export_text}) on {}. \
+                 The conversation above is its history.",
+                plan.cid,
+                iso(&now)
+            ),
+            now,
+        ));
+        let (memory, memory_skipped) = restorable_memory(memory);
+        let snapshot = restored_snapshot(state_snapshot.as_ref(), restored, now);
+        let step_count = origin
+            .step_count
+            .or_else(|| snapshot.as_ref().map(|s| s.step_count))
+            .unwrap_or(assistant_turns);
+        let link = LinkRecord {
+            id: Uuid::now_v7(),
+            kind: LinkKind::Import,
+            from_session: plan.source.as_deref().and_then(|s| Uuid::parse_str(s).ok()),
+            to_session: new_id,
+            from_agent: origin.agent_id.clone(),
+            to_agent: Some(agent_id.clone()),
+            export_id: plan.export_id,
+            label,
+            reason: None,
+            fork_point: Some(restored),
+            reused: plan.allow_reuse,
+            created_at: now,
+        };
+        let snapshot_restored = snapshot.is_some();
+        let memory_restored = memory.is_some();
+        let session = self
+            .store
+            .adopt_session(AdoptSession {
+                session: new_session(new_id, agent_id, &session_token, now),
+                status: SessionStatus::Idle,
+                step_count,
+                last_task: origin.last_task,
+                model: origin.model,
+                messages,
+                snapshot,
+                memory,
+                bundle: plan.bundle,
+                export: plan.export,
+                consume_export: plan.consume,
+                link: Some(link),
+                suspend: None,
+                now,
+            })
+            .await?;
+        self.metrics.imports.fetch_add(1, Relaxed);
+        self.metrics.sessions_created.fetch_add(1, Relaxed);
+        Ok(Imported {
+            session,
+            session_token,
+            export_id: plan.export_id,
+            source_session_id: plan.source,
+            bundle_cid: plan.cid,
+            messages_restored: restored,
+            memory_restored,
+            memory_skipped,
+            snapshot_restored,
+            allow_reuse: plan.allow_reuse,
+            via_token: plan.via_token,
+        })
+    }
+}
+
+/// What an import writes besides the bundle's content.
+struct ImportPlan {
+    /// The verified CID of the bundle.
+    cid: String,
+    export_id: Option<Uuid>,
+    /// The source session id as the token or bundle names it.
+    source: Option<String>,
+    target_agent_id: Option<String>,
+    allow_reuse: bool,
+    via_token: bool,
+    /// To store (raw and foreign bundles).
+    bundle: Option<NewBundle>,
+    /// A foreign export to record.
+    export: Option<NewExport>,
+    /// The export this import consumes.
+    consume: Option<Uuid>,
+}
+
+/// The CID of a bundle (a JSON object), checked against the digest it carries.
+fn verify(bundle: &Value) -> Result<String, Error> {
+    let map = bundle
+        .as_object()
+        .ok_or_else(|| Error::invalid("a bundle must be a JSON object"))?;
+    bundle::verify_cid(map).map_err(cid_error)
+}
+
+/// [`verify`], and the CID must be `expected` (the one an export recorded).
+fn verify_as(bundle: &Value, expected: &str) -> Result<(), Error> {
+    let cid = verify(bundle)?;
+    if cid == expected {
+        return Ok(());
+    }
+    Err(cid_error(CidError::Mismatch {
+        claimed: expected.to_owned(),
+        computed: cid,
+    }))
+}
+
+/// A bundle received in a request: verified by its CID and sealed for storage in one serialisation,
+/// then parsed.
+fn received(mut bundle: Value) -> Result<(NewBundle, ParsedBundle), Error> {
+    let map = bundle
+        .as_object_mut()
+        .ok_or_else(|| Error::invalid("a bundle must be a JSON object"))?;
+    let (cid, bytes) = bundle::verify_and_seal(map).map_err(cid_error)?;
+    Ok((NewBundle { cid, bytes }, parse(bundle)?))
+}
+
+fn malformed(reason: String) -> Error {
+    Error::invalid(format!("malformed bundle: {reason}"))
+}
+
+fn parse(bundle: Value) -> Result<ParsedBundle, Error> {
+    bundle::parse_bundle(bundle).map_err(|e| malformed(e.to_string()))
+}
+
+fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
+    let created_at = m
+        .created_at
+        .as_deref()
+        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+        .map_or(now, |t| t.with_timezone(&Utc));
+    NewMessage {
+        role: m.role,
+        body: m.body,
+        model_used: m.model_used,
+        cost_usd: m.cost_usd,
+        created_at,
+    }
+}
+
+/// The bundle's `state_snapshot` as a snapshot of the new session, whose first `restored` messages
+/// are the bundle's. Ours carry `step_count`/`message_count`; the reference
+/// server's carry `step` and a copy of the `messages`.
+fn restored_snapshot(
+    snap: Option<&Value>,
+    restored: u64,
+    now: Timestamp,
+) -> Option<RestoredSnapshot> {
+    let s = snap?.as_object()?;
+    let step_count = s
+        .get("step_count")
+        .or_else(|| s.get("step"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let message_count = s
+        .get("message_count")
+        .and_then(Value::as_u64)
+        .or_else(|| {
+            s.get("messages")
+                .and_then(Value::as_array)
+                .map(|m| m.len() as u64)
+        })
+        .unwrap_or(restored)
+        .min(restored);
+    let kind = s
+        .get("kind")
+        .and_then(Value::as_str)
+        .and_then(SnapshotKind::parse)
+        .unwrap_or(SnapshotKind::Checkpoint);
+    let state = match s.get("state") {
+        Some(v @ Value::Object(_)) => v.clone(),
+        _ => {
+            // A foreign snapshot: keep what it says about itself, minus the copy of the transcript.
+            let mut rest = s.clone();
+            rest.remove("messages");
+            Value::Object(rest)
+        }
+    };
+    Some(RestoredSnapshot {
+        snapshot: NewSnapshot {
+            id: Uuid::now_v7(),
+            kind,
+            model: s.get("model").and_then(Value::as_str).map(str::to_owned),
+            current_task: s
+                .get("current_task")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            created_at: now,
+            state,
+        },
+        step_count,
+        message_count,
+    })
+}
+
+/// The bundle's memory when its schema is one this gateway knows; otherwise why it is skipped.
+fn restorable_memory(memory: Option<BundleMemory>) -> (Option<(String, Value)>, Option<String>) {
+    match memory {
+        None => (
+            None,
+            Some("the bundle carries no memory schema_id".to_owned()),
+        ),
+        Some(m) if !KNOWN_MEMORY_SCHEMAS.contains(&m.schema_id.as_str()) => (
+            None,
+            Some(format!("unknown memory schema_id '{}'", m.schema_id)),
+        ),
+        Some(m) if !m.payload.is_object() => (
+            None,
+            Some(format!(
+                "memory payload of '{}' is not an object",
+                m.schema_id
+            )),
+        ),
+        Some(m) => (Some((m.schema_id, m.payload)), None),
+    }
+}

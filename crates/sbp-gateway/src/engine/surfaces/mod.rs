@@ -1,0 +1,445 @@
+//! Attached surfaces: the ATTACH_SESSION handshake, the tether drain, delivery of live chunks and
+//! completed turns (rendered for each surface), ACKs, catch-up and detach. The transport owns the
+//! socket and calls these; each returns protocol frames.
+
+mod ctp;
+mod delivery;
+pub mod render;
+
+pub use ctp::CtpFrames;
+pub use delivery::Delivery;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use chrono::Utc;
+use sbp_bus::{LiveChunk, TurnDone};
+use sbp_protocol::frames::{AttachSession, SessionAttached};
+use sbp_protocol::{ServerFrame, SurfaceContext};
+use sbp_store::{Store, StoreError};
+use uuid::Uuid;
+
+use super::connections::{Connections, Inbox};
+use super::replicas::Replicas;
+use super::sessions::{Sessions, TokenCheck};
+use super::tasks::Tasks;
+use super::tools::calls::PendingCalls;
+use crate::config::GatewayConfig;
+use crate::metrics::Metrics;
+use ctp::Ctp;
+use render::{Rendering, chunk_frame, complete_frame, rendering_for};
+
+/// A frame for a connection and the tether seq it carries (reported sent once written).
+pub type Frame = (ServerFrame, Option<u64>);
+
+/// Protocol extensions advertised in SESSION_ATTACHED.
+pub const EXTENSIONS: [&str; 2] = ["ack", "last_seq"];
+/// Turns drained in one attach; any beyond are delivered by the connection's periodic catch-up.
+const DRAIN_LIMIT: u32 = 100_000;
+/// A tethered turn older than this that a connection has not yet sent is caught up by its poll.
+const CATCH_UP_AGE_MS: i64 = 2_000;
+
+/// Why an attach was refused; each maps to a frame and close code.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttachError {
+    /// SESSION_NOT_FOUND, 4004.
+    NotFound(String),
+    /// FORBIDDEN, 4003.
+    Forbidden(String),
+    /// PROTOCOL_ERROR, 1003.
+    Protocol(String),
+    /// PROTOCOL_ERROR, 1011: the gateway could not complete the attach.
+    Internal(String),
+}
+
+fn internal(e: StoreError) -> AttachError {
+    AttachError::Internal(e.to_string())
+}
+
+/// Frames for a completed turn: `frames` now, then (CTP) the rewrite's frames as they come.
+pub struct TurnFrames {
+    pub frames: Vec<Frame>,
+    pub ctp: Option<CtpFrames>,
+}
+
+impl TurnFrames {
+    fn now(frames: Vec<Frame>) -> Self {
+        Self { frames, ctp: None }
+    }
+}
+
+pub struct Attached {
+    pub delivery: Delivery,
+    pub inbox: Inbox,
+    /// SESSION_ATTACHED, then the drained TETHER_TURNs, with the seq each carries.
+    pub frames: Vec<Frame>,
+    /// For a CTP surface, the drained TETHER_TURNs arrive here as their rewrites complete (in order),
+    /// while the connection already serves tool calls and pings.
+    pub ctp: Option<CtpFrames>,
+}
+
+#[derive(Clone)]
+pub struct Surfaces {
+    store: Arc<dyn Store>,
+    config: Arc<GatewayConfig>,
+    connections: Arc<Connections>,
+    calls: Arc<PendingCalls>,
+    replicas: Replicas,
+    sessions: Sessions,
+    ctp: Ctp,
+    metrics: Arc<Metrics>,
+}
+
+impl Surfaces {
+    #[allow(clippy::too_many_arguments)] // One per dependency; a struct would only rename them.
+    pub fn new(
+        store: Arc<dyn Store>,
+        config: Arc<GatewayConfig>,
+        connections: Arc<Connections>,
+        calls: Arc<PendingCalls>,
+        replicas: Replicas,
+        sessions: Sessions,
+        provider: Arc<dyn sbp_llm::Provider>,
+        tasks: Tasks,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let ctp = Ctp::new(provider, config.ctp_timeout, config.ctp_drain_max, tasks);
+        Self {
+            store,
+            config,
+            connections,
+            calls,
+            replicas,
+            sessions,
+            ctp,
+            metrics,
+        }
+    }
+
+    /// Validates ATTACH_SESSION, marks the session attached (tether on for later detaches, suspended
+    /// -> running), registers the connection (displacing any other) and prepares the drain.
+    pub async fn attach(
+        &self,
+        path_id: &str,
+        frame: AttachSession,
+    ) -> Result<Attached, AttachError> {
+        if frame.session_id != path_id {
+            return Err(AttachError::Protocol(format!(
+                "session_id '{}' does not match the URL's '{path_id}'",
+                frame.session_id
+            )));
+        }
+        let id = Uuid::parse_str(path_id)
+            .map_err(|_| AttachError::NotFound(format!("No session with ID {path_id}")))?;
+        self.check_token(id, &frame.session_token).await?;
+        let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
+        let (conn_id, inbox) = self
+            .replicas
+            .locked(id, self.take_session(id, surface.clone()))
+            .await
+            .map_err(|e| AttachError::Internal(e.to_string()))??;
+        if let Some(after) = frame.last_seq.filter(|s| *s > 0) {
+            self.store.tether_ack(id, after).await.map_err(internal)?;
+        }
+        let pending = self
+            .store
+            .tether_pending(id, frame.last_seq.or(Some(0)), DRAIN_LIMIT)
+            .await
+            .map_err(internal)?;
+        let rendering = rendering_for(&self.config.ctp, &surface);
+        let mut delivery = Delivery::new(id, conn_id, frame.last_seq, surface.clone(), rendering);
+        let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
+        let drained: Vec<Frame> = pending.iter().map(|e| delivery.tether_frame(e)).collect();
+        let mut ctp = None;
+        match &delivery.renderer.rendering {
+            Rendering::Ctp { rule, profile } if !drained.is_empty() => {
+                ctp = Some(
+                    self.ctp
+                        .drain(rule, *profile, delivery.surface.clone(), drained),
+                );
+            }
+            _ => frames.extend(delivery.render_tethered(drained)),
+        }
+        tracing::info!(session_id = %id, conn_id, queued = pending.len(), device_type = surface.device_type_or_unknown(), "surface attached");
+        Ok(Attached {
+            delivery,
+            inbox,
+            frames,
+            ctp,
+        })
+    }
+
+    /// A repeated ATTACH_SESSION on an attached connection (SPEC 7.4: resumes are idempotent):
+    /// SESSION_ATTACHED again, then anything this connection has not been sent.
+    pub async fn reattach(
+        &self,
+        d: &mut Delivery,
+        frame: AttachSession,
+    ) -> Result<Vec<Frame>, AttachError> {
+        if frame.session_id != d.session_id.to_string() {
+            return Err(AttachError::Protocol(
+                "session_id does not match this connection's session".into(),
+            ));
+        }
+        self.check_token(d.session_id, &frame.session_token).await?;
+        if let Some(last) = frame.last_seq {
+            d.ack_mode = true;
+            d.last_sent = d.last_sent.max(last);
+            self.store
+                .tether_ack(d.session_id, last)
+                .await
+                .map_err(internal)?;
+        }
+        let pending = self
+            .store
+            .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
+            .await
+            .map_err(internal)?;
+        let surface = frame.surface_context.clone().unwrap_or_default();
+        // Turns streaming live keep what they streamed here (a re-attach must not repeat it).
+        d.renderer.rendering = rendering_for(&self.config.ctp, &surface);
+        d.surface = Arc::new(surface.clone());
+        self.connections
+            .update_surface(d.session_id, d.conn_id, surface.clone());
+        self.replicas
+            .update_surface(d.session_id, d.conn_id, &surface)
+            .await;
+        let mut frames =
+            vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
+        let drained = pending.iter().map(|e| d.tether_frame(e)).collect();
+        frames.extend(d.render_tethered(drained));
+        Ok(frames)
+    }
+
+    /// A live delta for this connection, adapted for its surface (`None`: nothing to send now).
+    pub fn live_chunk(&self, d: &mut Delivery, c: &LiveChunk) -> Option<Frame> {
+        d.renderer
+            .chunk(c.chunk_id, &c.delta, c.round, c.offset)
+            .map(|delta| chunk_frame(c.chunk_id, delta))
+    }
+
+    /// The frames for a completed turn, in order after anything this connection has not yet seen.
+    pub async fn turn_done(&self, d: &mut Delivery, done: TurnDone) -> TurnFrames {
+        let Some(seq) = done.seq else {
+            return self.completed(d, done, None, Vec::new());
+        };
+        if seq <= d.last_sent {
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames::now(Vec::new());
+        }
+        let entries = match self
+            .store
+            .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::error!(session_id = %d.session_id, error = %e, "reading the tether failed");
+                return TurnFrames::now(Vec::new());
+            }
+        };
+        let mut older = Vec::new();
+        let mut found = false;
+        for entry in entries.iter().take_while(|e| e.seq <= seq) {
+            if entry.seq == seq {
+                found = true;
+            } else {
+                older.push(d.tether_frame(entry));
+            }
+        }
+        let older = d.render_tethered(older);
+        if !found {
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames::now(older);
+        }
+        // The seq rides on TURN_COMPLETE; it is marked for removal once that frame is sent.
+        d.last_sent = seq;
+        self.completed(d, done, Some(seq), older)
+    }
+
+    /// `before`, then the completed turn as this surface gets it: the rest of its adapted text
+    /// (all of it if it did not stream here) and TURN_COMPLETE, or a CTP rewrite.
+    fn completed(
+        &self,
+        d: &mut Delivery,
+        done: TurnDone,
+        seq: Option<u64>,
+        mut before: Vec<Frame>,
+    ) -> TurnFrames {
+        let content = done.content.unwrap_or_default();
+        let complete = complete_frame(done.chunk_id, seq, done.model_used);
+        if let Rendering::Ctp { rule, profile } = &d.renderer.rendering {
+            let ctp = self
+                .ctp
+                .stream(rule, profile, &d.surface, content, done.chunk_id, complete);
+            d.renderer.drop_turn(done.chunk_id);
+            return TurnFrames {
+                frames: before,
+                ctp: Some(ctp),
+            };
+        }
+        let rest = d.renderer.rest(done.chunk_id, &content);
+        if !rest.is_empty() {
+            before.push(chunk_frame(done.chunk_id, rest));
+        }
+        before.push(complete);
+        TurnFrames::now(before)
+    }
+
+    /// Tethered turns this connection has not been sent that are older than a moment: a safety net
+    /// for a notification lost to a full inbox.
+    pub async fn catch_up(&self, d: &mut Delivery) -> Vec<Frame> {
+        let Ok(entries) = self
+            .store
+            .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
+            .await
+        else {
+            return Vec::new();
+        };
+        let cutoff = Utc::now() - chrono::Duration::milliseconds(CATCH_UP_AGE_MS);
+        let missed = entries
+            .iter()
+            .take_while(|e| e.created_at < cutoff)
+            .map(|e| d.tether_frame(e))
+            .collect();
+        d.render_tethered(missed)
+    }
+
+    /// Called after frames carrying these seqs were written to the socket. Without ACKs, sending is
+    /// delivery and the turns leave the tether now.
+    pub async fn sent(&self, d: &Delivery, seqs: &[u64]) {
+        if seqs.is_empty() {
+            return;
+        }
+        self.metrics
+            .tether_delivered
+            .fetch_add(seqs.len() as u64, Relaxed);
+        if d.ack_mode {
+            return;
+        }
+        if let Err(e) = self.store.tether_remove(d.session_id, seqs).await {
+            tracing::error!(session_id = %d.session_id, error = %e, "removing delivered turns failed");
+        }
+    }
+
+    /// ACK extension: every turn up to `seq` (at most what this connection was sent) is delivered.
+    pub async fn ack(&self, d: &mut Delivery, seq: u64) {
+        d.ack_mode = true;
+        let up_to = seq.min(d.last_sent);
+        if let Err(e) = self.store.tether_ack(d.session_id, up_to).await {
+            tracing::error!(session_id = %d.session_id, error = %e, "acknowledging turns failed");
+        }
+    }
+
+    /// Whether this connection is still its session's surface.
+    pub fn is_current(&self, d: &Delivery) -> bool {
+        self.connections.is_current(d.session_id, d.conn_id)
+    }
+
+    /// The connection closed (DETACH, disconnect or timeout). If it was still the session's surface,
+    /// the session is suspended and from now on turns go to the tether. A displaced connection
+    /// changes nothing.
+    pub async fn detach(&self, d: &Delivery, reason: &str) {
+        if let Err(e) = self
+            .replicas
+            .locked(d.session_id, self.release_session(d, reason))
+            .await
+        {
+            // Without the bus's lock, still release: a session left "running" with no surface is
+            // worse than a race with an attach on another replica.
+            tracing::warn!(session_id = %d.session_id, error = %e, "detaching without the replica lock");
+            let _guard = self.connections.session_lock(d.session_id).lock().await;
+            self.release_session(d, reason).await;
+        }
+    }
+
+    /// Marks the session attached and makes this new connection its surface, here and on the bus;
+    /// the previous surface, here or on another replica, is displaced.
+    async fn take_session(
+        &self,
+        id: Uuid,
+        surface: Arc<SurfaceContext>,
+    ) -> Result<(u64, Inbox), AttachError> {
+        self.store
+            .mark_attached(id, Utc::now())
+            .await
+            .map_err(internal)?;
+        // Registered here before it is claimed on the bus: a displacement sent by a later claim on
+        // another replica then always finds this connection.
+        let (conn_id, inbox) = self.connections.register(id, surface.clone());
+        if let Err(e) = self.replicas.claim(id, conn_id, &surface).await {
+            self.connections.remove_if_current(id, conn_id);
+            self.replicas.withdraw(id, conn_id).await;
+            return Err(AttachError::Internal(e.to_string()));
+        }
+        Ok((conn_id, inbox))
+    }
+
+    /// The detach proper, under the session's locks.
+    async fn release_session(&self, d: &Delivery, reason: &str) {
+        let current = self.connections.remove_if_current(d.session_id, d.conn_id);
+        // Calls in flight on this connection get their error result now, displaced or not. After
+        // the removal: a call registered from here on sees the connection gone and fails itself.
+        let cancelled = self.calls.cancel_conn(d.conn_id);
+        if cancelled > 0 {
+            tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, cancelled, "tool calls in flight cancelled by disconnect");
+        }
+        if !current {
+            tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "displaced connection closed");
+            return;
+        }
+        if !self.replicas.release(d.session_id, d.conn_id).await {
+            tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "connection displaced from another replica closed");
+            return;
+        }
+        if let Err(e) = self
+            .store
+            .suspend_if_running(d.session_id, Utc::now())
+            .await
+        {
+            tracing::error!(session_id = %d.session_id, error = %e, "suspending on detach failed");
+        }
+        tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, reason, "surface detached; tether active");
+    }
+
+    /// The session exists (else SESSION_NOT_FOUND) and `token` is its token (else FORBIDDEN).
+    async fn check_token(&self, id: Uuid, token: &str) -> Result<(), AttachError> {
+        match self
+            .sessions
+            .check_token(id, token)
+            .await
+            .map_err(internal)?
+        {
+            TokenCheck::Valid => Ok(()),
+            TokenCheck::Wrong => Err(AttachError::Forbidden(
+                "session_token invalid or expired".into(),
+            )),
+            TokenCheck::NoSuchSession => {
+                Err(AttachError::NotFound(format!("No session with ID {id}")))
+            }
+        }
+    }
+
+    /// SESSION_ATTACHED for `session`, echoing the surface's context, announcing `queued` turns.
+    fn attached_frame(&self, session: Uuid, ctx: Option<SurfaceContext>, queued: usize) -> Frame {
+        let surface = ctx.clone().unwrap_or_default();
+        let attached = SessionAttached {
+            session_id: session.to_string(),
+            surface_id: surface.surface_id.clone(),
+            device_type: surface.device_type_or_unknown().to_owned(),
+            queued_turns: queued as u64,
+            tether_turns_pending: queued as u64,
+            mcp_tools_registered: surface
+                .mcp_tools
+                .iter()
+                .filter(|t| self.config.tool_allowed(t))
+                .cloned()
+                .collect(),
+            sbp_version: self.config.sbp_version.clone(),
+            sbp_level: self.config.sbp_level.clone(),
+            surface_context: ctx,
+            extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        (ServerFrame::SessionAttached(Box::new(attached)), None)
+    }
+}

@@ -1,0 +1,542 @@
+//! Turns (`POST /v1/chat/completions`): an Idempotency-Key's replay or retry, which session the
+//! request continues (new, by token, explicit resume, or a 202 for a suspended one), which of its
+//! messages are new, and the turn's first write (`begin_turn`). The turn itself — the agent loop,
+//! streaming and the final write — runs as its own task (`agent.rs`), so a caller that disconnects
+//! cannot cancel it half-persisted.
+
+mod agent;
+mod chunks;
+mod passthrough;
+mod transcript;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use chrono::Utc;
+use sbp_llm::Provider;
+use sbp_protocol::{
+    ChatMessage, ChatRequest, SbpRequestOptions, SbpResponseMeta, SessionStatus, SnapshotKind,
+};
+use sbp_store::{
+    BeginTurn, ConflictKind, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage,
+    NewSession, NewSnapshot, SessionRecord, Store, StoreError,
+};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+use super::connections::Attachment;
+use super::iso;
+use super::replicas::Replicas;
+use super::sessions::{Sessions, new_agent_id};
+use super::surfaces::render::shape_request;
+use super::tasks::Tasks;
+use super::tools::Tools;
+use crate::auth;
+use crate::config::GatewayConfig;
+use crate::error::{Error, TurnSession, parse_uuid};
+use crate::metrics::Metrics;
+
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// A completion request, parsed at the edge.
+pub struct ChatInput {
+    pub request: ChatRequest,
+    /// `X-Session-Token`.
+    pub session_token: Option<String>,
+    /// `X-Agent-ID`.
+    pub agent_id: Option<String>,
+    pub idempotency: Option<IdempotencyKey>,
+    /// The caller authenticated with an operator API key.
+    pub operator: bool,
+}
+
+/// An `Idempotency-Key` and the fingerprint of the request body it came with.
+pub struct IdempotencyKey {
+    pub key: String,
+    /// SHA-256 (hex) of the request body as received.
+    pub fingerprint: String,
+}
+
+/// One server-sent event of a streamed completion.
+#[derive(Debug)]
+pub enum SseEvent {
+    Data(Value),
+    /// The turn failed after streaming began.
+    Failed(Error),
+    Done,
+}
+
+/// What a completion request came to.
+pub enum ChatOutcome {
+    /// A completed turn: the completion body with its `sbp` block.
+    Completed { body: Value, session: TurnSession },
+    /// The request of this Idempotency-Key completed before; its stored response.
+    Replayed {
+        status: u16,
+        body: Value,
+        session_id: Uuid,
+        /// The session's token, when that request created the session.
+        new_token: Option<String>,
+    },
+    /// SPEC 6.3: the session is suspended and the caller did not ask to resume it.
+    ResumeAvailable {
+        meta: SbpResponseMeta,
+        session: TurnSession,
+    },
+    /// Strict mode without `sbp` or a token: the upstream's answer, nothing stored.
+    Proxied(Value),
+    /// `stream: true`: the first event now, then the rest (`session` is `None` when proxied).
+    Stream {
+        session: Option<TurnSession>,
+        first: SseEvent,
+        events: mpsc::Receiver<SseEvent>,
+    },
+}
+
+enum Resolved {
+    Existing(SessionRecord),
+    New { agent_id: String },
+    ResumeAvailable(SessionRecord),
+}
+
+/// What an Idempotency-Key says about a request.
+enum Keyed {
+    Unkeyed,
+    /// Not seen before: the turn claims it.
+    Fresh {
+        key: String,
+        scoped: String,
+        fingerprint: String,
+    },
+    /// It failed before: it runs again, in its session, with nothing new stored.
+    Retry {
+        key: String,
+        record: IdempotencyRecord,
+    },
+}
+
+/// What a turn task needs, owned.
+struct Turn {
+    session: SessionRecord,
+    created_token: Option<String>,
+    turn_id: Uuid,
+    /// The upstream request: the whole transcript, the model, shaped for the surface.
+    request: ChatRequest,
+    model: String,
+    client_stream: bool,
+    checkpoint_every: u32,
+    last_task: Option<String>,
+    /// The (scoped) Idempotency-Key this turn holds.
+    idempotency_key: Option<String>,
+    /// The session's surface when the turn starts (here or on another replica).
+    surface: Option<Attachment>,
+}
+
+impl Turn {
+    fn session(&self) -> TurnSession {
+        TurnSession {
+            id: self.session.id,
+            agent_id: self.session.agent_id.clone(),
+            new_token: self.created_token.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Turns {
+    store: Arc<dyn Store>,
+    provider: Arc<dyn Provider>,
+    config: Arc<GatewayConfig>,
+    replicas: Replicas,
+    sessions: Sessions,
+    tools: Tools,
+    metrics: Arc<Metrics>,
+    tasks: Tasks,
+}
+
+impl Turns {
+    #[allow(clippy::too_many_arguments)] // One per dependency; a struct would only rename them.
+    pub fn new(
+        store: Arc<dyn Store>,
+        provider: Arc<dyn Provider>,
+        config: Arc<GatewayConfig>,
+        replicas: Replicas,
+        sessions: Sessions,
+        tools: Tools,
+        metrics: Arc<Metrics>,
+        tasks: Tasks,
+    ) -> Self {
+        Self {
+            store,
+            provider,
+            config,
+            replicas,
+            sessions,
+            tools,
+            metrics,
+            tasks,
+        }
+    }
+
+    pub async fn chat(&self, input: ChatInput) -> Result<ChatOutcome, Error> {
+        let ChatInput {
+            mut request,
+            session_token,
+            agent_id,
+            idempotency,
+            operator,
+        } = input;
+        let opts = request.sbp.take();
+        let client_stream = request.wants_stream();
+        request.stream = None;
+        let model = request
+            .model
+            .clone()
+            .unwrap_or_else(|| self.config.default_model.clone());
+        request.model = Some(model.clone());
+        let token = session_token.or_else(|| opts.as_ref().and_then(|o| o.session_token.clone()));
+        if self.config.strict_sbp && opts.is_none() && token.is_none() {
+            return self.passthrough(request, client_stream).await;
+        }
+        let opts = opts.unwrap_or_default();
+
+        let keyed = match idempotency {
+            None => Keyed::Unkeyed,
+            Some(k) => match self.idempotency(k, token.as_deref(), operator).await? {
+                Ok(keyed) => keyed,
+                Err(replay) => return Ok(replay),
+            },
+        };
+        let resolved = match &keyed {
+            Keyed::Retry { record, .. } => Resolved::Existing(
+                self.store
+                    .get_session(record.session_id)
+                    .await?
+                    .ok_or_else(|| Error::session_not_found(record.session_id))?,
+            ),
+            _ => {
+                self.resolve(token.as_deref(), &opts, agent_id, operator)
+                    .await?
+            }
+        };
+
+        let now = Utc::now();
+        let mut incoming = std::mem::take(&mut request.messages);
+        let (session_id, create, created_token, history, new_messages) = match resolved {
+            Resolved::ResumeAvailable(s) => return self.resume_available(&s).await,
+            Resolved::New { agent_id } => {
+                let id = Uuid::now_v7();
+                let token = match &keyed {
+                    Keyed::Fresh { key, .. } => {
+                        auth::idempotent_session_token(&self.config.secret, &id, key)
+                    }
+                    _ => auth::new_session_token(),
+                };
+                let new = NewSession {
+                    id,
+                    agent_id,
+                    token_hash: auth::hash_token(&token),
+                    created_at: now,
+                    metadata: json!({}),
+                };
+                (id, Some(new), Some(token), Vec::new(), incoming)
+            }
+            Resolved::Existing(s) => {
+                let history = self.store.history(s.id).await?;
+                let new = match &keyed {
+                    Keyed::Retry { .. } => Vec::new(),
+                    _ => incoming.split_off(transcript::new_start(&history, &incoming)),
+                };
+                // A retried request that created its session gets that session's token again.
+                let token = match &keyed {
+                    Keyed::Retry { key, record } if record.created_session => Some(
+                        auth::idempotent_session_token(&self.config.secret, &s.id, key),
+                    ),
+                    _ => None,
+                };
+                (s.id, None, token, history, new)
+            }
+        };
+
+        let last_task = transcript::last_task(&new_messages);
+        let turn_id = Uuid::now_v7();
+        let created = create.is_some();
+        let (idempotency, retry_key, store_key) = match keyed {
+            Keyed::Fresh {
+                scoped,
+                fingerprint,
+                ..
+            } => (
+                Some(NewIdempotency {
+                    key: scoped.clone(),
+                    fingerprint,
+                    created_session: created,
+                }),
+                None,
+                Some(scoped),
+            ),
+            Keyed::Retry { record, .. } => (None, Some(record.key.clone()), Some(record.key)),
+            Keyed::Unkeyed => (None, None, None),
+        };
+        let begin = BeginTurn {
+            session_id,
+            turn_id,
+            create,
+            new_messages: new_messages
+                .iter()
+                .map(|m| NewMessage {
+                    role: m.role().unwrap_or("user").to_owned(),
+                    body: m.as_value().clone(),
+                    model_used: None,
+                    cost_usd: None,
+                    created_at: now,
+                })
+                .collect(),
+            status: Some(SessionStatus::Running),
+            last_task: last_task.clone(),
+            model: Some(model.clone()),
+            pre_action: Some(NewSnapshot {
+                id: Uuid::now_v7(),
+                kind: SnapshotKind::PreAction,
+                model: Some(model.clone()),
+                current_task: last_task.clone(),
+                created_at: now,
+                state: json!({"action": "llm_call", "turn_id": turn_id}),
+            }),
+            idempotency,
+            retry_key,
+            owner: Some(self.config.replica_id.clone()),
+            now,
+        };
+        let outcome = self.store.begin_turn(begin).await.map_err(|e| match e {
+            StoreError::Conflict(ConflictKind::IdempotencyKey) => {
+                Error::conflict("a request with this Idempotency-Key is still in progress")
+            }
+            StoreError::Conflict(_) => {
+                Error::conflict("the session's state does not allow a new turn")
+            }
+            other => other.into(),
+        })?;
+        if created {
+            self.metrics.sessions_created.fetch_add(1, Relaxed);
+        }
+
+        request.messages = history
+            .into_iter()
+            .map(|m| ChatMessage::from_value(m.body))
+            .chain(new_messages)
+            .collect();
+        let surface = self.replicas.locate(session_id).await;
+        if let Some(att) = &surface {
+            shape_request(&att.surface, &mut request);
+        }
+        let turn = Turn {
+            session: outcome.session,
+            created_token,
+            turn_id,
+            request,
+            model,
+            client_stream,
+            checkpoint_every: opts.checkpoint_every.unwrap_or(1),
+            last_task,
+            idempotency_key: store_key,
+            surface,
+        };
+        let session = turn.session();
+        if client_stream {
+            let (tx, mut rx) = mpsc::channel(256);
+            let turns = self.clone();
+            self.tasks
+                .spawn(async move { turns.run_turn(turn, Some(tx)).await });
+            let first = rx.recv().await.unwrap_or(SseEvent::Done);
+            if let SseEvent::Failed(err) = first {
+                return Err(err);
+            }
+            return Ok(ChatOutcome::Stream {
+                session: Some(session),
+                first,
+                events: rx,
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        let turns = self.clone();
+        self.tasks.spawn(async move {
+            let _ = tx.send(turns.run_turn(turn, None).await);
+        });
+        let body = rx
+            .await
+            .map_err(|_| Error::internal("running a turn", "turn task ended early"))??;
+        Ok(ChatOutcome::Completed { body, session })
+    }
+
+    /// Looks the key up (scoped to the caller): `Err` carries the stored response to replay.
+    async fn idempotency(
+        &self,
+        k: IdempotencyKey,
+        token: Option<&str>,
+        operator: bool,
+    ) -> Result<Result<Keyed, ChatOutcome>, Error> {
+        let IdempotencyKey { key, fingerprint } = k;
+        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
+            return Err(Error::invalid(
+                "Idempotency-Key must be 1 to 255 characters",
+            ));
+        }
+        let scoped = scoped_idempotency_key(&key, token, operator);
+        let Some(record) = self.store.get_idempotency(&scoped).await? else {
+            return Ok(Ok(Keyed::Fresh {
+                key,
+                scoped,
+                fingerprint,
+            }));
+        };
+        if fingerprint != record.fingerprint {
+            return Err(Error::IdempotencyKeyReused);
+        }
+        match record.state {
+            IdempotencyState::Done => Ok(Err(self.replay(&record, &key))),
+            IdempotencyState::InProgress => Err(Error::conflict(
+                "a request with this Idempotency-Key is still in progress",
+            )),
+            IdempotencyState::Failed => Ok(Ok(Keyed::Retry { key, record })),
+        }
+    }
+
+    async fn resolve(
+        &self,
+        token: Option<&str>,
+        opts: &SbpRequestOptions,
+        agent_header: Option<String>,
+        operator: bool,
+    ) -> Result<Resolved, Error> {
+        let named = match &opts.session_id {
+            Some(raw) => Some(parse_uuid(raw)?),
+            None => None,
+        };
+        let explicit_resume = named.is_some() || opts.resume;
+        let trusted = operator || self.config.insecure_no_session_auth;
+        if let Some(token) = token {
+            let session = self
+                .sessions
+                .by_token(token)
+                .await?
+                .ok_or_else(|| Error::forbidden("session token not recognised"))?;
+            if named.is_some_and(|n| n != session.id) {
+                return Err(Error::forbidden(
+                    "the session token belongs to another session",
+                ));
+            }
+            if opts.force_new_session {
+                return Ok(Resolved::New {
+                    agent_id: session.agent_id,
+                });
+            }
+            return continue_session(session, explicit_resume);
+        }
+        if let Some(id) = named {
+            let session = self
+                .store
+                .get_session(id)
+                .await?
+                .ok_or_else(|| Error::session_not_found(id))?;
+            if !trusted {
+                return Err(Error::Unauthorized(
+                    "continuing a session needs its token in X-Session-Token or sbp.session_token"
+                        .into(),
+                ));
+            }
+            if opts.force_new_session {
+                return Ok(Resolved::New {
+                    agent_id: session.agent_id,
+                });
+            }
+            return continue_session(session, true);
+        }
+        if let Some(agent) = &agent_header
+            && !opts.force_new_session
+            && trusted
+            && let Some(s) = self.store.latest_suspended_for_agent(agent).await?
+        {
+            return continue_session(s, opts.resume);
+        }
+        Ok(Resolved::New {
+            agent_id: agent_header.unwrap_or_else(new_agent_id),
+        })
+    }
+
+    /// SPEC 6.3: what the caller needs to resume the suspended session.
+    async fn resume_available(&self, s: &SessionRecord) -> Result<ChatOutcome, Error> {
+        let snap = self.sessions.recovery_snapshot(s.id).await?;
+        let prompt = match &s.last_task {
+            Some(task) => format!("You were last working on: {task} (step {}).", s.step_count),
+            None => format!(
+                "You have a suspended session with {} completed steps.",
+                s.step_count
+            ),
+        };
+        let meta = SbpResponseMeta {
+            session_id: s.id.to_string(),
+            snapshot_id: snap.as_ref().map(|x| x.id.to_string()),
+            resume_available: true,
+            resume_prompt: Some(prompt),
+            last_checkpoint: snap.as_ref().map(|x| iso(&x.created_at)),
+            step_count: s.step_count,
+            agent_id: Some(s.agent_id.clone()),
+            status: Some(s.status.as_str().to_owned()),
+            ..Default::default()
+        };
+        Ok(ChatOutcome::ResumeAvailable {
+            meta,
+            session: TurnSession {
+                id: s.id,
+                agent_id: s.agent_id.clone(),
+                new_token: None,
+            },
+        })
+    }
+
+    /// The stored response of a completed request, with the session's token again when that
+    /// request created the session.
+    fn replay(&self, rec: &IdempotencyRecord, key: &str) -> ChatOutcome {
+        let mut body = rec.response_body.clone().unwrap_or(Value::Null);
+        let new_token = rec
+            .created_session
+            .then(|| auth::idempotent_session_token(&self.config.secret, &rec.session_id, key));
+        if let Some(token) = &new_token
+            && let Some(sbp) = body.get_mut("sbp").and_then(Value::as_object_mut)
+        {
+            sbp.insert("session_token".into(), Value::String(token.clone()));
+        }
+        ChatOutcome::Replayed {
+            status: rec.response_status.unwrap_or(200),
+            body,
+            session_id: rec.session_id,
+            new_token,
+        }
+    }
+}
+
+/// The key an Idempotency-Key is stored under: scoped to the caller's credentials, so only the
+/// caller that made a request can replay its response (or retry it in its session). Without a
+/// session token the scope is shared by every anonymous (or every operator) caller: a request that
+/// creates a session has no other identity, so its key must be unguessable (a UUID).
+fn scoped_idempotency_key(key: &str, token: Option<&str>, operator: bool) -> String {
+    let scope = match (token, operator) {
+        (Some(t), _) => format!("token:{}", auth::hash_token(t)),
+        (None, true) => "operator".to_owned(),
+        (None, false) => "anonymous".to_owned(),
+    };
+    auth::sha256_hex(format!("{scope}\n{key}").as_bytes())
+}
+
+fn continue_session(session: SessionRecord, explicit_resume: bool) -> Result<Resolved, Error> {
+    match session.status {
+        SessionStatus::Suspended if !explicit_resume => Ok(Resolved::ResumeAvailable(session)),
+        SessionStatus::Completed | SessionStatus::Failed => Err(Error::conflict(format!(
+            "session {} is {}; send sbp.force_new_session: true to start a new one",
+            session.id, session.status
+        ))),
+        _ => Ok(Resolved::Existing(session)),
+    }
+}

@@ -1,0 +1,244 @@
+//! The transcript, as pure functions: which part of a request is new (clients resend the whole
+//! conversation, or only what is new, and never see the gateway's own tool rounds), and what a
+//! turn records as its task.
+
+use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
+use sbp_protocol::chat::content_text;
+use sbp_protocol::{ChatMessage, MessageView};
+use sbp_store::MessageRecord;
+use serde_json::Value;
+
+/// Longest task label a turn records (the last user message, trimmed).
+const MAX_TASK_CHARS: usize = 200;
+
+/// What a turn is about: the text of the last user message among `new`, trimmed and bounded.
+pub fn last_task(new: &[ChatMessage]) -> Option<String> {
+    new.iter()
+        .rev()
+        .find(|m| m.role() == Some("user"))
+        .and_then(ChatMessage::text)
+        .map(|t| truncate_chars(t.trim(), MAX_TASK_CHARS))
+        .filter(|t| !t.is_empty())
+}
+
+/// Where the new part of `incoming` starts: clients that resend the whole conversation send the
+/// stored history as a prefix; clients that send only new messages do not. System prompts already
+/// stored at the start are not stored again either.
+pub fn new_start(history: &[MessageRecord], incoming: &[ChatMessage]) -> usize {
+    let is_prefix = |stored: &[&Value]| {
+        !stored.is_empty()
+            && incoming.len() >= stored.len()
+            && stored
+                .iter()
+                .zip(incoming)
+                .all(|(h, m)| same_message(h, m.as_value()))
+    };
+    let all: Vec<&Value> = history.iter().map(|h| &h.body).collect();
+    if is_prefix(&all) {
+        return all.len();
+    }
+    // A client never saw the gateway's own tool rounds: it resends the transcript without them.
+    let seen = client_view(history);
+    if seen.len() < all.len() && is_prefix(&seen) {
+        return seen.len();
+    }
+    let mut skip = 0;
+    for stored in history.iter().take_while(|h| h.role == "system") {
+        match incoming.get(skip) {
+            Some(m) if same_message(&stored.body, m.as_value()) => skip += 1,
+            _ => break,
+        }
+    }
+    skip
+}
+
+/// The transcript as the HTTP client saw it: without the assistant messages that called only gateway
+/// tools (`surface_*`, `mcp__*`) and the tool messages answering them.
+fn client_view(history: &[MessageRecord]) -> Vec<&Value> {
+    let mut gateway_ids: Vec<&str> = Vec::new();
+    let mut seen = Vec::with_capacity(history.len());
+    for h in history {
+        // Read through the same view as a request's messages.
+        let message = MessageView(&h.body);
+        if h.role == "assistant"
+            && message.has_tool_calls()
+            && message
+                .tool_calls()
+                .all(|c| c.name().is_some_and(is_gateway_function))
+        {
+            gateway_ids.extend(message.tool_calls().filter_map(|c| c.id()));
+            continue;
+        }
+        if h.role == "tool"
+            && message
+                .tool_call_id()
+                .is_some_and(|id| gateway_ids.contains(&id))
+        {
+            continue;
+        }
+        seen.push(&h.body);
+    }
+    seen
+}
+
+/// Whether a function name is one the gateway offers (its surface and MCP-server tools).
+fn is_gateway_function(name: &str) -> bool {
+    name.starts_with(SURFACE_PREFIX) || name.starts_with(SERVER_PREFIX)
+}
+
+/// Whether two chat messages say the same thing: role, content (text compared as text), tool calls
+/// and tool call id. Vendor extras on stored replies are ignored; absent equals null.
+fn same_message(a: &Value, b: &Value) -> bool {
+    let field = |v: &Value, k: &str| v.get(k).cloned().unwrap_or(Value::Null);
+    if field(a, "role") != field(b, "role") || field(a, "tool_call_id") != field(b, "tool_call_id")
+    {
+        return false;
+    }
+    let (ca, cb) = (field(a, "content"), field(b, "content"));
+    let content_same = match (content_text(&ca), content_text(&cb)) {
+        (Some(x), Some(y)) => x == y,
+        _ => ca == cb,
+    };
+    let calls = |v: &Value| {
+        field(v, "tool_calls")
+            .as_array()
+            .filter(|a| !a.is_empty())
+            .cloned()
+    };
+    content_same && calls(a) == calls(b)
+}
+
+pub fn truncate_chars(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+    use serde_json::json;
+
+    /// The new part of `incoming` (as values, to compare with what tests expect).
+    fn new_part(history: &[MessageRecord], incoming: &[Value]) -> Vec<Value> {
+        let incoming: Vec<ChatMessage> = incoming
+            .iter()
+            .cloned()
+            .map(ChatMessage::from_value)
+            .collect();
+        incoming[new_start(history, &incoming)..]
+            .iter()
+            .map(|m| m.as_value().clone())
+            .collect()
+    }
+
+    fn rec(seq: u64, v: Value) -> MessageRecord {
+        MessageRecord {
+            seq,
+            role: v["role"].as_str().unwrap_or("user").to_owned(),
+            body: v,
+            model_used: None,
+            cost_usd: None,
+            created_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn full_resend_keeps_only_the_new_tail() {
+        let history = vec![
+            rec(0, json!({"role": "system", "content": "be brief"})),
+            rec(1, json!({"role": "user", "content": "hi"})),
+            rec(
+                2,
+                json!({"role": "assistant", "content": "hello", "refusal": null}),
+            ),
+        ];
+        let incoming = vec![
+            json!({"role": "system", "content": "be brief"}),
+            json!({"role": "user", "content": [{"type": "text", "text": "hi"}]}),
+            json!({"role": "assistant", "content": "hello"}),
+            json!({"role": "user", "content": "again"}),
+        ];
+        assert_eq!(
+            new_part(&history, &incoming),
+            vec![json!({"role": "user", "content": "again"})]
+        );
+    }
+
+    #[test]
+    fn new_message_only_clients_and_repeated_text() {
+        let history = vec![
+            rec(0, json!({"role": "user", "content": "hi"})),
+            rec(1, json!({"role": "assistant", "content": "hello"})),
+        ];
+        let incoming = vec![json!({"role": "user", "content": "hi"})];
+        assert_eq!(new_part(&history, &incoming), incoming);
+        assert_eq!(new_part(&[], &incoming), incoming);
+    }
+
+    #[test]
+    fn stored_system_prompt_is_not_duplicated() {
+        let history = vec![
+            rec(0, json!({"role": "system", "content": "sys"})),
+            rec(1, json!({"role": "user", "content": "a"})),
+            rec(2, json!({"role": "assistant", "content": "b"})),
+        ];
+        let incoming = vec![
+            json!({"role": "system", "content": "sys"}),
+            json!({"role": "user", "content": "c"}),
+        ];
+        assert_eq!(
+            new_part(&history, &incoming),
+            vec![json!({"role": "user", "content": "c"})]
+        );
+    }
+
+    #[test]
+    fn gateway_tool_rounds_are_not_expected_back() {
+        let history = vec![
+            rec(0, json!({"role": "user", "content": "where am I?"})),
+            rec(
+                1,
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]}),
+            ),
+            rec(
+                2,
+                json!({"role": "tool", "tool_call_id": "c1", "content": "{}"}),
+            ),
+            rec(3, json!({"role": "assistant", "content": "Tokyo"})),
+        ];
+        let client = vec![
+            json!({"role": "user", "content": "where am I?"}),
+            json!({"role": "assistant", "content": "Tokyo"}),
+            json!({"role": "user", "content": "thanks"}),
+        ];
+        assert_eq!(
+            new_part(&history, &client),
+            vec![json!({"role": "user", "content": "thanks"})]
+        );
+        // A client that resends the rounds too is understood as well.
+        let mut full: Vec<Value> = history.iter().map(|h| h.body.clone()).collect();
+        full.push(json!({"role": "user", "content": "thanks"}));
+        assert_eq!(
+            new_part(&history, &full),
+            vec![json!({"role": "user", "content": "thanks"})]
+        );
+    }
+
+    #[test]
+    fn tool_calls_must_match() {
+        let a = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "1"}]});
+        let b = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "2"}]});
+        assert!(!same_message(&a, &b));
+        assert!(same_message(&a, &a));
+    }
+
+    #[test]
+    fn truncation_is_char_safe() {
+        assert_eq!(truncate_chars("日本語テキスト", 3), "日本語…");
+        assert_eq!(truncate_chars("short", 10), "short");
+    }
+}

@@ -1,0 +1,487 @@
+//! The OpenAI chat-completions request as the gateway reads it, parsed once at the edge: the fields
+//! the gateway acts on are typed (`model`, `messages`, `tools`, `tool_choice`, `stream`, the `sbp`
+//! namespace), everything else is kept verbatim in `rest` and reaches the upstream as sent.
+//!
+//! Messages, tool declarations and tool calls stay the JSON objects the client sent (they are
+//! stored and exported as they are, vendor fields included); [`ChatMessage`], [`ToolDecl`] and
+//! [`FunctionCall`] are views over them, the one place their keys are read.
+
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value, json};
+
+use crate::SbpRequestOptions;
+
+/// A `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatRequest {
+    /// `None`: the gateway's default model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<ToolDecl>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<Value>,
+    /// What the caller asked for; providers set their own when they call the upstream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// The SBP namespace (SPEC 6.1). The gateway takes it out before anything goes upstream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sbp: Option<SbpRequestOptions>,
+    /// Every other field (`max_tokens`, `temperature`, `stream_options`, vendor extensions ...).
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// Why a request body is not a chat-completions request; the text names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidChatRequest(pub String);
+
+fn invalid(msg: impl Into<String>) -> InvalidChatRequest {
+    InvalidChatRequest(msg.into())
+}
+
+impl ChatRequest {
+    /// Parses a request body (a JSON object), moving its values rather than copying them.
+    pub fn from_object(mut body: Map<String, Value>) -> Result<Self, InvalidChatRequest> {
+        let sbp = match body.remove("sbp") {
+            Some(v) => SbpRequestOptions::from_value(&v).map_err(InvalidChatRequest)?,
+            None => None,
+        };
+        let messages = match body.remove("messages") {
+            Some(Value::Array(list)) if list.is_empty() => {
+                return Err(invalid("`messages` must not be empty"));
+            }
+            Some(Value::Array(list)) => list,
+            _ => return Err(invalid("`messages` must be an array")),
+        };
+        let messages = messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| match m.get("role") {
+                Some(Value::String(_)) => Ok(ChatMessage(m)),
+                _ => Err(invalid(format!(
+                    "messages[{i}] must be an object with a string `role`"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let stream = match body.remove("stream") {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(b),
+            Some(_) => return Err(invalid("`stream` must be a boolean")),
+        };
+        let model = match body.remove("model") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(m)) if !m.is_empty() => Some(m),
+            Some(_) => return Err(invalid("`model` must be a non-empty string")),
+        };
+        let tools = match body.remove("tools") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(list)) => Some(list.into_iter().map(ToolDecl).collect()),
+            Some(_) => return Err(invalid("`tools` must be an array")),
+        };
+        let tool_choice = body.remove("tool_choice").filter(|v| !v.is_null());
+        Ok(Self {
+            model,
+            messages,
+            tools,
+            tool_choice,
+            stream,
+            sbp,
+            rest: body,
+        })
+    }
+
+    /// Whether the caller asked for server-sent events.
+    pub fn wants_stream(&self) -> bool {
+        self.stream == Some(true)
+    }
+
+    /// The functions the request itself declares in `tools`, in order (the OpenAI shape, or a bare
+    /// `{"name": ...}`).
+    pub fn declared_functions(&self) -> Vec<&str> {
+        self.tools
+            .iter()
+            .flatten()
+            .filter_map(ToolDecl::function_name)
+            .collect()
+    }
+
+    /// Adds declarations after the request's own tools.
+    pub fn add_tools(&mut self, decls: impl IntoIterator<Item = ToolDecl>) {
+        self.tools.get_or_insert_with(Vec::new).extend(decls);
+    }
+
+    /// `max_tokens` (or `max_completion_tokens`, if that is what the client used) no larger than
+    /// `limit`, set to `limit` when the client asked for none.
+    pub fn cap_output_tokens(&mut self, limit: u64) {
+        let key = if self.rest.contains_key("max_completion_tokens") {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        let bounded = self
+            .rest
+            .get(key)
+            .and_then(Value::as_u64)
+            .map_or(limit, |asked| asked.min(limit));
+        self.rest.insert(key.into(), json!(bounded));
+    }
+
+    /// The most output tokens the request allows (`max_tokens`, else `max_completion_tokens`).
+    pub fn output_token_limit(&self) -> Option<u64> {
+        self.rest
+            .get("max_tokens")
+            .or_else(|| self.rest.get("max_completion_tokens"))
+            .and_then(Value::as_u64)
+    }
+
+    /// A system message after the leading system messages.
+    pub fn insert_system_note(&mut self, note: &str) {
+        let at = self
+            .messages
+            .iter()
+            .take_while(|m| m.role() == Some("system"))
+            .count();
+        self.messages.insert(at, ChatMessage::system(note));
+    }
+
+    /// Asks a streaming upstream for its usage chunk, unless the caller said how to stream.
+    pub fn request_stream_usage(&mut self) {
+        if !self.rest.contains_key("stream_options") {
+            self.rest
+                .insert("stream_options".into(), json!({"include_usage": true}));
+        }
+    }
+}
+
+/// One chat message, as sent (or as stored): an object with a string `role` when parsed from a
+/// request.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ChatMessage(Value);
+
+impl Serialize for ChatMessage {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl ChatMessage {
+    /// A message as stored (any JSON; a stored body is what a client or the model once sent).
+    pub fn from_value(v: Value) -> Self {
+        Self(v)
+    }
+
+    pub fn system(text: &str) -> Self {
+        Self(json!({"role": "system", "content": text}))
+    }
+
+    /// The tool message answering call `call_id` with `content`.
+    pub fn tool_result(call_id: &str, content: &str) -> Self {
+        Self(json!({"role": "tool", "tool_call_id": call_id, "content": content}))
+    }
+
+    pub fn as_value(&self) -> &Value {
+        &self.0
+    }
+
+    pub fn into_value(self) -> Value {
+        self.0
+    }
+
+    /// The message as a borrowed view (what its accessors read).
+    pub fn view(&self) -> MessageView<'_> {
+        MessageView(&self.0)
+    }
+
+    /// A field without an accessor of its own (a vendor extension, `refusal`, ...).
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key)
+    }
+
+    pub fn role(&self) -> Option<&str> {
+        self.view().role()
+    }
+
+    pub fn content(&self) -> Option<&Value> {
+        self.view().content()
+    }
+
+    /// The text of `content`: a string, or the text parts of an array of parts.
+    pub fn text(&self) -> Option<String> {
+        self.view().text()
+    }
+
+    pub fn tool_call_id(&self) -> Option<&str> {
+        self.view().tool_call_id()
+    }
+
+    /// The function calls of an assistant message (none when it has no `tool_calls` array).
+    pub fn tool_calls(&self) -> impl Iterator<Item = FunctionCall<'_>> {
+        self.view().tool_calls()
+    }
+
+    pub fn has_tool_calls(&self) -> bool {
+        self.view().has_tool_calls()
+    }
+
+    /// Keeps only the calls `keep` accepts; without any left, the message has no `tool_calls`
+    /// and its `content` is at least `""`. Returns how many were removed.
+    pub fn retain_tool_calls(&mut self, keep: impl Fn(&FunctionCall<'_>) -> bool) -> usize {
+        let Some(msg) = self.0.as_object_mut() else {
+            return 0;
+        };
+        let Some(Value::Array(calls)) = msg.get_mut("tool_calls") else {
+            return 0;
+        };
+        let before = calls.len();
+        calls.retain(|c| keep(&FunctionCall(c)));
+        let removed = before - calls.len();
+        if removed > 0 && calls.is_empty() {
+            msg.remove("tool_calls");
+            if msg.get("content").is_none_or(Value::is_null) {
+                msg.insert("content".into(), json!(""));
+            }
+        }
+        removed
+    }
+}
+
+/// A chat message borrowed from wherever it is kept (a request, a stored transcript).
+#[derive(Debug, Clone, Copy)]
+pub struct MessageView<'a>(pub &'a Value);
+
+impl<'a> MessageView<'a> {
+    pub fn role(self) -> Option<&'a str> {
+        self.0.get("role").and_then(Value::as_str)
+    }
+
+    pub fn content(self) -> Option<&'a Value> {
+        self.0.get("content")
+    }
+
+    pub fn text(self) -> Option<String> {
+        self.content().and_then(content_text)
+    }
+
+    pub fn tool_call_id(self) -> Option<&'a str> {
+        self.0.get("tool_call_id").and_then(Value::as_str)
+    }
+
+    pub fn tool_calls(self) -> impl Iterator<Item = FunctionCall<'a>> {
+        self.0
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .map(FunctionCall)
+    }
+
+    pub fn has_tool_calls(self) -> bool {
+        self.tool_calls().next().is_some()
+    }
+}
+
+impl std::ops::Index<&str> for ChatMessage {
+    type Output = Value;
+
+    /// The field `key`, `null` when absent (as indexing a `Value` does).
+    fn index(&self, key: &str) -> &Value {
+        &self.0[key]
+    }
+}
+
+impl From<ChatMessage> for Value {
+    fn from(m: ChatMessage) -> Self {
+        m.0
+    }
+}
+
+impl PartialEq<ChatMessage> for Value {
+    fn eq(&self, other: &ChatMessage) -> bool {
+        *self == other.0
+    }
+}
+
+/// One entry of a request's `tools`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolDecl(Value);
+
+impl Serialize for ToolDecl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl ToolDecl {
+    /// An OpenAI function declaration.
+    pub fn function(name: &str, description: &str, parameters: Value) -> Self {
+        Self(json!({
+            "type": "function",
+            "function": {"name": name, "description": description, "parameters": parameters},
+        }))
+    }
+
+    pub fn from_value(v: Value) -> Self {
+        Self(v)
+    }
+
+    pub fn as_value(&self) -> &Value {
+        &self.0
+    }
+
+    /// `function.name` (OpenAI), or a bare `name`.
+    pub fn function_name(&self) -> Option<&str> {
+        self.0
+            .pointer("/function/name")
+            .or_else(|| self.0.get("name"))
+            .and_then(Value::as_str)
+    }
+}
+
+/// One entry of an assistant message's `tool_calls`.
+#[derive(Debug, Clone, Copy)]
+pub struct FunctionCall<'a>(&'a Value);
+
+impl<'a> FunctionCall<'a> {
+    pub fn id(&self) -> Option<&'a str> {
+        self.0.get("id").and_then(Value::as_str)
+    }
+
+    pub fn name(&self) -> Option<&'a str> {
+        self.0.pointer("/function/name").and_then(Value::as_str)
+    }
+
+    /// The arguments as the model wrote them (a JSON text).
+    pub fn arguments(&self) -> Option<&'a str> {
+        self.0
+            .pointer("/function/arguments")
+            .and_then(Value::as_str)
+    }
+
+    pub fn as_value(&self) -> &'a Value {
+        self.0
+    }
+}
+
+/// The text of a chat message's `content`: a string, or the text parts of an array of parts.
+pub fn content_text(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.join(""))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<ChatRequest, InvalidChatRequest> {
+        match v {
+            Value::Object(m) => ChatRequest::from_object(m),
+            _ => unreachable!("tests pass objects"),
+        }
+    }
+
+    #[test]
+    fn unknown_fields_reach_the_upstream_as_sent() {
+        let req = parse(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi", "x_vendor": [1.5, null]}],
+            "temperature": 0.25, "logit_bias": {"50256": -100}, "user": "u-1",
+            "sbp": {"checkpoint_every": 2}, "stream": true,
+        }))
+        .expect("valid");
+        assert_eq!(req.sbp.as_ref().and_then(|o| o.checkpoint_every), Some(2));
+        assert!(req.wants_stream());
+        let mut upstream = req.clone();
+        upstream.sbp = None;
+        upstream.stream = None;
+        assert_eq!(
+            serde_json::to_value(&upstream).expect("serialises"),
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi", "x_vendor": [1.5, null]}],
+                   "temperature": 0.25, "logit_bias": {"50256": -100}, "user": "u-1"})
+        );
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        for (body, want) in [
+            (json!({}), "`messages` must be an array"),
+            (json!({"messages": []}), "`messages` must not be empty"),
+            (
+                json!({"messages": [{"role": "user"}, {"content": "x"}]}),
+                "messages[1] must be an object with a string `role`",
+            ),
+            (
+                json!({"messages": [{"role": "user"}], "stream": "yes"}),
+                "`stream` must be a boolean",
+            ),
+            (
+                json!({"messages": [{"role": "user"}], "model": ""}),
+                "`model` must be a non-empty string",
+            ),
+            (
+                json!({"messages": [{"role": "user"}], "tools": {}}),
+                "`tools` must be an array",
+            ),
+            (
+                json!({"messages": [{"role": "user"}], "sbp": "x"}),
+                "`sbp` must be an object",
+            ),
+        ] {
+            assert_eq!(parse(body).map(|_| ()), Err(invalid(want)));
+        }
+    }
+
+    #[test]
+    fn tools_and_calls_are_read_in_one_place() {
+        let mut req = parse(json!({"messages": [{"role": "user"}],
+            "tools": [{"type": "function", "function": {"name": "surface_gps"}}, {"name": "bare"}, {}]}))
+        .expect("valid");
+        assert_eq!(req.declared_functions(), vec!["surface_gps", "bare"]);
+        req.add_tools([ToolDecl::function("x", "d", json!({}))]);
+        assert_eq!(req.declared_functions(), vec!["surface_gps", "bare", "x"]);
+
+        let mut msg = ChatMessage::from_value(json!({"role": "assistant", "content": null,
+            "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}},
+                           {"id": "b", "function": {"name": "g"}}]}));
+        let names: Vec<_> = msg.tool_calls().filter_map(|c| c.name()).collect();
+        assert_eq!(names, vec!["f", "g"]);
+        assert_eq!(msg.retain_tool_calls(|c| c.name() == Some("f")), 1);
+        assert_eq!(msg.tool_calls().count(), 1);
+        assert_eq!(msg.retain_tool_calls(|_| false), 1);
+        assert_eq!(msg.as_value(), &json!({"role": "assistant", "content": ""}));
+    }
+
+    #[test]
+    fn output_tokens_are_capped_under_the_clients_own_key() {
+        let mut req = parse(json!({"messages": [{"role": "user"}]})).expect("valid");
+        req.cap_output_tokens(40);
+        assert_eq!(req.rest["max_tokens"], json!(40));
+        let mut req = parse(json!({"messages": [{"role": "user"}], "max_completion_tokens": 10}))
+            .expect("valid");
+        req.cap_output_tokens(40);
+        assert_eq!(req.rest["max_completion_tokens"], json!(10));
+        assert!(!req.rest.contains_key("max_tokens"));
+        assert_eq!(req.output_token_limit(), Some(10));
+    }
+
+    #[test]
+    fn the_system_note_follows_the_leading_system_messages() {
+        let mut req = parse(json!({"messages": [{"role": "system", "content": "a"},
+            {"role": "user", "content": "b"}]}))
+        .expect("valid");
+        req.insert_system_note("note");
+        let roles: Vec<_> = req.messages.iter().filter_map(ChatMessage::role).collect();
+        assert_eq!(roles, vec!["system", "system", "user"]);
+        assert_eq!(req.messages[1].text().as_deref(), Some("note"));
+    }
+}
