@@ -10,6 +10,7 @@ use sbp_bus::{Bus, BusError, BusMsg, Holder, LiveChunk, RedisBus, TurnDone};
 use sbp_protocol::SurfaceContext;
 use sbp_protocol::ToolFailure;
 use sbp_protocol::frames::ToolCall;
+use sbp_test_support::test_redis_url;
 use serde_json::json;
 use tokio::time::{Instant, timeout};
 use uuid::Uuid;
@@ -22,14 +23,8 @@ mod support {
     use std::time::Duration;
 
     use sbp_bus::{BusMsg, RedisBus, RedisBusOptions};
+    use sbp_test_support::{delete_prefix, run_then_clean_up, test_redis_url};
     use tokio::sync::mpsc;
-
-    /// What scripts/test.sh exports; used when the variable is unset.
-    const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
-
-    pub fn url() -> String {
-        std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-    }
 
     /// One test's key prefix and liveness timing; every replica it connects shares them.
     #[derive(Debug, Clone)]
@@ -62,16 +57,12 @@ mod support {
                 ttl,
             };
             let prefix = fx.prefix.clone();
-            let outcome = tokio::spawn(case(fx)).await;
-            if let Err(e) = delete_prefix(&prefix).await {
-                eprintln!("could not delete redis keys {prefix}*: {e}");
-            }
-            if let Err(e) = outcome {
-                match e.try_into_panic() {
-                    Ok(panic) => std::panic::resume_unwind(panic),
-                    Err(e) => panic!("case did not finish: {e}"),
+            run_then_clean_up(case(fx), async move {
+                if let Err(e) = delete_prefix(&test_redis_url(), &prefix).await {
+                    eprintln!("could not delete redis keys {prefix}*: {e}");
                 }
-            }
+            })
+            .await;
         }
 
         pub fn options(&self, replica: &str) -> RedisBusOptions {
@@ -79,7 +70,7 @@ mod support {
                 prefix: self.prefix.clone(),
                 heartbeat: self.heartbeat,
                 ttl: self.ttl,
-                ..RedisBusOptions::new(url(), replica)
+                ..RedisBusOptions::new(test_redis_url(), replica)
             }
         }
 
@@ -92,7 +83,7 @@ mod support {
                         "joining the bus at {} as '{replica}' failed ({e}). These tests need \
                          Redis: run `bash scripts/services.sh` to start it, or set \
                          SBP_TEST_REDIS_URL.",
-                        url()
+                        test_redis_url()
                     )
                 })
         }
@@ -104,33 +95,6 @@ mod support {
             .await
             .expect("a message within 30 s")
             .expect("the bus's receiver is open")
-    }
-
-    /// Deletes every key under `prefix`.
-    async fn delete_prefix(prefix: &str) -> redis::RedisResult<()> {
-        let client = redis::Client::open(url())?;
-        let mut con = client.get_multiplexed_async_connection().await?;
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut con)
-                .await?;
-            if !keys.is_empty() {
-                redis::cmd("DEL")
-                    .arg(&keys)
-                    .query_async::<()>(&mut con)
-                    .await?;
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
-        }
     }
 }
 
@@ -725,7 +689,7 @@ async fn a_failed_join_gives_its_id_back() {
             .await
             .expect("bind");
         let proxy_addr = listener.local_addr().expect("address");
-        let upstream = host_port(&support::url());
+        let upstream = host_port(&test_redis_url());
         let proxy = tokio::spawn(async move {
             let (mut first, _) = listener.accept().await.expect("accept");
             let mut redis = tokio::net::TcpStream::connect(upstream)
@@ -744,7 +708,7 @@ async fn a_failed_join_gives_its_id_back() {
             }
         });
         let mut opts = fx.options("a");
-        opts.url = url_via(&support::url(), proxy_addr);
+        opts.url = url_via(&test_redis_url(), proxy_addr);
         match RedisBus::connect(opts).await {
             Err(BusError::Unavailable(_)) => {}
             other => panic!("joined without a subscription: {other:?}"),

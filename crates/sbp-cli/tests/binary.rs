@@ -555,9 +555,7 @@ async fn anthropic_route_southbound_mcp_and_tool_allowlist_flags() {
     );
     assert!(gw.metrics().await.contains("sbp_server_tool_calls_total 1"));
 
-    let url = format!("{}/v1/sbp/ws/{id}", gw.ws_url);
-    let (stream, _) = tokio_tungstenite::connect_async(url).await.expect("ws");
-    let mut ws = support::Ws { stream };
+    let mut ws = gw.connect(&id).await;
     ws.send(
         json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
                    "surface_context": {"device_type": "mobile", "mcp_tools": ["gps", "camera"]}}),
@@ -598,9 +596,7 @@ async fn kill_9_after_a_tool_round_keeps_the_round_whole() {
     let token = token.expect("token");
     let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
 
-    let url = format!("{}/v1/sbp/ws/{id}", gw.ws_url);
-    let (stream, _) = tokio_tungstenite::connect_async(url).await.expect("ws");
-    let mut ws = support::Ws { stream };
+    let mut ws = gw.connect(&id).await;
     ws.send(
         json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
                    "surface_context": {"device_type": "mobile", "mcp_tools": ["gps"]}}),

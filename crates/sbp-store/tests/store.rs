@@ -142,18 +142,11 @@ mod postgres {
         BeginTurn, FinishTurn, NewMessage, NewSession, NewTetherEntry, SessionStore, Store,
         StoreError,
     };
+    use sbp_test_support::{run_then_clean_up, test_database_url};
     use serde_json::json;
     use tokio_postgres::NoTls;
 
     use crate::suite;
-
-    /// What scripts/test.sh exports; used when the variable is unset, so a plain `cargo test`
-    /// works on a machine where scripts/services.sh has started PostgreSQL.
-    const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-    fn url() -> String {
-        std::env::var("SBP_TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-    }
 
     /// A fresh schema for one test, dropped by [`TestSchema::drop`].
     pub(crate) struct TestSchema {
@@ -183,7 +176,7 @@ mod postgres {
 
     impl TestSchema {
         pub(crate) async fn create() -> TestSchema {
-            let url = url();
+            let url = test_database_url();
             let name = format!("sbp_test_{}", uuid::Uuid::new_v4().simple());
             admin(&url)
                 .await
@@ -224,14 +217,7 @@ mod postgres {
         where
             F: Future<Output = ()> + Send + 'static,
         {
-            let outcome = tokio::spawn(case).await;
-            self.drop().await;
-            if let Err(e) = outcome {
-                match e.try_into_panic() {
-                    Ok(panic) => std::panic::resume_unwind(panic),
-                    Err(e) => panic!("case did not finish: {e}"),
-                }
-            }
+            run_then_clean_up(case, self.drop()).await;
         }
     }
 
@@ -406,16 +392,10 @@ mod redis_tether {
     use sbp_store::Store;
     use sbp_store::redis_tether::{RedisTetherOptions, TetherMode, TetheredStore};
     use sbp_store::sqlite::{SqliteOptions, SqliteStore};
+    use sbp_test_support::{run_then_clean_up, test_redis_url};
     use tempfile::TempDir;
 
     use crate::postgres::TestSchema;
-
-    /// What scripts/test.sh exports; used when the variable is unset.
-    const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
-
-    fn url() -> String {
-        std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-    }
 
     enum Backing {
         Sqlite(TempDir),
@@ -470,7 +450,7 @@ mod redis_tether {
                 ),
                 Backing::Postgres(schema) => schema.open().await,
             };
-            let url = url();
+            let url = test_redis_url();
             let store = TetheredStore::open(inner, &url, self.options())
                 .await
                 .unwrap_or_else(|e| {
@@ -491,48 +471,22 @@ mod redis_tether {
         where
             F: Future<Output = ()> + Send + 'static,
         {
-            let outcome = tokio::spawn(case).await;
-            if let Err(e) = delete_prefix(&self.prefix).await {
-                eprintln!("could not delete redis keys {}*: {e}", self.prefix);
-            }
-            match self.backing {
-                Backing::Sqlite(dir) => drop(dir),
-                Backing::Postgres(schema) => schema.drop().await,
-            }
-            if let Err(e) = outcome {
-                match e.try_into_panic() {
-                    Ok(panic) => std::panic::resume_unwind(panic),
-                    Err(e) => panic!("case did not finish: {e}"),
+            run_then_clean_up(case, async move {
+                if let Err(e) = delete_prefix(&self.prefix).await {
+                    eprintln!("could not delete redis keys {}*: {e}", self.prefix);
                 }
-            }
+                match self.backing {
+                    Backing::Sqlite(dir) => drop(dir),
+                    Backing::Postgres(schema) => schema.drop().await,
+                }
+            })
+            .await;
         }
     }
 
     /// Deletes every key under `prefix` (also how a test makes Redis "lose its data").
     pub(crate) async fn delete_prefix(prefix: &str) -> redis::RedisResult<()> {
-        let client = redis::Client::open(url())?;
-        let mut con = client.get_multiplexed_async_connection().await?;
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut con)
-                .await?;
-            if !keys.is_empty() {
-                redis::cmd("DEL")
-                    .arg(&keys)
-                    .query_async::<()>(&mut con)
-                    .await?;
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
-        }
+        sbp_test_support::delete_prefix(&test_redis_url(), prefix).await
     }
 
     macro_rules! tethered_cases {
@@ -812,7 +766,7 @@ mod redis_tether {
         async fn auto_mode_follows_redis_persistence() {
             let fx = manual(TetherMode::Auto).await;
             let store = fx.tethered().await;
-            let client = redis::Client::open(url()).expect("url");
+            let client = redis::Client::open(test_redis_url()).expect("url");
             let mut con = client
                 .get_multiplexed_async_connection()
                 .await

@@ -13,17 +13,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use futures::{SinkExt as _, StreamExt as _};
+use sbp_test_support::delete_prefix_blocking;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+pub use sbp_test_support::{
+    WAIT, Ws, WsEvent, client, eventually, send, test_database_url, test_redis_url,
+};
 
 /// How long a debug build gets to open its database and print the startup line.
 pub const STARTUP: Duration = Duration::from_secs(20);
-/// How long any single expected event (response, frame, exit) may take.
-pub const WAIT: Duration = Duration::from_secs(10);
 
 /// `sbp serve` with a clean environment: no inherited `SBP_*` variable can change what a test
 /// sets up, and output is piped so it can be inspected.
@@ -313,12 +312,7 @@ impl Sbp {
     /// Opens the session's WebSocket and sends ATTACH_SESSION; returns the socket and the
     /// SESSION_ATTACHED frame.
     pub async fn attach(&self, id: &str, token: &str) -> (Ws, Value) {
-        let mut ws = self.connect(id).await;
-        ws.send(json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token}))
-            .await;
-        let attached = ws.recv().await;
-        assert_eq!(attached["type"], "SESSION_ATTACHED", "{attached}");
-        (ws, attached)
+        Ws::attach(&self.ws_url, id, token, json!({})).await
     }
 
     /// [`Sbp::attach`] declaring `surface_context`.
@@ -328,25 +322,13 @@ impl Sbp {
         token: &str,
         surface_context: Value,
     ) -> (Ws, Value) {
-        let mut ws = self.connect(id).await;
-        ws.send(
-            json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
-                       "surface_context": surface_context}),
-        )
-        .await;
-        let attached = ws.recv().await;
-        assert_eq!(attached["type"], "SESSION_ATTACHED", "{attached}");
-        (ws, attached)
+        let extra = json!({"surface_context": surface_context});
+        Ws::attach(&self.ws_url, id, token, extra).await
     }
 
     /// Opens the session's WebSocket without sending anything.
     pub async fn connect(&self, id: &str) -> Ws {
-        let url = format!("{}/v1/sbp/ws/{id}", self.ws_url);
-        let (stream, _) = tokio::time::timeout(WAIT, tokio_tungstenite::connect_async(url))
-            .await
-            .expect("ws connect within the wait")
-            .expect("ws connect");
-        Ws { stream }
+        Ws::open(&self.ws_url, id).await
     }
 
     /// The replica id this gateway announced in its startup line (`replica <id> on bus ...`).
@@ -368,27 +350,6 @@ impl Sbp {
         assert_eq!(resp.status(), 200);
         resp.text().await.expect("metrics body")
     }
-}
-
-/// An HTTP client that never goes through a proxy (the gateway is on loopback).
-pub fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("http client")
-}
-
-/// Sends a request with the standard wait; returns (status, headers, body as JSON or a string).
-pub async fn send(req: reqwest::RequestBuilder) -> (u16, reqwest::header::HeaderMap, Value) {
-    let resp = tokio::time::timeout(WAIT, req.send())
-        .await
-        .expect("response within the wait")
-        .expect("request sent");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let text = resp.text().await.expect("response body");
-    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, headers, body)
 }
 
 /// A chat message as (role, text content); a message without text (only tool calls) gives "".
@@ -413,93 +374,6 @@ pub fn reply_text(body: &Value) -> String {
 
 pub fn msg(role: &str, content: &str) -> Value {
     json!({"role": role, "content": content})
-}
-
-pub struct Ws {
-    pub stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
-}
-
-/// What a surface's socket delivered next.
-#[derive(Debug)]
-pub enum WsEvent {
-    Frame(Value),
-    /// A close frame with its code, or `None` when the connection ended without one (the gateway
-    /// died, or the TCP connection was reset).
-    Closed(Option<u16>),
-}
-
-impl Ws {
-    pub async fn send(&mut self, v: Value) {
-        self.stream
-            .send(Message::Text(v.to_string().into()))
-            .await
-            .expect("ws send");
-    }
-
-    /// The next JSON frame or the end of the connection, answering PINGs on the way.
-    pub async fn next_event(&mut self) -> WsEvent {
-        self.next_event_within(WAIT)
-            .await
-            .expect("ws frame or close within the wait")
-    }
-
-    /// [`Ws::next_event`], or `None` if nothing came within `within`.
-    pub async fn next_event_within(&mut self, within: Duration) -> Option<WsEvent> {
-        let deadline = Instant::now() + within;
-        loop {
-            let msg = tokio::time::timeout_at(deadline, self.stream.next())
-                .await
-                .ok()?;
-            match msg {
-                Some(Ok(Message::Text(t))) => {
-                    let v: Value = serde_json::from_str(t.as_str()).expect("server sends JSON");
-                    if v["type"] == "PING" {
-                        self.send(json!({"type": "PONG"})).await;
-                        continue;
-                    }
-                    return Some(WsEvent::Frame(v));
-                }
-                Some(Ok(Message::Close(f))) => {
-                    return Some(WsEvent::Closed(f.map(|f| u16::from(f.code))));
-                }
-                Some(Ok(_)) => continue,
-                Some(Err(_)) | None => return Some(WsEvent::Closed(None)),
-            }
-        }
-    }
-
-    /// The next JSON frame, answering PINGs on the way.
-    pub async fn recv(&mut self) -> Value {
-        match self.next_event().await {
-            WsEvent::Frame(v) => v,
-            WsEvent::Closed(code) => {
-                panic!("socket closed ({code:?}) while a frame was expected")
-            }
-        }
-    }
-
-    /// Expects the connection to end next (no frame before); returns the close code, if any.
-    pub async fn closed(&mut self) -> Option<u16> {
-        match self.next_event().await {
-            WsEvent::Closed(code) => code,
-            WsEvent::Frame(f) => panic!("a frame ({f}) where the socket was expected to close"),
-        }
-    }
-
-    pub async fn close(mut self) {
-        let _ = self.stream.close(None).await;
-    }
-}
-
-/// The machine's test database (override with `SBP_TEST_DATABASE_URL`).
-pub fn test_database_url() -> String {
-    std::env::var("SBP_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// The machine's Redis (override with `SBP_TEST_REDIS_URL`).
-pub fn test_redis_url() -> String {
-    std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
 /// Runs SQL with the machine's psql (installed with PostgreSQL by scripts/services.sh).
@@ -651,20 +525,6 @@ impl Deployment {
             thread: Some(thread),
         }
     }
-
-    /// Keys of this deployment's bus that exist now.
-    pub fn redis_keys(&self) -> Vec<String> {
-        let out = Command::new("redis-cli")
-            .args(["-u", &self.redis, "--scan", "--pattern"])
-            .arg(format!("{}*", self.prefix))
-            .output()
-            .expect("redis-cli runs");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| !l.is_empty())
-            .map(str::to_owned)
-            .collect()
-    }
 }
 
 impl Drop for Deployment {
@@ -677,13 +537,7 @@ impl Drop for Deployment {
                 &format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema),
             ])
             .output();
-        let keys = self.redis_keys();
-        if !keys.is_empty() {
-            let _ = Command::new("redis-cli")
-                .args(["-u", &self.redis, "DEL"])
-                .args(&keys)
-                .output();
-        }
+        let _ = delete_prefix_blocking(&self.redis, &self.prefix);
     }
 }
 
@@ -805,23 +659,6 @@ pub fn strip_ansi(text: &str) -> String {
         }
     }
     out
-}
-
-/// Polls `check` until it gives a value, for at most `within`: for state another process changes
-/// without telling the test (a session's status, a turn failed by recovery).
-pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// `sbp SUBCOMMAND ARGS...` with a clean environment (no inherited `SBP_*` variable, so no

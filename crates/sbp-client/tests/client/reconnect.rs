@@ -7,7 +7,9 @@ use sbp_client::types::{Delivery, PushTurn};
 use sbp_client::{Backoff, DisconnectKind, Event, ReconnectPolicy, Surface};
 use sbp_protocol::ServerFrame;
 
-use crate::support::{Options, TestGateway, WAIT, ended, live_turn, next, tether_turn};
+use crate::support::{
+    Options, TestGateway, TestGatewayExt, WAIT, ended, live_turn, next, tether_turn,
+};
 
 fn quick(max_attempts: Option<u32>) -> ReconnectPolicy {
     ReconnectPolicy {

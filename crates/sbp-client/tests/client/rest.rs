@@ -9,7 +9,7 @@ use sbp_gateway::GatewayConfig;
 use sbp_protocol::SessionStatus;
 use serde_json::json;
 
-use crate::support::{Options, TestGateway, config, wait_session};
+use crate::support::{Options, TestGateway, TestGatewayExt, config, wait_session};
 
 #[tokio::test]
 async fn sessions_messages_and_the_resume_flow() {

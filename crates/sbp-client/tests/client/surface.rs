@@ -8,7 +8,7 @@ use sbp_gateway::GatewayConfig;
 use sbp_protocol::{ServerFrame, SessionStatus, SurfaceContext};
 
 use crate::support::{
-    Options, TestGateway, config, ended, live_turn, next, tether_turn, wait_session,
+    Options, TestGateway, TestGatewayExt, config, ended, live_turn, next, tether_turn, wait_session,
 };
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use sbp_protocol::{ServerFrame, SurfaceContext};
 use serde_json::{Value, json};
 use tokio::sync::{Notify, mpsc};
 
-use crate::support::{TestGateway, WAIT, next};
+use crate::support::{TestGateway, TestGatewayExt, WAIT, next};
 
 fn gps_schema() -> Value {
     json!({"type": "object", "properties": {"acc": {"type": "string", "enum": ["low", "high"]}}})

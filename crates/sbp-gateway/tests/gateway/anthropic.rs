@@ -11,7 +11,7 @@ use sbp_llm::{
 };
 use serde_json::{Value, json};
 
-use crate::support::{Options, TestGateway, Upstream};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream};
 
 /// OpenAI-compatible by default; `claude*` models to the fake's Anthropic endpoint.
 fn router(base_url: String) -> Arc<dyn Provider> {

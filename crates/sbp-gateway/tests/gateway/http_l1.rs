@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
+use reqwest::Method;
 use sbp_gateway::GatewayConfig;
 use serde_json::{Value, json};
 
-use crate::support::{Options, TestGateway, Upstream, db_path};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream, db_path, sse_data};
 
 fn user(text: &str) -> Value {
     json!({"role": "user", "content": text})
@@ -305,29 +306,12 @@ async fn sse(
     body: Value,
     headers: &[(&str, &str)],
 ) -> (u16, reqwest::header::HeaderMap, Vec<Value>) {
-    let mut req = gw
-        .http
-        .post(format!("{}/v1/chat/completions", gw.url))
-        .json(&body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req.send().await.expect("sent");
+    let req = gw.request(Method::POST, "/v1/chat/completions", headers);
+    let resp = req.json(&body).send().await.expect("sent");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let text = resp.text().await.expect("body");
-    let events = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|d| {
-            if d == "[DONE]" {
-                json!("[DONE]")
-            } else {
-                serde_json::from_str(d).expect("event json")
-            }
-        })
-        .collect();
-    (status, headers, events)
+    (status, headers, sse_data(&text))
 }
 
 #[tokio::test]

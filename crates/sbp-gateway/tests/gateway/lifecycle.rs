@@ -3,7 +3,7 @@
 use sbp_gateway::GatewayConfig;
 use serde_json::{Value, json};
 
-use crate::support::{Options, TestGateway};
+use crate::support::{Options, TestGateway, TestGatewayExt};
 
 fn user(text: &str) -> Value {
     json!({"role": "user", "content": text})

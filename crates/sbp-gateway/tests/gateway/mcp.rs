@@ -11,13 +11,12 @@ use rmcp::service::RunningService;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceError, ServiceExt};
-use sbp_gateway::GatewayConfig;
-use sbp_gateway::ServerTools;
+use sbp_gateway::{GatewayConfig, ServerTools};
 use sbp_mcp::Southbound;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use crate::support::{Options, TestGateway, Upstream, Ws};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream, Ws};
 
 /// The operator API key of the gateways that require one.
 const OPERATOR_KEY: &str = "operator-key-for-mcp-tests";

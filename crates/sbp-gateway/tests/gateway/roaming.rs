@@ -12,7 +12,7 @@ use sbp_protocol::token::{self, RoamingClaims};
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-use crate::support::{Options, TestGateway, Upstream};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream};
 
 const SECRET: [u8; 32] = [7u8; 32];
 const REFERENCE_SECRET: &str = "conformance-test-secret-must-be-32-chars-minimum";

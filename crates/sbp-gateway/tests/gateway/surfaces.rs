@@ -8,7 +8,7 @@ use sbp_gateway::{CtpRule, GatewayConfig};
 use sbp_protocol::SurfaceContext;
 use serde_json::{Value, json};
 
-use crate::support::{Options, TestGateway, Upstream};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream};
 
 /// A reply using everything a plain surface cannot show.
 const REPLY: &str = "# Weather today\n\nIt will be **sunny** in Tokyo. Details:\n\n- Morning: 18 degrees\n- Afternoon: 24 degrees\n\n| Time | Temp |\n|---|---|\n| 9:00 | 18 |\n| 15:00 | 24 |\n\nSee [the forecast](https://example.com/tokyo) for more. Have a good day and enjoy the sun while it lasts, because rain comes tomorrow evening.";

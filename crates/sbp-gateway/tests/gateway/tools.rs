@@ -9,7 +9,7 @@ use sbp_gateway::GatewayConfig;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use crate::support::{Options, TestGateway, Upstream, Ws, sse_data};
+use crate::support::{Options, TestGateway, TestGatewayExt, Upstream, Ws, sse_data};
 
 /// The tool result the surface sends in most tests, and the exact text the LLM gets for it.
 const GPS_FIX: &str = r#"{"lat":35.68,"lon":139.76}"#;

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
-use crate::support::{Event, Options, TestGateway, Ws};
+use crate::support::{Options, TestGateway, TestGatewayExt, Ws, WsEvent};
 
 fn with_config(edit: impl FnOnce(&mut GatewayConfig)) -> Options {
     let mut opts = Options::default();
@@ -350,14 +350,14 @@ async fn unanswered_ping_closes_with_1001() {
     .await;
     let (id, token) = gw.session().await;
     let (mut ws, _) = gw.attach(&id, &token, json!({})).await;
-    match ws.next_event().await {
-        Event::Frame(f) => assert_eq!(f, json!({"type": "PING"})),
-        Event::Closed(c) => panic!("closed ({c:?}) before any PING"),
+    match ws.next_raw().await {
+        WsEvent::Frame(f) => assert_eq!(f, json!({"type": "PING"})),
+        WsEvent::Closed(c) => panic!("closed ({c:?}) before any PING"),
     }
     // Never answered: the next event is the close, with no second PING before it.
-    match ws.next_event().await {
-        Event::Closed(code) => assert_eq!(code, Some(1001)),
-        Event::Frame(f) => panic!("expected close 1001, got {f}"),
+    match ws.next_raw().await {
+        WsEvent::Closed(code) => assert_eq!(code, Some(1001)),
+        WsEvent::Frame(f) => panic!("expected close 1001, got {f}"),
     }
     gw.wait_suspended(&id, &token).await;
 }
@@ -375,8 +375,8 @@ async fn answered_pings_keep_the_connection_open() {
     // A PING goes out only once the previous one was answered, and six intervals outlast the
     // pong timeout: each PONG was taken as an answer.
     for i in 0..6 {
-        match ws.next_event().await {
-            Event::Frame(f) if f["type"] == "PING" => ws.send(json!({"type": "PONG"})).await,
+        match ws.next_raw().await {
+            WsEvent::Frame(f) if f["type"] == "PING" => ws.send(json!({"type": "PONG"})).await,
             other => panic!("ping {i}: expected PING, got {other:?}"),
         }
     }

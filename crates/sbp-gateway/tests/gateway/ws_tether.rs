@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sbp_gateway::GatewayConfig;
 use serde_json::{Value, json};
 
-use crate::support::{Options, TestGateway, Ws};
+use crate::support::{Options, TestGateway, TestGatewayExt, Ws};
 
 fn with_config(edit: impl FnOnce(&mut GatewayConfig)) -> Options {
     let mut opts = Options::default();

@@ -225,16 +225,8 @@ async fn authenticate(Path(id): Path<Uuid>, mut request: Request, next: Next) ->
 /// Polls `condition` until it holds, for at most `limit`: waiting for an event that has no
 /// notification of its own (a process appearing or going away, a background reconnect).
 pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if condition() {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let check = || std::future::ready(condition().then_some(()).ok_or(()));
+    sbp_test_support::poll_until_ok(limit, check).await.is_ok()
 }
 
 /// A fresh directory under the system temp dir, removed on drop.

@@ -1,0 +1,40 @@
+//! What the workspace's integration-test suites share, so each suite's `support` module keeps only
+//! what is its own. A dev-dependency only.
+//!
+//! - always: [`WAIT`], polling ([`poll_until_ok`], [`eventually`], [`wait_until`]), the machine's
+//!   test services ([`test_database_url`], [`test_redis_url`], [`delete_prefix`]) and
+//!   [`run_then_clean_up`];
+//! - feature `clients`: HTTP helpers (`send`, `response`, `sse_data`, `client`) and a surface's
+//!   WebSocket (`Ws`, `WsEvent`);
+//! - feature `gateway`: `TestGateway`, the real gateway in-process on `127.0.0.1:0` over a SQLite
+//!   file in a temp dir, built with the gateway crate's root API only.
+//!
+//! The suites of crates the gateway is built from (sbp-store, sbp-bus, sbp-mcp) use no feature.
+
+use std::time::Duration;
+
+mod services;
+mod wait;
+
+#[cfg(feature = "gateway")]
+mod gateway;
+#[cfg(feature = "clients")]
+mod http;
+#[cfg(feature = "clients")]
+mod ws;
+
+pub use services::{
+    delete_prefix, delete_prefix_blocking, run_then_clean_up, test_database_url, test_redis_url,
+};
+pub use wait::{eventually, poll_until_ok, wait_until};
+
+#[cfg(feature = "gateway")]
+pub use gateway::{Options, TestGateway, Upstream, config, db_path};
+#[cfg(feature = "clients")]
+pub use http::{client, response, send, sse_data};
+#[cfg(feature = "clients")]
+pub use ws::{Ws, WsEvent};
+
+/// Upper bound on any single expected event (a response, a frame, a state change); a test that
+/// needs it has failed.
+pub const WAIT: Duration = Duration::from_secs(10);
