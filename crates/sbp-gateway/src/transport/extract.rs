@@ -8,6 +8,8 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_protocol::ErrorCode;
+use sbp_store::SessionRecord;
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::engine::Caller;
@@ -23,6 +25,20 @@ pub fn error_response(err: &ApiError) -> Response {
     let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = (status, axum::Json(err.body())).into_response();
     add_headers(resp.headers_mut(), &err.headers);
+    resp
+}
+
+/// A new session's 201: its body, with the session's id, token and agent in headers as well.
+pub fn created(body: &impl Serialize, session: &SessionRecord, token: &str) -> Response {
+    let mut resp = (StatusCode::CREATED, axum::Json(body)).into_response();
+    add_headers(
+        resp.headers_mut(),
+        &[
+            ("x-session-token", token.to_owned()),
+            ("x-session-id", session.id.to_string()),
+            ("x-agent-id", session.agent_id.clone()),
+        ],
+    );
     resp
 }
 

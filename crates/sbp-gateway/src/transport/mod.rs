@@ -6,6 +6,7 @@ mod http;
 mod mcp;
 mod page;
 mod roaming;
+mod to_wire;
 mod tools;
 mod ws;
 

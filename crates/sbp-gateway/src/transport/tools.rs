@@ -3,8 +3,10 @@
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
+use sbp_protocol::rest::ToolCallOutcome;
 
 use super::extract::JsonObject;
+use super::to_wire;
 use crate::engine::{BackendToolCall, Caller};
 use crate::{ApiError, Gateway};
 
@@ -12,6 +14,10 @@ type ApiResult = Result<Response, ApiError>;
 
 /// `POST /v1/sbp/sessions/{id}/tool_calls`: 200 with the TOOL_RESULT (or how the call ended),
 /// 409 when no attached surface declared the tool, 403 when the allowlist refuses it.
+///
+/// The body is parsed by the engine's `BackendToolCall::from_body`, not as a
+/// `rest::ToolCallRequest`: it takes `name` / `tool`, `arguments` / `input`, and a `null` or
+/// missing input as `{}`.
 pub async fn call(
     State(gw): State<Gateway>,
     caller: Caller,
@@ -20,5 +26,6 @@ pub async fn call(
 ) -> ApiResult {
     let call = BackendToolCall::from_body(&body)?;
     let answer = gw.backend_tool_call(&id, &caller, call).await?;
-    Ok(Json(answer).into_response())
+    let outcome: ToolCallOutcome = to_wire::typed("answering a backend tool call", answer)?;
+    Ok(Json(outcome).into_response())
 }
