@@ -68,8 +68,10 @@
 //!
 //! [`Client`] (optionally with an operator API key) creates and imports sessions and inspects
 //! roaming tokens; [`SessionClient`] (holding the session token, sent as `X-Session-Token`) sends
-//! messages, reads the session and its transcript, pushes turns, calls surface tools from a backend,
-//! and exports, forks and hands off. Errors in the gateway's envelope become [`Error::Api`] with the
+//! messages, reads the session, its transcript and snapshots, changes its status, pushes turns,
+//! calls surface tools from a backend, exports, forks and hands off, and reads the lineage, the
+//! exports and the memory. The bodies are [`sbp_protocol::rest`]'s, the types the gateway sends
+//! (re-exported in [`types`]). Errors in the gateway's envelope become [`Error::Api`] with the
 //! `SBP_*` code.
 
 pub mod error;

@@ -14,10 +14,13 @@ use serde_json::Value;
 use crate::Error;
 use crate::surface::SurfaceConfig;
 use crate::types::{
-    ChatOutcome, ChatReply, ChatRequest, Created, Export, ExportInfo, ExportRequest, ForkInfo,
-    HandoffInfo, HandoffRequest, ImportInfo, ImportRequest, Lineage, MessagePage, NewSession,
-    PushTurn, PushedTurn, SessionCreated, SessionInfo, ToolCallOutcome, ToolCallRequest,
+    ChatOutcome, ChatReply, ChatRequest, Created, Export, ExportInfo, ExportList, ExportRequest,
+    ForkInfo, ForkRequest, HandoffInfo, HandoffRequest, Health, ImportInfo, ImportRequest, Lineage,
+    Memory, MemoryPut, MessagePage, MessagesQuery, NewSession, PushTurn, PushedTurn,
+    SessionCreated, SessionInfo, SetStatus, Snapshot, SnapshotList, StatusChanged, ToolCallOutcome,
+    ToolCallRequest,
 };
+use sbp_protocol::SessionStatus;
 
 const SESSION_TOKEN: &str = "x-session-token";
 
@@ -221,6 +224,12 @@ impl Client {
         })
     }
 
+    /// `GET /healthz`.
+    pub async fn health(&self) -> Result<Health, Error> {
+        self.call::<(), _>(Method::GET, &["healthz"], None, None)
+            .await
+    }
+
     /// `GET /v1/sbp/token/{token}`: what a roaming token refers to, without consuming it.
     pub async fn inspect_token(&self, roaming_token: &str) -> Result<ExportInfo, Error> {
         self.call::<(), _>(
@@ -405,17 +414,33 @@ impl SessionClient {
             &self.client.inner.base,
             &["v1", "sessions", &self.id, "messages"],
         )?;
-        {
+        // Two optional numbers: serialising them cannot fail, and each is a plain query value.
+        if let Ok(Value::Object(pairs)) = serde_json::to_value(MessagesQuery { after, limit }) {
             let mut q = url.query_pairs_mut();
-            if let Some(a) = after {
-                q.append_pair("after", &a.to_string());
-            }
-            if let Some(l) = limit {
-                q.append_pair("limit", &l.to_string());
+            for (key, value) in pairs {
+                q.append_pair(&key, &value.to_string());
             }
         }
         let (status, _, v) = send(self.client.request(Method::GET, url, Some(&self.token))).await?;
         parse(status, v)
+    }
+
+    /// `PATCH /v1/sbp/sessions/{id}/status`: suspend, complete, fail or resume the session.
+    pub async fn set_status(&self, status: SessionStatus) -> Result<StatusChanged, Error> {
+        self.send_json(Method::PATCH, &["status"], &SetStatus::new(status))
+            .await
+    }
+
+    /// `GET /v1/sbp/sessions/{id}/snapshots`: newest first.
+    pub async fn snapshots(&self) -> Result<SnapshotList, Error> {
+        self.get_json(&["v1", "sbp", "sessions", &self.id, "snapshots"])
+            .await
+    }
+
+    /// `GET /v1/sbp/sessions/{id}/snapshots/latest`: the latest snapshot with its messages.
+    pub async fn latest_snapshot(&self) -> Result<Snapshot, Error> {
+        self.get_json(&["v1", "sbp", "sessions", &self.id, "snapshots", "latest"])
+            .await
     }
 
     /// `POST /v1/sbp/sessions/{id}/turns`: a turn from a backend, live or tethered.
@@ -435,7 +460,9 @@ impl SessionClient {
 
     /// `POST /v1/sbp/sessions/{id}/fork`: an independent copy at the latest checkpoint.
     pub async fn fork(&self, label: Option<&str>) -> Result<Created<ForkInfo>, Error> {
-        let body = serde_json::json!({ "label": label });
+        let body = ForkRequest {
+            label: label.map(str::to_owned),
+        };
         let info: ForkInfo = self.post(&["fork"], &body).await?;
         Ok(Created {
             session: self
@@ -463,6 +490,23 @@ impl SessionClient {
             .await
     }
 
+    /// `GET /v1/sbp/sessions/{id}/exports`: the session's exports and their imports.
+    pub async fn exports(&self) -> Result<ExportList, Error> {
+        self.get_json(&["v1", "sbp", "sessions", &self.id, "exports"])
+            .await
+    }
+
+    /// `GET /v1/sbp/sessions/{id}/memory`.
+    pub async fn memory(&self) -> Result<Memory, Error> {
+        self.get_json(&["v1", "sbp", "sessions", &self.id, "memory"])
+            .await
+    }
+
+    /// `PUT /v1/sbp/sessions/{id}/memory`: replaces the memory document.
+    pub async fn put_memory(&self, memory: MemoryPut) -> Result<Memory, Error> {
+        self.send_json(Method::PUT, &["memory"], &memory).await
+    }
+
     async fn get_json<T: DeserializeOwned>(&self, path: &[&str]) -> Result<T, Error> {
         self.client
             .call::<(), T>(Method::GET, path, Some(&self.token), None)
@@ -475,10 +519,20 @@ impl SessionClient {
         tail: &[&str],
         body: &B,
     ) -> Result<T, Error> {
+        self.send_json(Method::POST, tail, body).await
+    }
+
+    /// `<method> /v1/sbp/sessions/{id}/<tail>` with a JSON body.
+    async fn send_json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        tail: &[&str],
+        body: &B,
+    ) -> Result<T, Error> {
         let mut path = vec!["v1", "sbp", "sessions", self.id.as_str()];
         path.extend_from_slice(tail);
         self.client
-            .call(Method::POST, &path, Some(&self.token), Some(body))
+            .call(method, &path, Some(&self.token), Some(body))
             .await
     }
 }

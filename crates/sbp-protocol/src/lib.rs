@@ -1,7 +1,7 @@
 //! SBP wire types shared by the gateway and its clients: WebSocket frames, the SurfaceContext,
-//! the chat-completions request, tool-call outcomes, the `sbp` completion namespace, the error
-//! envelope, the session lifecycle, Python-compatible canonical JSON, roaming bundles
-//! (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
+//! the chat-completions request, tool-call outcomes, the `sbp` completion namespace, the REST
+//! endpoints' bodies, the error envelope, the session lifecycle, Python-compatible canonical JSON,
+//! roaming bundles (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
 
 pub mod bundle;
 pub mod canonical;
@@ -10,6 +10,7 @@ pub mod completions;
 pub mod error;
 pub mod frames;
 pub mod lifecycle;
+pub mod rest;
 pub mod surface;
 pub mod token;
 pub mod tools;

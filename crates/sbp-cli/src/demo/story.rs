@@ -773,18 +773,17 @@ impl Story {
             "the lineage does not list the fork"
         );
         ensure!(
-            lineage.outgoing_handoffs.iter().any(|h| {
-                h.get("to_session_id").and_then(Value::as_str)
-                    == Some(handoff.info.session_id.as_str())
-            }),
+            lineage
+                .outgoing_handoffs
+                .iter()
+                .any(|h| h.to_session_id.as_deref() == Some(handoff.info.session_id.as_str())),
             "the lineage does not list the handoff"
         );
         ensure!(
             lineage
                 .imported_from
                 .as_ref()
-                .and_then(|i| i.get("source_session_id"))
-                .and_then(Value::as_str)
+                .and_then(|i| i.source_session_id.as_deref())
                 == Some(session.id()),
             "the lineage does not name the session on A as the source"
         );
@@ -974,16 +973,16 @@ where
 /// The lineage as a small tree: where the session came from, then what came of it.
 fn lineage_tree(l: &Lineage) -> Vec<String> {
     let mut lines = Vec::new();
-    let field = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("?").to_owned();
+    let field = |v: &Option<String>| v.as_deref().unwrap_or("?").to_owned();
     let indent = match &l.imported_from {
         Some(from) => {
             lines.push(format!(
                 "session {} on gateway A",
-                short(&field(from, "source_session_id"))
+                short(&field(&from.source_session_id))
             ));
             lines.push(format!(
                 "└─ imported (export {}) as session {} on gateway B",
-                short(&field(from, "export_id")),
+                short(&field(&from.export_id)),
                 short(&l.session_id)
             ));
             "   "
@@ -1008,8 +1007,8 @@ fn lineage_tree(l: &Lineage) -> Vec<String> {
     children.extend(l.outgoing_handoffs.iter().map(|h| {
         format!(
             "handoff → {} → session {}",
-            field(h, "to_agent_id"),
-            short(&field(h, "to_session_id"))
+            field(&h.to_agent_id),
+            short(&field(&h.to_session_id))
         )
     }));
     let count = children.len();

@@ -2,7 +2,7 @@
 //! export -> inspect -> import (single use), fork, handoff, lineage, and operator API keys.
 
 use sbp_client::types::{
-    ChatOutcome, ChatRequest, ExportRequest, HandoffRequest, ImportRequest, NewSession,
+    ChatOutcome, ChatRequest, ExportRequest, HandoffRequest, ImportRequest, MemoryPut, NewSession,
 };
 use sbp_client::{Client, Error, Surface};
 use sbp_gateway::GatewayConfig;
@@ -234,6 +234,67 @@ async fn export_import_fork_handoff_and_lineage() {
             .as_deref(),
         Some("booking-agent")
     );
+}
+
+#[tokio::test]
+async fn status_snapshots_exports_and_memory() {
+    let gw = TestGateway::start().await;
+    let client = gw.client();
+    assert_eq!(client.health().await.expect("health").status, "ok");
+    let session = gw.session().await;
+    session.send_message("checkpoint me").await.expect("reply");
+
+    let snapshots = session.snapshots().await.expect("snapshots");
+    assert_eq!(snapshots.session_id, session.id());
+    assert!(!snapshots.snapshots.is_empty());
+    let latest = session.latest_snapshot().await.expect("latest");
+    assert_eq!(
+        latest.snapshot.snapshot_id,
+        snapshots.snapshots[0].snapshot_id
+    );
+    assert_eq!(latest.messages.len() as u64, latest.snapshot.message_count);
+
+    let memory = session
+        .put_memory(MemoryPut {
+            schema_id: None,
+            payload: json!({"seat": "window"}),
+        })
+        .await
+        .expect("put memory");
+    assert_eq!(memory.payload, json!({"seat": "window"}));
+    assert_eq!(
+        session.memory().await.expect("memory").payload,
+        memory.payload
+    );
+
+    let export = session
+        .export(ExportRequest::default())
+        .await
+        .expect("export");
+    assert_eq!(export.token.as_deref(), Some(export.roaming_token.as_str()));
+    client
+        .import(ImportRequest::token(&export.roaming_token))
+        .await
+        .expect("import");
+    let exports = session.exports().await.expect("exports");
+    assert_eq!(exports.exports.len(), 1);
+    assert_eq!(
+        exports.exports[0].imports.as_ref().map(Vec::len),
+        Some(1),
+        "{exports:?}"
+    );
+
+    let changed = session
+        .set_status(SessionStatus::Completed)
+        .await
+        .expect("status");
+    assert_eq!(changed.status, SessionStatus::Completed);
+    assert!(changed.previous_status.is_some(), "{changed:?}");
+    let err = session
+        .set_status(SessionStatus::Running)
+        .await
+        .expect_err("completed is final");
+    assert_eq!(err.status(), Some(409));
 }
 
 #[tokio::test]

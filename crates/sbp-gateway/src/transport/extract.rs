@@ -8,11 +8,28 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_protocol::ChatRequest;
+use sbp_store::SessionRecord;
+use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::errors::add_headers;
 use crate::Gateway;
 use crate::engine::sessions::Caller;
 use crate::error::Error;
+
+/// A new session's 201: its body, with the session's id, token and agent in headers as well.
+pub fn created(body: &impl Serialize, session: &SessionRecord, token: &str) -> Response {
+    let mut resp = (StatusCode::CREATED, axum::Json(body)).into_response();
+    add_headers(
+        resp.headers_mut(),
+        &[
+            ("x-session-token", token.to_owned()),
+            ("x-session-id", session.id.to_string()),
+            ("x-agent-id", session.agent_id.clone()),
+        ],
+    );
+    resp
+}
 
 /// A request body that must be a JSON object (an empty body is `{}`).
 pub struct JsonObject(pub Map<String, Value>);

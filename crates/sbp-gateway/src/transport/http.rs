@@ -9,21 +9,21 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use sbp_protocol::ErrorCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use sbp_protocol::rest::{Health, MessagesQuery, SetStatus};
+use serde_json::{Map, Value, json};
 
 use super::errors::{self, add_headers, session_headers};
-use super::extract::{ChatBody, JsonObject, Operator, header};
+use super::extract::{ChatBody, JsonObject, Operator, created, header};
+use super::to_wire;
 use crate::Gateway;
-use crate::engine::iso;
 use crate::engine::sessions::{Caller, PushTurn};
 use crate::engine::turns::{ChatInput, ChatOutcome, IdempotencyKey, SseEvent};
 use crate::error::Error;
 
 type ApiResult = Result<Response, Error>;
 
-pub async fn healthz() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+pub async fn healthz() -> Json<Health> {
+    Json(to_wire::health())
 }
 
 pub async fn metrics(State(gw): State<Gateway>) -> ApiResult {
@@ -131,6 +131,9 @@ fn sse(
     Sse::new(stream)
 }
 
+/// The body stays a JSON object parsed here rather than a `rest::NewSession`: the gateway tells a
+/// wrong `agent_id` and a wrong `metadata` apart in its messages, falls back to `X-Agent-Id`, and
+/// takes `null` for absent.
 pub async fn create_session(
     State(gw): State<Gateway>,
     headers: HeaderMap,
@@ -151,25 +154,8 @@ pub async fn create_session(
         Some(_) => return Err(Error::invalid("`metadata` must be an object")),
     };
     let (session, token) = gw.sessions().create(agent, metadata).await?;
-    let body = json!({
-        "session_id": session.id,
-        "session_token": token,
-        "agent_id": session.agent_id,
-        "status": session.status,
-        "step_count": session.step_count,
-        "created_at": iso(&session.created_at),
-        "metadata": session.metadata,
-    });
-    let mut resp = (StatusCode::CREATED, Json(body)).into_response();
-    add_headers(
-        resp.headers_mut(),
-        &[
-            ("x-session-token", token),
-            ("x-session-id", session.id.to_string()),
-            ("x-agent-id", session.agent_id.clone()),
-        ],
-    );
-    Ok(resp)
+    let body = to_wire::session_created(&session, &token);
+    Ok(created(&body, &session, &token))
 }
 
 pub async fn get_session(
@@ -178,20 +164,15 @@ pub async fn get_session(
     Path(id): Path<String>,
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
-    Ok(Json(gw.sessions().view(&session).await?).into_response())
-}
-
-#[derive(Deserialize)]
-pub struct Page {
-    after: Option<u64>,
-    limit: Option<u32>,
+    let view = gw.sessions().view(&session).await?;
+    Ok(Json(to_wire::session_info(view)).into_response())
 }
 
 pub async fn list_messages(
     State(gw): State<Gateway>,
     caller: Caller,
     Path(id): Path<String>,
-    query: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
+    query: Result<Query<MessagesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
     let Query(page) = query.map_err(|e| Error::invalid(format!("bad query: {e}")))?;
     let session = gw.sessions().authorized(&id, &caller).await?;
@@ -201,27 +182,7 @@ pub async fn list_messages(
         .last()
         .map(|m| m.seq)
         .filter(|_| messages.len() as u32 == limit);
-    let items: Vec<Value> = messages
-        .iter()
-        .map(|m| {
-            let mut v = m.body.clone();
-            if let Some(obj) = v.as_object_mut() {
-                obj.insert("seq".into(), json!(m.seq));
-                obj.insert("model_used".into(), json!(m.model_used));
-                obj.insert("cost_usd".into(), json!(m.cost_usd));
-                obj.insert("created_at".into(), json!(iso(&m.created_at)));
-            }
-            v
-        })
-        .collect();
-    Ok(Json(json!({
-        "session_id": session.id,
-        "messages": items,
-        "message_count": session.message_count,
-        "has_more": next.is_some(),
-        "next_after": next,
-    }))
-    .into_response())
+    Ok(Json(to_wire::message_page(&session, messages, next)).into_response())
 }
 
 pub async fn set_status(
@@ -231,20 +192,13 @@ pub async fn set_status(
     JsonObject(body): JsonObject,
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
-    let status = body
-        .get("status")
-        .and_then(Value::as_str)
-        .ok_or_else(|| Error::invalid("`status` must be a string"))?;
+    // Parsed with the wire type: it fails exactly when `status` is missing or not a string (other
+    // fields are ignored), which is what this message says.
+    let SetStatus { status } = serde_json::from_value(Value::Object(body))
+        .map_err(|_| Error::invalid("`status` must be a string"))?;
     let previous = session.status;
-    let updated = gw.sessions().set_status(&session, status).await?;
-    Ok(Json(json!({
-        "session_id": updated.id,
-        "status": updated.status,
-        "previous_status": previous,
-        "step_count": updated.step_count,
-        "updated_at": iso(&updated.updated_at),
-    }))
-    .into_response())
+    let updated = gw.sessions().set_status(&session, &status).await?;
+    Ok(Json(to_wire::status_changed(&updated, previous)).into_response())
 }
 
 pub async fn latest_snapshot(
@@ -258,7 +212,8 @@ pub async fn latest_snapshot(
         .latest_snapshot(session.id)
         .await?
         .ok_or_else(|| Error::NotFound("this session has no snapshot yet".into()))?;
-    Ok(Json(gw.sessions().snapshot_json(&snap).await?).into_response())
+    let messages = gw.sessions().snapshot_messages(&snap).await?;
+    Ok(Json(to_wire::snapshot(&snap, messages)).into_response())
 }
 
 pub async fn list_snapshots(
@@ -268,18 +223,13 @@ pub async fn list_snapshots(
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
     let snaps = gw.sessions().snapshots(session.id, 100).await?;
-    let items: Vec<Value> = snaps
-        .iter()
-        .map(|s| {
-            json!({"snapshot_id": s.id, "kind": s.kind.as_str(), "step_count": s.step_count,
-                   "message_count": s.message_count, "created_at": iso(&s.created_at), "current_task": s.current_task,
-                   "model": s.model, "state": s.state})
-        })
-        .collect();
-    Ok(Json(json!({"session_id": session.id, "snapshots": items})).into_response())
+    Ok(Json(to_wire::snapshot_list(session.id, &snaps)).into_response())
 }
 
-fn push_from(v: &serde_json::Map<String, Value>) -> Result<PushTurn, Error> {
+/// A pushed turn, parsed here rather than as a `rest::PushTurn`: `role` defaults to `assistant` and
+/// is checked against the four roles, a `model_used` that is not a string is ignored, and each
+/// field has its own message.
+fn push_from(v: &Map<String, Value>) -> Result<PushTurn, Error> {
     let content = v
         .get("content")
         .and_then(Value::as_str)
@@ -320,7 +270,7 @@ pub async fn push_turn(
     let (seq, attached) = gw.sessions().push_turn(&session, push).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"session_id": session.id, "seq": seq, "delivery": if attached { "live" } else { "tethered" }})),
+        Json(to_wire::pushed_turn(session.id, seq, attached)),
     )
         .into_response())
 }
@@ -350,8 +300,5 @@ pub async fn test_tether(
     for p in pushes {
         seqs.push(gw.sessions().push_turn(&session, p).await?.0);
     }
-    Ok(
-        Json(json!({"session_id": session.id, "enqueued": seqs.len(), "seqs": seqs}))
-            .into_response(),
-    )
+    Ok(Json(to_wire::tether_loaded(session.id, seqs)).into_response())
 }

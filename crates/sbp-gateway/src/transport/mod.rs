@@ -8,6 +8,7 @@ mod mcp;
 mod page;
 mod requests;
 mod roaming;
+mod to_wire;
 mod tools;
 mod ws;
 

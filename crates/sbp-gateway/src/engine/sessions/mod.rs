@@ -13,7 +13,6 @@ use sbp_store::{
     FinishTurn, MessageRecord, NewMessage, NewSession, NewTetherEntry, SessionRecord,
     SnapshotRecord, Store, StoreError,
 };
-use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -34,7 +33,8 @@ pub struct Caller {
     pub operator: bool,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// A session as `GET /v1/sessions/{id}` shows it.
+#[derive(Debug, Clone)]
 pub struct SessionView {
     pub session_id: Uuid,
     pub agent_id: String,
@@ -261,28 +261,16 @@ impl Sessions {
         Ok(self.store.list_snapshots(session_id, limit).await?)
     }
 
-    /// A snapshot with its messages materialised (they are the transcript's first `message_count`).
-    pub async fn snapshot_json(&self, snap: &SnapshotRecord) -> Result<Value, Error> {
-        let messages = self
+    /// A snapshot's messages (they are the transcript's first `message_count`).
+    pub async fn snapshot_messages(
+        &self,
+        snap: &SnapshotRecord,
+    ) -> Result<Vec<MessageRecord>, Error> {
+        let count = u32::try_from(snap.message_count).unwrap_or(u32::MAX);
+        Ok(self
             .store
-            .list_messages(
-                snap.session_id,
-                None,
-                snap.message_count.min(u32::MAX as u64) as u32,
-            )
-            .await?;
-        Ok(json!({
-            "snapshot_id": snap.id,
-            "session_id": snap.session_id,
-            "kind": snap.kind.as_str(),
-            "step_count": snap.step_count,
-            "message_count": snap.message_count,
-            "model": snap.model,
-            "current_task": snap.current_task,
-            "created_at": iso(&snap.created_at),
-            "state": snap.state,
-            "messages": messages.iter().map(|m| m.body.clone()).collect::<Vec<_>>(),
-        }))
+            .list_messages(snap.session_id, None, count)
+            .await?)
     }
 
     pub async fn messages(
