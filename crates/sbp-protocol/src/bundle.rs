@@ -390,6 +390,54 @@ pub struct BundleMessage {
     pub created_at: Option<String>,
 }
 
+/// A bundle's `state_snapshot`, read leniently: ours carry `step_count` / `message_count`, the
+/// reference server's `step` and a copy of the `messages`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BundleSnapshot {
+    pub step_count: u64,
+    /// How many of the bundle's messages it covers, when it says (or copies them).
+    pub message_count: Option<u64>,
+    pub kind: Option<crate::SnapshotKind>,
+    pub model: Option<String>,
+    pub current_task: Option<String>,
+    /// Its `state` object; for a foreign snapshot without one, what it says about itself minus
+    /// the copy of the transcript.
+    pub state: Value,
+}
+
+impl BundleSnapshot {
+    /// `None` unless `snap` is an object.
+    pub fn read(snap: &Value) -> Option<Self> {
+        let s = snap.as_object()?;
+        let step_count = s
+            .get("step_count")
+            .or_else(|| s.get("step"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        let message_count = s.get("message_count").and_then(Value::as_u64).or_else(|| {
+            s.get("messages")
+                .and_then(Value::as_array)
+                .map(|m| m.len() as u64)
+        });
+        let state = match s.get("state") {
+            Some(v @ Value::Object(_)) => v.clone(),
+            _ => {
+                let mut rest = s.clone();
+                rest.remove("messages");
+                Value::Object(rest)
+            }
+        };
+        Some(Self {
+            step_count,
+            message_count,
+            kind: opt_str(s, "kind").and_then(|k| crate::SnapshotKind::parse(&k)),
+            model: opt_str(s, "model"),
+            current_task: opt_str(s, "current_task"),
+            state,
+        })
+    }
+}
+
 /// The bundle's memory, when it names a schema.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BundleMemory {
@@ -1001,5 +1049,20 @@ mod tests {
                 payload: Value::Null
             }
         );
+    }
+
+    #[test]
+    fn snapshots_of_both_shapes_are_read() {
+        let ours = json!({"snapshot_id": "x", "kind": "post_action", "step": 3, "step_count": 3,
+            "message_count": 6, "model": "m", "current_task": "t", "state": {"turn_id": "u"}});
+        let s = BundleSnapshot::read(&ours).expect("an object");
+        assert_eq!((s.step_count, s.message_count), (3, Some(6)));
+        assert_eq!(s.kind, Some(crate::SnapshotKind::PostAction));
+        assert_eq!(s.state, json!({"turn_id": "u"}));
+        let reference = json!({"step": 2, "messages": [{"role": "user"}], "note": "n"});
+        let s = BundleSnapshot::read(&reference).expect("an object");
+        assert_eq!((s.step_count, s.message_count, s.kind), (2, Some(1), None));
+        assert_eq!(s.state, json!({"step": 2, "note": "n"}));
+        assert_eq!(BundleSnapshot::read(&json!("x")), None);
     }
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::{DateTime, Utc};
-use sbp_protocol::bundle::{self, BundleMemory, BundleMessage, CidError, ParsedBundle};
+use sbp_protocol::bundle::{
+    self, BundleMemory, BundleMessage, BundleSnapshot, CidError, ParsedBundle,
+};
 use sbp_protocol::token;
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use sbp_store::{
@@ -388,57 +390,24 @@ fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
 }
 
 /// The bundle's `state_snapshot` as a snapshot of the new session, whose first `restored` messages
-/// are the bundle's. Ours carry `step_count`/`message_count`; the reference
-/// server's carry `step` and a copy of the `messages`.
+/// are the bundle's.
 fn restored_snapshot(
     snap: Option<&Value>,
     restored: u64,
     now: Timestamp,
 ) -> Option<RestoredSnapshot> {
-    let s = snap?.as_object()?;
-    let step_count = s
-        .get("step_count")
-        .or_else(|| s.get("step"))
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
-    let message_count = s
-        .get("message_count")
-        .and_then(Value::as_u64)
-        .or_else(|| {
-            s.get("messages")
-                .and_then(Value::as_array)
-                .map(|m| m.len() as u64)
-        })
-        .unwrap_or(restored)
-        .min(restored);
-    let kind = s
-        .get("kind")
-        .and_then(Value::as_str)
-        .and_then(SnapshotKind::parse)
-        .unwrap_or(SnapshotKind::Checkpoint);
-    let state = match s.get("state") {
-        Some(v @ Value::Object(_)) => v.clone(),
-        _ => {
-            // A foreign snapshot: keep what it says about itself, minus the copy of the transcript.
-            let mut rest = s.clone();
-            rest.remove("messages");
-            Value::Object(rest)
-        }
-    };
+    let s = BundleSnapshot::read(snap?)?;
     Some(RestoredSnapshot {
         snapshot: NewSnapshot {
             id: Uuid::now_v7(),
-            kind,
-            model: s.get("model").and_then(Value::as_str).map(str::to_owned),
-            current_task: s
-                .get("current_task")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            kind: s.kind.unwrap_or(SnapshotKind::Checkpoint),
+            model: s.model,
+            current_task: s.current_task,
             created_at: now,
-            state,
+            state: s.state,
         },
-        step_count,
-        message_count,
+        step_count: s.step_count,
+        message_count: s.message_count.unwrap_or(restored).min(restored),
     })
 }
 
