@@ -20,11 +20,13 @@ pub use redis_bus::{RedisBus, RedisBusOptions};
 
 use async_trait::async_trait;
 use sbp_protocol::frames::ToolCall;
-use sbp_protocol::{SurfaceContext, ToolOutcome};
-use serde::{Deserialize, Serialize};
+use sbp_protocol::{SurfaceContext, ToolFailure, ToolOutcome};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
 use uuid::Uuid;
 
-/// A message from one replica to another.
+/// A message from one replica to another. Its JSON stays readable by replicas of earlier
+/// versions (a rolling upgrade runs both): fields are added, never moved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum BusMsg {
@@ -32,6 +34,7 @@ pub enum BusMsg {
     Chunk {
         session: Uuid,
         conn: u64,
+        #[serde(flatten)]
         chunk: LiveChunk,
     },
     /// A turn of `session` was completed and committed; for its current connection.
@@ -44,7 +47,11 @@ pub enum BusMsg {
         call: ToolCall,
     },
     /// The outcome of a call relayed by [`BusMsg::ToolCall`].
-    ToolReply { call_id: Uuid, outcome: ToolOutcome },
+    ToolReply {
+        call_id: Uuid,
+        #[serde(flatten)]
+        outcome: RelayedOutcome,
+    },
     /// Another replica's surface took `session` over: connection `conn` must close.
     Displace { session: Uuid, conn: u64 },
 }
@@ -70,6 +77,58 @@ pub struct TurnDone {
     pub role: String,
     pub content: Option<String>,
     pub model_used: Option<String>,
+}
+
+/// A relayed call's outcome as replicas exchange it: `"outcome": {"result": …}` or
+/// `{"error": "<text>"}`, as every version reads it, and beside it `"failure"`, how the call
+/// failed. A message without `failure` (from an earlier version) is read by its text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RelayedOutcome(pub ToolOutcome);
+
+#[derive(Serialize, Deserialize)]
+struct RelayedWire {
+    outcome: OutcomeWire,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    failure: Option<ToolFailure>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum OutcomeWire {
+    Result(Value),
+    Error(String),
+}
+
+impl Serialize for RelayedOutcome {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let wire = match &self.0 {
+            Ok(v) => RelayedWire {
+                outcome: OutcomeWire::Result(v.clone()),
+                failure: None,
+            },
+            Err(f) => RelayedWire {
+                outcome: OutcomeWire::Error(f.message().to_owned()),
+                failure: Some(f.clone()),
+            },
+        };
+        wire.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RelayedOutcome {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let wire = RelayedWire::deserialize(d)?;
+        Ok(Self(match (wire.outcome, wire.failure) {
+            (OutcomeWire::Result(v), _) => Ok(v),
+            (OutcomeWire::Error(_), Some(failure)) => Err(failure),
+            // An earlier version sent only the text, which was then the whole of the failure.
+            (OutcomeWire::Error(text), None) => Err(match text.as_str() {
+                "timeout" => ToolFailure::Timeout,
+                "surface disconnected" => ToolFailure::Disconnected,
+                _ => ToolFailure::Surface(text),
+            }),
+        }))
+    }
 }
 
 /// The replica and connection holding a session's surface, and the surface as it declared itself.
@@ -153,7 +212,6 @@ pub fn valid_replica_id(id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sbp_protocol::ToolFailure;
     use serde_json::json;
 
     #[test]
@@ -171,15 +229,15 @@ mod tests {
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: Ok(json!({"lat": 1.5})),
+                outcome: RelayedOutcome(Ok(json!({"lat": 1.5}))),
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: Err(ToolFailure::Timeout),
+                outcome: RelayedOutcome(Err(ToolFailure::Timeout)),
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: Err(ToolFailure::Surface("denied".into())),
+                outcome: RelayedOutcome(Err(ToolFailure::Surface("timeout".into()))),
             },
             BusMsg::ToolCall {
                 session: Uuid::now_v7(),
@@ -198,6 +256,58 @@ mod tests {
             let back: BusMsg = serde_json::from_str(&text).expect("parses");
             assert_eq!(back, m);
         }
+    }
+
+    /// Replicas of the version before typed outcomes wrote and read these shapes.
+    #[test]
+    fn earlier_versions_messages_are_read_and_ours_are_readable_by_them() {
+        let (session, chunk_id, call_id) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::new_v4());
+        let chunk = json!({"kind": "chunk", "session": session, "conn": 7, "chunk_id": chunk_id,
+                           "delta": "hé", "round": 2, "offset": 17});
+        let msg = BusMsg::Chunk {
+            session,
+            conn: 7,
+            chunk: LiveChunk {
+                chunk_id,
+                delta: "hé".into(),
+                round: 2,
+                offset: 17,
+            },
+        };
+        assert_eq!(serde_json::to_value(&msg).expect("serialises"), chunk);
+        assert_eq!(
+            serde_json::from_value::<BusMsg>(chunk).expect("parses"),
+            msg
+        );
+        for (text, failure) in [
+            ("timeout", ToolFailure::Timeout),
+            ("surface disconnected", ToolFailure::Disconnected),
+            ("denied", ToolFailure::Surface("denied".into())),
+        ] {
+            let old = json!({"kind": "tool_reply", "call_id": call_id, "outcome": {"error": text}});
+            let read: BusMsg = serde_json::from_value(old).expect("parses");
+            assert_eq!(
+                read,
+                BusMsg::ToolReply {
+                    call_id,
+                    outcome: RelayedOutcome(Err(failure.clone()))
+                }
+            );
+            let ours = serde_json::to_value(read).expect("serialises");
+            assert_eq!(
+                ours["outcome"],
+                json!({"error": text}),
+                "what earlier versions read"
+            );
+        }
+        let ok = BusMsg::ToolReply {
+            call_id,
+            outcome: RelayedOutcome(Ok(json!([1]))),
+        };
+        assert_eq!(
+            serde_json::to_value(ok).expect("serialises"),
+            json!({"kind": "tool_reply", "call_id": call_id, "outcome": {"result": [1]}})
+        );
     }
 
     #[test]

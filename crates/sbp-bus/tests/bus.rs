@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use sbp_bus::{Bus, BusError, BusMsg, Holder, LiveChunk, RedisBus, TurnDone};
+use sbp_bus::{Bus, BusError, BusMsg, Holder, LiveChunk, RedisBus, RelayedOutcome, TurnDone};
 use sbp_protocol::SurfaceContext;
 use sbp_protocol::ToolFailure;
 use sbp_protocol::frames::ToolCall;
@@ -173,11 +173,11 @@ async fn messages_arrive_at_their_replica_in_send_order() {
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: Ok(json!({"lat": 1.5})),
+                outcome: RelayedOutcome(Ok(json!({"lat": 1.5}))),
             },
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
-                outcome: Err(ToolFailure::Timeout),
+                outcome: RelayedOutcome(Err(ToolFailure::Timeout)),
             },
         ]);
         for m in &sent {
@@ -209,7 +209,7 @@ async fn messages_arrive_at_their_replica_in_send_order() {
         // And back the other way.
         let reply = BusMsg::ToolReply {
             call_id: Uuid::new_v4(),
-            outcome: Ok(json!(["ok"])),
+            outcome: RelayedOutcome(Ok(json!(["ok"]))),
         };
         assert!(b.send("a", reply.clone()));
         assert_eq!(recv(&mut a_rx).await, reply);

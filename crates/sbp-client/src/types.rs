@@ -71,19 +71,29 @@ impl ChatRequest {
         self
     }
 
-    pub(crate) fn body(&self) -> Value {
-        let mut body = self.extra.clone();
-        body.insert("messages".into(), Value::Array(self.messages.clone()));
-        if let Some(m) = &self.model {
-            body.insert("model".into(), Value::String(m.clone()));
+    /// The body as the protocol's typed request writes it: the typed fields win over `extra`'s.
+    pub(crate) fn body(&self) -> sbp_protocol::ChatRequest {
+        let sbp = (self.sbp != SbpRequestOptions::default()).then(|| self.sbp.clone());
+        let mut rest = self.extra.clone();
+        rest.remove("messages");
+        if self.model.is_some() {
+            rest.remove("model");
         }
-        if self.sbp != SbpRequestOptions::default() {
-            // Plain strings, bools and maps: serialising them cannot fail.
-            if let Ok(v) = serde_json::to_value(&self.sbp) {
-                body.insert("sbp".into(), v);
-            }
+        if sbp.is_some() {
+            rest.remove("sbp");
         }
-        Value::Object(body)
+        sbp_protocol::ChatRequest {
+            model: self.model.clone(),
+            messages: self
+                .messages
+                .iter()
+                .cloned()
+                .map(sbp_protocol::ChatMessage::from_value)
+                .collect(),
+            sbp,
+            rest,
+            ..sbp_protocol::ChatRequest::default()
+        }
     }
 }
 
@@ -114,17 +124,30 @@ mod tests {
 
     #[test]
     fn chat_body_sends_sbp_only_when_set() {
-        let plain = ChatRequest::user("hi").body();
+        let plain = serde_json::to_value(ChatRequest::user("hi").body()).expect("serialises");
         assert_eq!(
             plain,
             json!({"messages": [{"role": "user", "content": "hi"}]})
         );
-        let resumed = ChatRequest::user("hi")
-            .model("m")
-            .resume()
-            .field("max_tokens", json!(5))
-            .body();
+        let resumed = serde_json::to_value(
+            ChatRequest::user("hi")
+                .model("m")
+                .resume()
+                .field("max_tokens", json!(5))
+                .body(),
+        )
+        .expect("serialises");
         assert_eq!(resumed["sbp"]["resume"], json!(true));
+        // A typed field wins over the same key given with `field` (and is sent once).
+        let text = serde_json::to_string(
+            &ChatRequest::user("hi")
+                .model("a")
+                .field("model", json!("b"))
+                .body(),
+        )
+        .expect("serialises");
+        assert_eq!(text.matches("\"model\"").count(), 1, "{text}");
+        assert!(text.contains("\"model\":\"a\""), "{text}");
         assert_eq!(resumed["model"], json!("m"));
         assert_eq!(resumed["max_tokens"], json!(5));
     }

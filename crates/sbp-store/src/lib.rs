@@ -30,25 +30,50 @@ pub enum StoreError {
     Backend(String),
 }
 
-/// What a write conflicted with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+/// What a write conflicted with. The texts are what a caller may be shown.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConflictKind {
-    /// A record with this key exists already (a unique or primary key).
-    #[error("a record with this key exists")]
-    Duplicate,
-    /// The Idempotency-Key is held by another request (in progress, done, or not this session's
-    /// failed one).
-    #[error("the Idempotency-Key is held by another request")]
-    IdempotencyKey,
-    /// The session's status does not allow the change (or changed concurrently).
-    #[error("the session's status does not allow this change")]
-    SessionStatus,
-    /// The turn is not running in this session (finished, failed, or another session's).
-    #[error("the turn is not running in this session")]
+    /// A record with this key exists already (a unique or primary key); the backend's words.
+    #[error("{0}")]
+    Duplicate(String),
+    /// The Idempotency-Key is claimed already (a request in progress or done).
+    #[error("idempotency key exists")]
+    IdempotencyKeyClaimed,
+    /// A retry names a key that is not a failed request of this session.
+    #[error("idempotency key is not a failed request of this session")]
+    IdempotencyKeyNotRetryable,
+    /// A turn finishes under a key its session did not claim.
+    #[error("idempotency key was not claimed by this session")]
+    IdempotencyKeyNotHeld,
+    /// The session's status does not allow the change.
+    #[error("session status cannot change from {from} to {to}")]
+    Transition {
+        from: SessionStatus,
+        to: SessionStatus,
+    },
+    /// Another write changed the session's status in between.
+    #[error("session status changed concurrently to {0}")]
+    StatusChanged(SessionStatus),
+    /// The turn is not running in this session (failed by recovery, or another session's).
+    #[error("turn is not running in this session")]
     TurnNotRunning,
-    /// The write's own parts disagree (e.g. a created session with another id): a caller bug.
-    #[error("the write's records disagree with each other")]
-    Inconsistent,
+    #[error("turn already finished")]
+    TurnFinished,
+    /// The write's own parts disagree (a caller bug).
+    #[error("begin_turn: create.id differs from session_id")]
+    CreatedIdDiffers,
+}
+
+impl ConflictKind {
+    /// Whether the conflict is about an Idempotency-Key.
+    pub fn is_idempotency(&self) -> bool {
+        matches!(
+            self,
+            Self::IdempotencyKeyClaimed
+                | Self::IdempotencyKeyNotRetryable
+                | Self::IdempotencyKeyNotHeld
+        )
+    }
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;

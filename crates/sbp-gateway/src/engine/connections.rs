@@ -109,6 +109,14 @@ pub enum Route {
 }
 
 impl Attachment {
+    /// The replica holding the connection, when it is not this process.
+    pub fn replica(&self) -> Option<Arc<str>> {
+        match &self.route {
+            Route::Local { .. } => None,
+            Route::Remote(replica) => Some(replica.clone()),
+        }
+    }
+
     /// Tells the (local) connection it was displaced. If its inbox is full it still notices: it is
     /// gone from the map, and it checks `is_current` when it drains.
     fn displace(&self) {

@@ -12,8 +12,8 @@
 //! B-trees instead of dirtying a random page per insert, which is most of the cost of a durable
 //! write. They carry no secret; session tokens do.
 
-pub mod connections;
-pub mod replicas;
+pub(crate) mod connections;
+pub(crate) mod replicas;
 pub mod roaming;
 pub mod sessions;
 pub mod surfaces;
@@ -124,7 +124,7 @@ impl Gateway {
         let tools = Tools::new(
             config.clone(),
             server_tools,
-            calls.clone(),
+            calls,
             replicas.clone(),
             sessions.clone(),
             metrics.clone(),
@@ -133,9 +133,9 @@ impl Gateway {
             store.clone(),
             config.clone(),
             connections.clone(),
-            calls,
             replicas.clone(),
             sessions.clone(),
+            tools.clone(),
             provider.clone(),
             tasks.clone(),
             metrics.clone(),

@@ -12,14 +12,15 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::Utc;
-use sbp_bus::{Bus, BusError, BusMsg, LiveChunk, TurnDone};
+use sbp_bus::{Bus, BusError, BusMsg, LiveChunk, RelayedOutcome, TurnDone};
 use sbp_protocol::frames::ToolCall;
-use sbp_protocol::{SessionStatus, SurfaceContext, ToolFailure, ToolOutcome};
+use sbp_protocol::{SessionStatus, SurfaceContext, ToolFailure};
 use sbp_store::Store;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::connections::{Attachment, ConnMsg, Connections, Route};
@@ -40,6 +41,10 @@ const MAX_RELAY: Duration = Duration::from_secs(86_400);
 
 #[derive(Clone)]
 pub struct Replicas {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     bus: Option<Arc<dyn Bus>>,
     connections: Arc<Connections>,
     calls: Arc<PendingCalls>,
@@ -60,12 +65,14 @@ impl Replicas {
         config: Arc<GatewayConfig>,
     ) -> Self {
         Self {
-            bus,
-            connections,
-            calls,
-            store,
-            config,
-            tasks: Tasks::default(),
+            inner: Arc::new(Shared {
+                bus,
+                connections,
+                calls,
+                store,
+                config,
+                tasks: Tasks::default(),
+            }),
         }
     }
 
@@ -94,17 +101,17 @@ impl Replicas {
 
     /// Starts the dispatcher of `inbox` and the upkeep tasks (with a bus only).
     pub fn start(&self, inbox: mpsc::Receiver<BusMsg>) {
-        let Some(bus) = self.bus.clone() else {
+        let Some(bus) = self.inner.bus.clone() else {
             return;
         };
-        self.tasks.spawn(self.clone().dispatch(inbox));
-        self.tasks.spawn(self.clone().heartbeat());
-        self.tasks.spawn(self.clone().bus_upkeep(bus));
+        self.inner.tasks.spawn(self.clone().dispatch(inbox));
+        self.inner.tasks.spawn(self.clone().heartbeat());
+        self.inner.tasks.spawn(self.clone().bus_upkeep(bus));
     }
 
     /// Stops the replica's own tasks (after the gateway's).
     pub async fn stop(&self) {
-        self.tasks.stop().await;
+        self.inner.tasks.stop().await;
     }
 
     /// The session's surface, attached here or (with a bus) on another live replica.
@@ -112,8 +119,8 @@ impl Replicas {
     /// an attach elsewhere whose message has not arrived (or was lost) must not get this
     /// session's turns.
     pub async fn locate(&self, session: Uuid) -> Option<Attachment> {
-        let local = self.connections.get(session);
-        let Some(bus) = &self.bus else {
+        let local = self.inner.connections.get(session);
+        let Some(bus) = &self.inner.bus else {
             return local;
         };
         if let Some(att) = local {
@@ -130,7 +137,7 @@ impl Replicas {
                 Ok(_) => {
                     self.recheck_holder(bus.as_ref(), session, att.conn_id)
                         .await;
-                    if let Some(att) = self.connections.get(session) {
+                    if let Some(att) = self.inner.connections.get(session) {
                         return Some(att);
                     }
                 }
@@ -164,11 +171,12 @@ impl Replicas {
         };
         match &att.route {
             Route::Local { .. } => {
-                self.connections
+                self.inner
+                    .connections
                     .send(session, None, ConnMsg::TurnDone(Box::new(done)));
             }
             Route::Remote(replica) => {
-                if let Some(bus) = &self.bus {
+                if let Some(bus) = &self.inner.bus {
                     bus.send(replica, BusMsg::TurnDone { session, done });
                 }
             }
@@ -181,11 +189,11 @@ impl Replicas {
     pub fn send_chunk(&self, session: Uuid, target: &Attachment, chunk: LiveChunk) -> bool {
         match &target.route {
             Route::Local { tx, .. } => {
-                self.connections.is_current(session, target.conn_id)
+                self.inner.connections.is_current(session, target.conn_id)
                     && tx.try_send(ConnMsg::Chunk(Box::new(chunk))).is_ok()
             }
             // The holder's replica drops it if the connection is no longer current.
-            Route::Remote(replica) => self.bus.as_ref().is_some_and(|bus| {
+            Route::Remote(replica) => self.inner.bus.as_ref().is_some_and(|bus| {
                 bus.send(
                     replica,
                     BusMsg::Chunk {
@@ -198,32 +206,20 @@ impl Replicas {
         }
     }
 
-    /// Sends a TOOL_CALL to the surface `att` and registers who waits for it. A call that cannot
-    /// be sent (the connection is no longer current, or the bus refused it) has already ended
-    /// with [`ToolFailure::Disconnected`] when this returns.
-    pub fn send_tool_call(
-        &self,
-        session: Uuid,
-        att: &Attachment,
-        call_id: Uuid,
-        call: ToolCall,
-    ) -> oneshot::Receiver<ToolOutcome> {
-        let sent = match &att.route {
+    /// Sends a TOOL_CALL to the surface `att`, here or through its replica; false when it cannot
+    /// reach it (the connection is no longer current, or the bus refused the message).
+    pub fn deliver_tool_call(&self, session: Uuid, att: &Attachment, call: ToolCall) -> bool {
+        match &att.route {
             Route::Local { calls, .. } => {
-                let rx = self.calls.register(session, att.conn_id, call_id, None);
-                tracing::info!(session_id = %session, %call_id, tool = %call.tool_name, conn_id = att.conn_id, "TOOL_CALL sent");
+                tracing::info!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = att.conn_id, "TOOL_CALL sent");
                 // A connection that closed (or was displaced) before its cancel sweep could see
                 // this call: the call must not wait for it.
-                let sent =
-                    self.connections.is_current(session, att.conn_id) && calls.push(Box::new(call));
-                (rx, sent)
+                self.inner.connections.is_current(session, att.conn_id)
+                    && calls.push(Box::new(call))
             }
             Route::Remote(replica) => {
-                let rx = self
-                    .calls
-                    .register(session, att.conn_id, call_id, Some(replica.clone()));
-                tracing::info!(session_id = %session, %call_id, tool = %call.tool_name, conn_id = att.conn_id, replica = %replica, "TOOL_CALL sent through another replica");
-                let sent = self.bus.as_ref().is_some_and(|bus| {
+                tracing::info!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = att.conn_id, replica = %replica, "TOOL_CALL sent through another replica");
+                self.inner.bus.as_ref().is_some_and(|bus| {
                     bus.send(
                         replica,
                         BusMsg::ToolCall {
@@ -233,15 +229,9 @@ impl Replicas {
                             call,
                         },
                     )
-                });
-                (rx, sent)
+                })
             }
-        };
-        let (rx, sent) = sent;
-        if !sent {
-            self.calls.finish(call_id, Err(ToolFailure::Disconnected));
         }
-        rx
     }
 
     /// Runs `work` holding the session's locks: the bus's (with replicas), then this process's
@@ -252,15 +242,15 @@ impl Replicas {
         session: Uuid,
         work: impl Future<Output = T>,
     ) -> Result<T, BusError> {
-        let lock = match &self.bus {
+        let lock = match &self.inner.bus {
             Some(bus) => Some(bus.lock(session).await?),
             None => None,
         };
         let out = {
-            let _guard = self.connections.session_lock(session).lock().await;
+            let _guard = self.inner.connections.session_lock(session).lock().await;
             work.await
         };
-        if let (Some(bus), Some(lock)) = (&self.bus, lock) {
+        if let (Some(bus), Some(lock)) = (&self.inner.bus, lock) {
             bus.unlock(lock).await;
         }
         Ok(out)
@@ -274,7 +264,7 @@ impl Replicas {
         conn: u64,
         surface: &SurfaceContext,
     ) -> Result<(), BusError> {
-        let Some(bus) = &self.bus else {
+        let Some(bus) = &self.inner.bus else {
             return Ok(());
         };
         if let Some(old) = bus.claim(session, conn, surface).await?
@@ -295,7 +285,7 @@ impl Replicas {
     /// Withdraws a claim whose attach failed (the claim may have been applied before the error):
     /// the registry must not name a connection that never served.
     pub async fn withdraw(&self, session: Uuid, conn: u64) {
-        if let Some(bus) = &self.bus
+        if let Some(bus) = &self.inner.bus
             && let Err(e) = bus.release(session, conn).await
         {
             tracing::warn!(session_id = %session, error = %e, "withdrawing a failed claim failed");
@@ -305,7 +295,7 @@ impl Replicas {
     /// Forgets `conn` as the session's holder. False when a surface on another replica holds the
     /// session now (its displacement of `conn` is on its way): the session must stay running.
     pub async fn release(&self, session: Uuid, conn: u64) -> bool {
-        let Some(bus) = &self.bus else {
+        let Some(bus) = &self.inner.bus else {
             return true;
         };
         match bus.release(session, conn).await {
@@ -319,7 +309,7 @@ impl Replicas {
 
     /// The surface of `conn` declared itself again (a repeated ATTACH_SESSION).
     pub async fn update_surface(&self, session: Uuid, conn: u64, surface: &SurfaceContext) {
-        if let Some(bus) = &self.bus
+        if let Some(bus) = &self.inner.bus
             && let Err(e) = bus.update(session, conn, surface).await
         {
             tracing::warn!(session_id = %session, error = %e, "updating the surface on the bus failed");
@@ -328,7 +318,7 @@ impl Replicas {
 
     /// Handles what other replicas send this one until shutdown.
     async fn dispatch(self, mut inbox: mpsc::Receiver<BusMsg>) {
-        let stop = self.tasks.stopping();
+        let stop = self.inner.tasks.stopping();
         loop {
             let msg = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -344,11 +334,15 @@ impl Replicas {
                     chunk,
                 } => {
                     // One dropped here (full inbox) shows as a gap in the offsets downstream.
-                    self.connections
-                        .send(session, Some(conn), ConnMsg::Chunk(Box::new(chunk)));
+                    self.inner.connections.send(
+                        session,
+                        Some(conn),
+                        ConnMsg::Chunk(Box::new(chunk)),
+                    );
                 }
                 BusMsg::TurnDone { session, done } => {
-                    self.connections
+                    self.inner
+                        .connections
                         .send(session, None, ConnMsg::TurnDone(Box::new(done)));
                 }
                 BusMsg::ToolCall {
@@ -358,10 +352,10 @@ impl Replicas {
                     call,
                 } => self.relay_tool_call(session, conn, reply_to, call),
                 BusMsg::ToolReply { call_id, outcome } => {
-                    self.calls.finish(call_id, outcome);
+                    self.inner.calls.finish(call_id, outcome.0);
                 }
                 BusMsg::Displace { session, conn } => {
-                    if self.connections.displace(session, conn) {
+                    if self.inner.connections.displace(session, conn) {
                         tracing::info!(session_id = %session, conn_id = conn, "surface displaced by an attach on another replica");
                     }
                 }
@@ -374,38 +368,33 @@ impl Replicas {
     /// closes) sent back. Kept no longer than the call's own timeout, after which the waiting
     /// replica has given up anyway.
     fn relay_tool_call(&self, session: Uuid, conn: u64, reply_to: String, call: ToolCall) {
-        let Ok(call_id) = Uuid::parse_str(&call.call_id) else {
+        let (Some(bus), Ok(call_id)) = (self.inner.bus.clone(), Uuid::parse_str(&call.call_id))
+        else {
             return;
         };
         let timeout = call
             .timeout_ms
             .map(Duration::from_millis)
-            .unwrap_or(self.config.tool_timeout)
+            .unwrap_or(self.inner.config.tool_timeout)
             .min(MAX_RELAY);
         tracing::debug!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = conn, from = %reply_to, "TOOL_CALL relayed for another replica");
-        let mut rx = self.calls.register(session, conn, call_id, None);
-        if !self.connections.push_call(session, conn, call) {
-            self.calls.finish(call_id, Err(ToolFailure::Disconnected));
+        let mut rx = self.inner.calls.register(session, conn, call_id, None);
+        if !self.inner.connections.push_call(session, conn, call) {
+            self.inner
+                .calls
+                .finish(call_id, Err(ToolFailure::Disconnected));
         }
-        let (calls, stop) = (self.calls.clone(), self.tasks.stopping());
-        let Some(bus) = self.bus.clone() else {
-            return;
-        };
-        self.tasks.spawn(async move {
-            let deadline = Instant::now() + timeout;
+        let (calls, stop) = (self.inner.calls.clone(), self.inner.tasks.stopping());
+        let deadline = tokio::time::Instant::now() + timeout;
+        self.inner.tasks.spawn(async move {
             let outcome = tokio::select! {
+                // An outcome already there (a connection closing at shutdown fails its calls
+                // just before the replica's tasks stop) is still sent.
+                biased;
+                outcome = calls.wait(call_id, &mut rx, deadline) => outcome,
                 _ = stop.cancelled() => return,
-                o = tokio::time::timeout_at(deadline.into(), &mut rx) => o,
             };
-            let outcome = match outcome {
-                Ok(Ok(outcome)) => outcome,
-                Ok(Err(_)) => Err(ToolFailure::Disconnected),
-                Err(_) => {
-                    // A result racing the deadline wins; otherwise the surface never answered.
-                    calls.finish(call_id, Err(ToolFailure::Timeout));
-                    rx.try_recv().unwrap_or(Err(ToolFailure::Timeout))
-                }
-            };
+            let outcome = RelayedOutcome(outcome);
             bus.send(&reply_to, BusMsg::ToolReply { call_id, outcome });
         });
     }
@@ -413,28 +402,24 @@ impl Replicas {
     /// Heartbeats into the database and fails the turns of replicas that stopped doing so. In a
     /// task of its own, so a slow or unreachable Redis never delays it.
     async fn heartbeat(self) {
-        let stop = self.tasks.stopping();
-        let every = self.config.replica_heartbeat;
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tick.tick() => {}
-            }
+        let every = self.inner.config.replica_heartbeat;
+        let mut ticks = Ticks::new(every, self.inner.tasks.stopping());
+        while ticks.next().await {
             let now = Utc::now();
             // Bounded: a stalled database must not stop the rest of the upkeep for long (the
             // heartbeat is retried on the next tick).
             let beat = tokio::time::timeout(
                 every,
-                self.store.replica_heartbeat(&self.config.replica_id, now),
+                self.inner
+                    .store
+                    .replica_heartbeat(&self.inner.config.replica_id, now),
             )
             .await;
             if let Ok(Err(e)) = beat {
                 tracing::warn!(error = %e, "recording the replica heartbeat failed");
             }
-            let stale = now - chrono_span(self.config.replica_timeout);
-            match self.store.recover_orphaned_turns(now, stale).await {
+            let stale = now - chrono_span(self.inner.config.replica_timeout);
+            match self.inner.store.recover_orphaned_turns(now, stale).await {
                 Ok(turns) => {
                     for turn in turns {
                         tracing::warn!(session_id = %turn.session_id, turn_id = %turn.id, owner = turn.owner.as_deref().unwrap_or(""), "turn of a stopped replica marked failed");
@@ -448,16 +433,13 @@ impl Replicas {
     /// The bus side of the upkeep: the registry reconcile, and failing calls waiting on dead
     /// replicas.
     async fn bus_upkeep(self, bus: Arc<dyn Bus>) {
-        let stop = self.tasks.stopping();
-        let mut tick = tokio::time::interval(self.config.replica_heartbeat);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tick.tick() => {}
-            }
+        let mut ticks = Ticks::new(
+            self.inner.config.replica_heartbeat,
+            self.inner.tasks.stopping(),
+        );
+        while ticks.next().await {
             self.reconcile_holders(bus.as_ref()).await;
-            let waited_on = self.calls.replicas_waited_on();
+            let waited_on = self.inner.calls.replicas_waited_on();
             if waited_on.is_empty() {
                 continue;
             }
@@ -470,7 +452,7 @@ impl Replicas {
                         .map(|(r, _)| r)
                         .collect();
                     if !dead.is_empty() {
-                        let n = self.calls.fail_via(|r| dead.iter().any(|d| *d == r));
+                        let n = self.inner.calls.fail_via(|r| dead.iter().any(|d| *d == r));
                         tracing::warn!(replicas = ?dead, calls = n, "tool calls waiting on stopped replicas failed");
                     }
                 }
@@ -484,7 +466,7 @@ impl Replicas {
     /// replica never got (pub/sub is at most once) and is displaced now; a session the registry
     /// lost (Redis restarted empty) is registered again.
     async fn reconcile_holders(&self, bus: &dyn Bus) {
-        let local = self.connections.all();
+        let local = self.inner.connections.all();
         for part in local.chunks(RECONCILE_BATCH) {
             let sessions: Vec<Uuid> = part.iter().map(|(s, _)| *s).collect();
             let holders = match bus.holders(&sessions).await {
@@ -515,14 +497,19 @@ impl Replicas {
             }
         };
         {
-            let _guard = self.connections.session_lock(session).lock().await;
+            let _guard = self.inner.connections.session_lock(session).lock().await;
             self.recheck_locked(bus, session, conn).await;
         }
         bus.unlock(lock).await;
     }
 
     async fn recheck_locked(&self, bus: &dyn Bus, session: Uuid, conn: u64) {
-        let Some(att) = self.connections.get(session).filter(|a| a.conn_id == conn) else {
+        let Some(att) = self
+            .inner
+            .connections
+            .get(session)
+            .filter(|a| a.conn_id == conn)
+        else {
             return;
         };
         let holder = match bus.holders(&[session]).await {
@@ -535,7 +522,7 @@ impl Replicas {
         match holder {
             Some((r, c)) if r == bus.replica() && c == conn => {}
             Some((replica, _)) => {
-                if self.connections.displace(session, conn) {
+                if self.inner.connections.displace(session, conn) {
                     tracing::warn!(session_id = %session, conn_id = conn, holder = %replica, "surface displaced late: the registry names another surface (a displacement message was lost)");
                 }
             }
@@ -544,11 +531,11 @@ impl Replicas {
                 // still the session's) or a newer surface displaced this one and then detached
                 // (the session is suspended): only the first is claimed again.
                 let suspended = matches!(
-                    self.store.get_session(session).await,
+                    self.inner.store.get_session(session).await,
                     Ok(Some(s)) if s.status == SessionStatus::Suspended
                 );
                 if suspended {
-                    if self.connections.displace(session, conn) {
+                    if self.inner.connections.displace(session, conn) {
                         tracing::warn!(session_id = %session, conn_id = conn, "surface displaced late: another surface took the session and detached");
                     }
                     return;
@@ -563,6 +550,29 @@ impl Replicas {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A periodic task's clock: a tick every `every` (late ticks are delayed, not bunched) until
+/// stopped.
+struct Ticks {
+    tick: tokio::time::Interval,
+    stop: CancellationToken,
+}
+
+impl Ticks {
+    fn new(every: Duration, stop: CancellationToken) -> Self {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Self { tick, stop }
+    }
+
+    /// Waits for the next tick; false once stopped.
+    async fn next(&mut self) -> bool {
+        tokio::select! {
+            _ = self.stop.cancelled() => false,
+            _ = self.tick.tick() => true,
         }
     }
 }

@@ -2,13 +2,14 @@
 //! code, the envelope's `detail` and the headers it carries (SPEC 12.1:
 //! `{"error":{"code":"SBP_...","message":...,"detail":...}}`).
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use sbp_llm::LlmError;
 use sbp_protocol::{ErrorBody, ErrorCode};
 use serde_json::{Value, json};
 
-use crate::error::{Error, TurnSession, upstream_status};
+use super::headers::{add_headers, session_headers};
+use crate::error::{Error, upstream_status};
 
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
@@ -83,25 +84,5 @@ fn detail(e: &Error) -> Option<Value> {
             Some(detail)
         }
         _ => None,
-    }
-}
-
-/// The headers naming the session a turn ran in (and its token, when the turn created it).
-pub fn session_headers(s: &TurnSession) -> Vec<(&'static str, String)> {
-    let mut h = vec![
-        ("x-session-id", s.id.to_string()),
-        ("x-agent-id", s.agent_id.clone()),
-    ];
-    if let Some(t) = &s.new_token {
-        h.push(("x-session-token", t.clone()));
-    }
-    h
-}
-
-pub fn add_headers(map: &mut HeaderMap, headers: &[(&'static str, String)]) {
-    for (name, value) in headers {
-        if let Ok(v) = HeaderValue::from_str(value) {
-            map.insert(HeaderName::from_static(name), v);
-        }
     }
 }

@@ -8,28 +8,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_protocol::ChatRequest;
-use sbp_store::SessionRecord;
-use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::errors::add_headers;
 use crate::Gateway;
 use crate::engine::sessions::Caller;
 use crate::error::Error;
-
-/// A new session's 201: its body, with the session's id, token and agent in headers as well.
-pub fn created(body: &impl Serialize, session: &SessionRecord, token: &str) -> Response {
-    let mut resp = (StatusCode::CREATED, axum::Json(body)).into_response();
-    add_headers(
-        resp.headers_mut(),
-        &[
-            ("x-session-token", token.to_owned()),
-            ("x-session-id", session.id.to_string()),
-            ("x-agent-id", session.agent_id.clone()),
-        ],
-    );
-    resp
-}
 
 /// A request body that must be a JSON object (an empty body is `{}`).
 pub struct JsonObject(pub Map<String, Value>);
@@ -66,11 +49,12 @@ fn json_object(bytes: &[u8]) -> Result<Map<String, Value>, Error> {
     }
 }
 
-/// A `POST /v1/chat/completions` body, typed, with the SHA-256 of the bytes received when the
-/// request carries an `Idempotency-Key` (the key's fingerprint: a retry sends the same bytes).
+/// A `POST /v1/chat/completions` body, typed. With an `Idempotency-Key`, also the key's
+/// fingerprint: the SHA-256 of the body as compact JSON with sorted keys, so a retry matches
+/// whatever its key order or spacing (and records stored by earlier versions still match).
 pub struct ChatBody {
     pub request: ChatRequest,
-    pub digest: Option<String>,
+    pub fingerprint: Option<String>,
 }
 
 impl<S: Send + Sync> FromRequest<S> for ChatBody {
@@ -78,11 +62,19 @@ impl<S: Send + Sync> FromRequest<S> for ChatBody {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let keyed = req.headers().contains_key("idempotency-key");
-        let bytes = body_bytes(req, state).await?;
-        let digest = keyed.then(|| crate::auth::sha256_hex(&bytes));
-        let request =
-            ChatRequest::from_object(json_object(&bytes)?).map_err(|e| Error::Invalid(e.0))?;
-        Ok(Self { request, digest })
+        let body = json_object(&body_bytes(req, state).await?)?;
+        // `serde_json`'s map is ordered by key: this is the canonical form.
+        let fingerprint = keyed
+            .then(|| {
+                serde_json::to_string(&body).map(|text| crate::auth::sha256_hex(text.as_bytes()))
+            })
+            .transpose()
+            .map_err(|e| Error::internal("fingerprinting a request", e))?;
+        let request = ChatRequest::from_object(body).map_err(|e| Error::Invalid(e.0))?;
+        Ok(Self {
+            request,
+            fingerprint,
+        })
     }
 }
 

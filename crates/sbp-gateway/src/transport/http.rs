@@ -12,8 +12,9 @@ use sbp_protocol::ErrorCode;
 use sbp_protocol::rest::{Health, MessagesQuery, SetStatus};
 use serde_json::{Map, Value, json};
 
-use super::errors::{self, add_headers, session_headers};
-use super::extract::{ChatBody, JsonObject, Operator, created, header};
+use super::errors;
+use super::extract::{ChatBody, JsonObject, Operator, header};
+use super::headers::{add_headers, created, session_headers};
 use super::to_wire;
 use crate::Gateway;
 use crate::engine::sessions::{Caller, PushTurn};
@@ -46,11 +47,14 @@ pub async fn chat_completions(
     State(gw): State<Gateway>,
     operator: Option<axum::Extension<Operator>>,
     headers: HeaderMap,
-    ChatBody { request, digest }: ChatBody,
+    ChatBody {
+        request,
+        fingerprint,
+    }: ChatBody,
 ) -> ApiResult {
     let idempotency = header(&headers, "idempotency-key").map(|key| IdempotencyKey {
         key,
-        fingerprint: digest.unwrap_or_default(),
+        fingerprint: fingerprint.unwrap_or_default(),
     });
     let input = ChatInput {
         request,

@@ -3,6 +3,7 @@
 
 mod errors;
 mod extract;
+mod headers;
 mod http;
 mod mcp;
 mod page;

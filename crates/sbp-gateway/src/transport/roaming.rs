@@ -2,10 +2,10 @@
 //! reference server at once (e.g. `session_id` and `new_session_id`), so every client finds its own;
 //! `to_wire` builds them.
 //!
-//! Request bodies stay JSON objects parsed by the engine's lenient parsers (`ExportRequest::from_body`
-//! and the others) rather than `sbp_protocol::rest`'s request types: those take other names
-//! (`token`, `agent_id`, `target_agent_id`), take `null` for absent, and refuse out-of-range values
-//! with messages clients and tests rely on.
+//! Request bodies are parsed into the engine's inputs by the lenient parsers of `requests.rs`
+//! (`ExportRequest::from_body` and the others) rather than as `sbp_protocol::rest`'s request types:
+//! they take other names (`token`, `agent_id`, `target_agent_id`), take `null` for absent, and
+//! refuse out-of-range values with messages clients and tests rely on.
 
 use axum::Json;
 use axum::extract::{Path, State};
@@ -13,7 +13,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use super::extract::{JsonObject, created};
+use super::extract::JsonObject;
+use super::headers::created;
 use super::requests::optional_label;
 use super::to_wire;
 use crate::Gateway;

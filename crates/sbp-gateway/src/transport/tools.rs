@@ -15,7 +15,7 @@ type ApiResult = Result<Response, Error>;
 /// `POST /v1/sbp/sessions/{id}/tool_calls`: 200 with the TOOL_RESULT (or how the call ended),
 /// 409 when no attached surface declared the tool, 403 when the allowlist refuses it.
 ///
-/// The body is parsed by the engine's `BackendToolCall::from_body`, not as a
+/// The body is parsed by `BackendToolCall::from_body` (`requests.rs`), not as a
 /// `rest::ToolCallRequest`: it takes `name` / `tool`, `arguments` / `input`, and a `null` or
 /// missing input as `{}`.
 pub async fn call(

@@ -63,7 +63,15 @@ async fn next_frame(socket: &mut WebSocket) -> Incoming {
                 let too_big = e
                     .into_inner()
                     .downcast_ref::<tungstenite::Error>()
-                    .is_some_and(|e| matches!(e, tungstenite::Error::Capacity(_)));
+                    .is_some_and(|e| {
+                        matches!(
+                            e,
+                            tungstenite::Error::Capacity(_)
+                                | tungstenite::Error::Protocol(
+                                    tungstenite::error::ProtocolError::ControlFrameTooBig
+                                )
+                        )
+                    });
                 return if too_big {
                     Incoming::TooBig
                 } else {

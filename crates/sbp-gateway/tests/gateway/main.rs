@@ -3,6 +3,7 @@
 mod support;
 
 mod anthropic;
+mod architecture;
 mod http_l1;
 mod lifecycle;
 mod mcp;

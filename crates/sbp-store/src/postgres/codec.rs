@@ -22,7 +22,7 @@ use crate::{
 pub(crate) fn db_err(err: tokio_postgres::Error) -> StoreError {
     match err.as_db_error() {
         Some(db) if *db.code() == SqlState::UNIQUE_VIOLATION => {
-            StoreError::Conflict(crate::ConflictKind::Duplicate)
+            StoreError::Conflict(crate::ConflictKind::Duplicate(db.message().to_owned()))
         }
         Some(db) => StoreError::Backend(format!("postgres {}: {}", db.code().code(), db.message())),
         None => StoreError::Backend(format!("postgres: {}", describe(&err))),

@@ -137,7 +137,7 @@ pub(crate) fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreR
     if from.can_transition(to) {
         Ok(())
     } else {
-        Err(conflict(ConflictKind::SessionStatus))
+        Err(conflict(ConflictKind::Transition { from, to }))
     }
 }
 
@@ -163,7 +163,7 @@ pub(crate) async fn refused_transition(
         Ok(Some(from)) => check_transition(from, to)
             .err()
             // Allowed now, so another write changed the status in between: still a refusal.
-            .unwrap_or_else(|| conflict(ConflictKind::SessionStatus)),
+            .unwrap_or_else(|| conflict(ConflictKind::StatusChanged(from))),
     }
 }
 
@@ -664,7 +664,7 @@ pub(crate) fn finish_is_one_statement(f: &FinishTurn) -> bool {
 /// statements are sent together in order (pipelined), so a turn costs one round trip.
 pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOutcome> {
     if b.create.as_ref().is_some_and(|c| c.id != b.session_id) {
-        return Err(conflict(ConflictKind::Inconsistent));
+        return Err(conflict(ConflictKind::CreatedIdDiffers));
     }
     // Everything prepared first (a cached statement costs nothing), so the executions below are
     // sent in this order: a first-time prepare would otherwise let a later statement overtake.
@@ -765,7 +765,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
             .await
             .map_err(db_err)?;
         if claimed == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyClaimed));
         }
         Ok(())
     };
@@ -788,7 +788,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
             .await
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyNotRetryable));
         }
         Ok(())
     };
@@ -924,7 +924,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
             .await
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyNotHeld));
         }
         Ok(())
     };
@@ -1051,7 +1051,7 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
     match turn.state {
-        TurnState::Done => return Err(conflict(ConflictKind::TurnNotRunning)),
+        TurnState::Done => return Err(conflict(ConflictKind::TurnFinished)),
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {

@@ -118,7 +118,9 @@ pub(crate) async fn create_export(
     if insert_export(tx, &export).await? {
         Ok(())
     } else {
-        Err(StoreError::Conflict(crate::ConflictKind::Duplicate))
+        Err(StoreError::Conflict(crate::ConflictKind::Duplicate(
+            format!("export {} exists", export.id),
+        )))
     }
 }
 

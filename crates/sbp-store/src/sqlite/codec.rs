@@ -19,14 +19,16 @@ use crate::{
 /// Maps a SQLite error to the store's error: unique and primary-key violations are the caller's
 /// `Conflict`; everything else is a backend failure.
 pub(crate) fn db_err(err: rusqlite::Error) -> StoreError {
-    if let rusqlite::Error::SqliteFailure(code, _) = &err
+    if let rusqlite::Error::SqliteFailure(code, msg) = &err
         && code.code == ErrorCode::ConstraintViolation
         && matches!(
             code.extended_code,
             rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE | rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY
         )
     {
-        return StoreError::Conflict(crate::ConflictKind::Duplicate);
+        return StoreError::Conflict(crate::ConflictKind::Duplicate(
+            msg.clone().unwrap_or_else(|| "duplicate key".to_owned()),
+        ));
     }
     StoreError::Backend(err.to_string())
 }

@@ -90,7 +90,7 @@ pub(crate) fn check_transition(from: SessionStatus, to: SessionStatus) -> StoreR
     if from.can_transition(to) {
         Ok(())
     } else {
-        Err(conflict(ConflictKind::SessionStatus))
+        Err(conflict(ConflictKind::Transition { from, to }))
     }
 }
 
@@ -497,7 +497,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     let turn_id = uuid(&b.turn_id);
     if let Some(create) = &b.create {
         if create.id != b.session_id {
-            return Err(conflict(ConflictKind::Inconsistent));
+            return Err(conflict(ConflictKind::CreatedIdDiffers));
         }
         insert_session(conn, create)?;
     }
@@ -525,7 +525,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             })
             .map_err(db_err)?;
         if claimed == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyClaimed));
         }
     }
     if let Some(key) = &b.retry_key {
@@ -546,7 +546,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             })
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyNotRetryable));
         }
     }
     conn.prepare_cached(
@@ -661,7 +661,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             })
             .map_err(db_err)?;
         if n == 0 {
-            return Err(conflict(ConflictKind::IdempotencyKey));
+            return Err(conflict(ConflictKind::IdempotencyKeyNotHeld));
         }
     }
     Ok(FinishTurnOutcome {
@@ -719,7 +719,7 @@ pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
     match turn.state {
-        TurnState::Done => return Err(conflict(ConflictKind::TurnNotRunning)),
+        TurnState::Done => return Err(conflict(ConflictKind::TurnFinished)),
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {

@@ -111,7 +111,9 @@ pub(crate) fn create_export(
     if insert_export(conn, export)? {
         Ok(())
     } else {
-        Err(StoreError::Conflict(crate::ConflictKind::Duplicate))
+        Err(StoreError::Conflict(crate::ConflictKind::Duplicate(
+            format!("export {} exists", export.id),
+        )))
     }
 }
 

@@ -37,7 +37,7 @@ impl Roaming {
         } = state;
         let rendering: Vec<_> = pieces
             .into_iter()
-            .map(|piece| self.tasks.blocking(move || canonical_messages(piece)))
+            .map(|piece| self.inner.tasks.blocking(move || canonical_messages(piece)))
             .collect();
         let mut raw = Vec::new();
         let mut total_cost: Option<f64> = None;
@@ -142,7 +142,8 @@ impl Roaming {
             None
         };
         let roaming_token = self.sign_export(&export);
-        self.store
+        self.inner
+            .store
             .create_export(
                 export.clone(),
                 NewBundle {
@@ -151,7 +152,7 @@ impl Roaming {
                 },
             )
             .await?;
-        self.metrics.exports.fetch_add(1, Relaxed);
+        self.inner.metrics.exports.fetch_add(1, Relaxed);
         Ok(Exported {
             export: record_of(export),
             roaming_token,
@@ -167,7 +168,7 @@ impl Roaming {
                 iat: export.created_at.timestamp(),
                 exp: export.expires_at.timestamp(),
             },
-            &self.config.secret,
+            &self.inner.config.secret,
         )
     }
 
@@ -175,7 +176,8 @@ impl Roaming {
     /// is still described (with `expired: true`); a bad signature is not.
     pub async fn inspect_token(&self, raw: &str) -> Result<TokenInfo, Error> {
         // Verifying at the earliest instant checks the signature and claims but never expiry.
-        let claims = token::verify(raw, &self.config.secret, i64::MIN).map_err(token_error)?;
+        let claims =
+            token::verify(raw, &self.inner.config.secret, i64::MIN).map_err(token_error)?;
         let export = self.token_export(&claims).await?.1.ok_or_else(|| {
             Error::NotFound("the export this token refers to is not stored on this gateway".into())
         })?;
@@ -190,7 +192,7 @@ impl Roaming {
     ) -> Result<(Uuid, Option<ExportRecord>), Error> {
         let invalid = |why: &str| Error::TokenInvalid(why.to_owned());
         let export_id = Uuid::parse_str(&claims.sub).map_err(|_| invalid("`sub` is not a UUID"))?;
-        let Some(export) = self.store.get_export(export_id).await? else {
+        let Some(export) = self.inner.store.get_export(export_id).await? else {
             return Ok((export_id, None));
         };
         if claims.sid != export.session_id.to_string()

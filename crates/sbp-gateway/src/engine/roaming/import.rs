@@ -64,8 +64,8 @@ impl Roaming {
             plan.source = parsed.session.id.clone();
             return self.adopt_import(plan, parsed, now).await;
         };
-        let claims =
-            token::verify(&raw_token, &self.config.secret, now.timestamp()).map_err(token_error)?;
+        let claims = token::verify(&raw_token, &self.inner.config.secret, now.timestamp())
+            .map_err(token_error)?;
         let (export_id, export) = self.token_export(&claims).await?;
         plan.export_id = Some(export_id);
         plan.consume = (!allow_reuse).then_some(export_id);
@@ -129,6 +129,7 @@ impl Roaming {
     /// halves at once. Any other stored form is verified by recomputing the CID of the parsed bundle.
     async fn stored_bundle(&self, export: &ExportRecord) -> Result<ParsedBundle, Error> {
         let stored = self
+            .inner
             .store
             .get_bundle(&export.bundle_cid)
             .await?
@@ -141,9 +142,10 @@ impl Roaming {
                 export.bundle_cid.clone(),
             );
             tokio::join!(
-                self.tasks
+                self.inner
+                    .tasks
                     .blocking(move || bundle::sealed_bytes_match(&a, &cid)),
-                self.tasks.blocking(move || {
+                self.inner.tasks.blocking(move || {
                     std::str::from_utf8(&b)
                         .map_err(|e| e.to_string())
                         .and_then(|text| bundle::delimit_messages(text).map_err(|e| e.to_string()))
@@ -187,7 +189,7 @@ impl Roaming {
             .enumerate()
             .map(|(n, chunk)| {
                 let (bytes, chunk, first) = (Arc::clone(&bytes), chunk.to_vec(), n * half);
-                self.tasks.blocking(move || {
+                self.inner.tasks.blocking(move || {
                     chunk
                         .into_iter()
                         .enumerate()
@@ -282,6 +284,7 @@ impl Roaming {
         let snapshot_restored = snapshot.is_some();
         let memory_restored = memory.is_some();
         let session = self
+            .inner
             .store
             .adopt_session(AdoptSession {
                 session: new_session(new_id, agent_id, &session_token, now),
@@ -300,8 +303,8 @@ impl Roaming {
                 now,
             })
             .await?;
-        self.metrics.imports.fetch_add(1, Relaxed);
-        self.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.imports.fetch_add(1, Relaxed);
+        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         Ok(Imported {
             session,
             session_token,

@@ -106,6 +106,10 @@ pub struct TokenInfo {
 
 #[derive(Clone)]
 pub struct Roaming {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     store: Arc<dyn Store>,
     config: Arc<GatewayConfig>,
     sessions: Sessions,
@@ -176,11 +180,13 @@ impl Roaming {
         tasks: Tasks,
     ) -> Self {
         Self {
-            store,
-            config,
-            sessions,
-            metrics,
-            tasks,
+            inner: Arc::new(Shared {
+                store,
+                config,
+                sessions,
+                metrics,
+                tasks,
+            }),
         }
     }
 
@@ -188,7 +194,7 @@ impl Roaming {
     /// as two ranges on two pooled connections: the transcript is append-only, so the second range
     /// (open-ended) still joins the first exactly.
     async fn session_state(&self, session: &SessionRecord) -> Result<SessionState, Error> {
-        let store = &self.store;
+        let store = &self.inner.store;
         let half = session.message_count.div_ceil(2);
         let pieces = async {
             if session.message_count < SPLIT_HISTORY_AT {
@@ -201,10 +207,11 @@ impl Roaming {
             )?;
             Ok(vec![first, rest])
         };
-        let (pieces, snapshot, memory) =
-            tokio::try_join!(pieces, self.sessions.recovery_snapshot(session.id), async {
-                Ok(store.get_memory(session.id).await?)
-            },)?;
+        let (pieces, snapshot, memory) = tokio::try_join!(
+            pieces,
+            self.inner.sessions.recovery_snapshot(session.id),
+            async { Ok(store.get_memory(session.id).await?) },
+        )?;
         Ok(SessionState {
             pieces,
             snapshot,
@@ -272,6 +279,7 @@ impl Roaming {
             created_at: now,
         };
         let session = self
+            .inner
             .store
             .adopt_session(AdoptSession {
                 session: new_session(new_id, req.to_agent_id.clone(), &session_token, now),
@@ -299,9 +307,10 @@ impl Roaming {
                 ),
                 other => other.into(),
             })?;
-        self.metrics.handoffs.fetch_add(1, Relaxed);
-        self.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.handoffs.fetch_add(1, Relaxed);
+        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         let source = self
+            .inner
             .store
             .get_session(source.id)
             .await?
@@ -334,7 +343,7 @@ impl Roaming {
         let state = self.session_state(origin).await?;
         // A turn is in flight when its turn-level pre_action is the newest turn-level snapshot.
         let in_flight = matches!(
-            self.sessions.turn_snapshots(origin.id).await?.first(),
+            self.inner.sessions.turn_snapshots(origin.id).await?.first(),
             Some(s) if s.kind == SnapshotKind::PreAction
         );
         let (point_msg, point_step) = match (&state.snapshot, in_flight) {
@@ -368,6 +377,7 @@ impl Roaming {
             created_at: now,
         };
         let session = self
+            .inner
             .store
             .adopt_session(AdoptSession {
                 session: new_session(new_id, origin.agent_id.clone(), &session_token, now),
@@ -386,8 +396,8 @@ impl Roaming {
                 now,
             })
             .await?;
-        self.metrics.forks.fetch_add(1, Relaxed);
-        self.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.forks.fetch_add(1, Relaxed);
+        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         Ok(Forked {
             fork_id,
             origin: origin.clone(),
@@ -400,12 +410,13 @@ impl Roaming {
     }
 
     pub async fn lineage(&self, session: &SessionRecord) -> Result<Lineage, Error> {
-        Ok(self.store.lineage(session.id).await?)
+        Ok(self.inner.store.lineage(session.id).await?)
     }
 
     /// The session's memory document (an empty one of the built-in schema when none was stored).
     pub async fn memory(&self, session: &SessionRecord) -> Result<MemoryRecord, Error> {
         Ok(self
+            .inner
             .store
             .get_memory(session.id)
             .await?
@@ -432,6 +443,7 @@ impl Roaming {
             return Err(Error::invalid("`payload` must be a JSON object"));
         }
         Ok(self
+            .inner
             .store
             .put_memory(session.id, schema_id, payload, Utc::now())
             .await?)

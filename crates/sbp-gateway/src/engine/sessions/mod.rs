@@ -72,6 +72,10 @@ pub enum TokenCheck {
 
 #[derive(Clone)]
 pub struct Sessions {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     store: Arc<dyn Store>,
     config: Arc<GatewayConfig>,
     tokens: Arc<TokenCache>,
@@ -87,11 +91,13 @@ impl Sessions {
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
-            store,
-            config,
-            tokens: Arc::new(TokenCache::default()),
-            replicas,
-            metrics,
+            inner: Arc::new(Shared {
+                store,
+                config,
+                tokens: Arc::new(TokenCache::default()),
+                replicas,
+                metrics,
+            }),
         }
     }
 
@@ -99,11 +105,12 @@ impl Sessions {
     pub async fn authorized(&self, raw_id: &str, caller: &Caller) -> Result<SessionRecord, Error> {
         let id = parse_uuid(raw_id)?;
         let session = self
+            .inner
             .store
             .get_session(id)
             .await?
             .ok_or_else(|| Error::session_not_found(id))?;
-        self.tokens.remember(id, &session.token_hash);
+        self.inner.tokens.remember(id, &session.token_hash);
         self.authorize(&session, caller)?;
         Ok(session)
     }
@@ -113,7 +120,7 @@ impl Sessions {
     pub async fn authorized_id(&self, raw_id: &str, caller: &Caller) -> Result<Uuid, Error> {
         let id = parse_uuid(raw_id)?;
         if let (false, Some(token)) = (self.open_to(caller), &caller.session_token)
-            && self.tokens.check(id, token) == Some(true)
+            && self.inner.tokens.check(id, token) == Some(true)
         {
             return Ok(id);
         }
@@ -122,7 +129,7 @@ impl Sessions {
 
     /// Whether `caller` may act on any session without its token.
     fn open_to(&self, caller: &Caller) -> bool {
-        self.config.insecure_no_session_auth || caller.operator
+        self.inner.config.insecure_no_session_auth || caller.operator
     }
 
     fn authorize(&self, session: &SessionRecord, caller: &Caller) -> Result<(), Error> {
@@ -142,13 +149,13 @@ impl Sessions {
 
     /// Whether `token` is session `id`'s token (ATTACH_SESSION), from the cache when known.
     pub async fn check_token(&self, id: Uuid, token: &str) -> Result<TokenCheck, StoreError> {
-        let matches = match self.tokens.check(id, token) {
+        let matches = match self.inner.tokens.check(id, token) {
             Some(matches) => matches,
             None => {
-                let Some(session) = self.store.get_session(id).await? else {
+                let Some(session) = self.inner.store.get_session(id).await? else {
                     return Ok(TokenCheck::NoSuchSession);
                 };
-                self.tokens.remember(id, &session.token_hash);
+                self.inner.tokens.remember(id, &session.token_hash);
                 auth::token_matches(token, &session.token_hash)
             }
         };
@@ -162,6 +169,7 @@ impl Sessions {
     /// The session a token belongs to (a completion continuing a session).
     pub async fn by_token(&self, token: &str) -> Result<Option<SessionRecord>, Error> {
         Ok(self
+            .inner
             .store
             .find_session_by_token(&auth::hash_token(token))
             .await?)
@@ -184,10 +192,11 @@ impl Sessions {
         };
         let id = new.id;
         let hash = new.token_hash.clone();
-        self.store.create_session(new).await?;
-        self.tokens.remember(id, &hash);
-        self.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.store.create_session(new).await?;
+        self.inner.tokens.remember(id, &hash);
+        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         let session = self
+            .inner
             .store
             .get_session(id)
             .await?
@@ -196,9 +205,9 @@ impl Sessions {
     }
 
     pub async fn view(&self, session: &SessionRecord) -> Result<SessionView, Error> {
-        let pending = self.store.tether_count(session.id).await?;
+        let pending = self.inner.store.tether_count(session.id).await?;
         let latest = self.recovery_snapshot(session.id).await?;
-        let attachment = self.replicas.locate(session.id).await;
+        let attachment = self.inner.replicas.locate(session.id).await;
         Ok(SessionView {
             session_id: session.id,
             agent_id: session.agent_id.clone(),
@@ -237,7 +246,7 @@ impl Sessions {
     pub async fn turn_snapshots(&self, session_id: Uuid) -> Result<Vec<SnapshotRecord>, Error> {
         let mut limit = 64;
         loop {
-            let all = self.store.list_snapshots(session_id, limit).await?;
+            let all = self.inner.store.list_snapshots(session_id, limit).await?;
             let full = all.len() == limit as usize;
             let turn_level: Vec<SnapshotRecord> =
                 all.into_iter().filter(|s| !is_tool_snapshot(s)).collect();
@@ -250,7 +259,7 @@ impl Sessions {
 
     /// The latest snapshot of any kind.
     pub async fn latest_snapshot(&self, session_id: Uuid) -> Result<Option<SnapshotRecord>, Error> {
-        Ok(self.store.latest_snapshot(session_id, None).await?)
+        Ok(self.inner.store.latest_snapshot(session_id, None).await?)
     }
 
     pub async fn snapshots(
@@ -258,7 +267,7 @@ impl Sessions {
         session_id: Uuid,
         limit: u32,
     ) -> Result<Vec<SnapshotRecord>, Error> {
-        Ok(self.store.list_snapshots(session_id, limit).await?)
+        Ok(self.inner.store.list_snapshots(session_id, limit).await?)
     }
 
     /// A snapshot's messages (they are the transcript's first `message_count`).
@@ -268,6 +277,7 @@ impl Sessions {
     ) -> Result<Vec<MessageRecord>, Error> {
         let count = u32::try_from(snap.message_count).unwrap_or(u32::MAX);
         Ok(self
+            .inner
             .store
             .list_messages(snap.session_id, None, count)
             .await?)
@@ -280,6 +290,7 @@ impl Sessions {
         limit: u32,
     ) -> Result<Vec<MessageRecord>, Error> {
         Ok(self
+            .inner
             .store
             .list_messages(session.id, after, limit.clamp(1, 1000))
             .await?)
@@ -299,7 +310,8 @@ impl Sessions {
         if to == SessionStatus::Idle && session.status != SessionStatus::Idle {
             return Err(Error::conflict("a session cannot return to idle"));
         }
-        self.store
+        self.inner
+            .store
             .update_status(session.id, to, Utc::now())
             .await
             .map_err(|e| match e {
@@ -309,7 +321,8 @@ impl Sessions {
                 )),
                 other => other.into(),
             })?;
-        self.store
+        self.inner
+            .store
             .get_session(session.id)
             .await?
             .ok_or_else(|| Error::session_not_found(session.id))
@@ -329,6 +342,7 @@ impl Sessions {
         let chunk_id = Uuid::now_v7();
         let body = json!({"role": push.role, "content": push.content});
         let outcome = self
+            .inner
             .store
             .finish_turn(FinishTurn {
                 session_id: session.id,
@@ -355,10 +369,11 @@ impl Sessions {
                 now,
             })
             .await?;
-        self.metrics.turns_pushed.fetch_add(1, Relaxed);
-        self.metrics.tether_enqueued.fetch_add(1, Relaxed);
+        self.inner.metrics.turns_pushed.fetch_add(1, Relaxed);
+        self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
         let seq = outcome.tether_seq.unwrap_or_default();
         let attached = self
+            .inner
             .replicas
             .notify_turn_done(
                 session.id,

@@ -23,7 +23,7 @@ use super::connections::{Connections, Inbox};
 use super::replicas::Replicas;
 use super::sessions::{Sessions, TokenCheck};
 use super::tasks::Tasks;
-use super::tools::calls::PendingCalls;
+use super::tools::Tools;
 use crate::config::GatewayConfig;
 use crate::metrics::Metrics;
 use ctp::Ctp;
@@ -80,12 +80,16 @@ pub struct Attached {
 
 #[derive(Clone)]
 pub struct Surfaces {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     store: Arc<dyn Store>,
     config: Arc<GatewayConfig>,
     connections: Arc<Connections>,
-    calls: Arc<PendingCalls>,
     replicas: Replicas,
     sessions: Sessions,
+    tools: Tools,
     ctp: Ctp,
     metrics: Arc<Metrics>,
 }
@@ -96,23 +100,25 @@ impl Surfaces {
         store: Arc<dyn Store>,
         config: Arc<GatewayConfig>,
         connections: Arc<Connections>,
-        calls: Arc<PendingCalls>,
         replicas: Replicas,
         sessions: Sessions,
+        tools: Tools,
         provider: Arc<dyn sbp_llm::Provider>,
         tasks: Tasks,
         metrics: Arc<Metrics>,
     ) -> Self {
         let ctp = Ctp::new(provider, config.ctp_timeout, config.ctp_drain_max, tasks);
         Self {
-            store,
-            config,
-            connections,
-            calls,
-            replicas,
-            sessions,
-            ctp,
-            metrics,
+            inner: Arc::new(Shared {
+                store,
+                config,
+                connections,
+                replicas,
+                sessions,
+                tools,
+                ctp,
+                metrics,
+            }),
         }
     }
 
@@ -134,19 +140,25 @@ impl Surfaces {
         self.check_token(id, &frame.session_token).await?;
         let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
         let (conn_id, inbox) = self
+            .inner
             .replicas
             .locked(id, self.take_session(id, surface.clone()))
             .await
             .map_err(|e| AttachError::Internal(e.to_string()))??;
         if let Some(after) = frame.last_seq.filter(|s| *s > 0) {
-            self.store.tether_ack(id, after).await.map_err(internal)?;
+            self.inner
+                .store
+                .tether_ack(id, after)
+                .await
+                .map_err(internal)?;
         }
         let pending = self
+            .inner
             .store
             .tether_pending(id, frame.last_seq.or(Some(0)), DRAIN_LIMIT)
             .await
             .map_err(internal)?;
-        let rendering = rendering_for(&self.config.ctp, &surface);
+        let rendering = rendering_for(&self.inner.config.ctp, &surface);
         let mut delivery = Delivery::new(id, conn_id, frame.last_seq, surface.clone(), rendering);
         let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
         let drained: Vec<Frame> = pending.iter().map(|e| delivery.tether_frame(e)).collect();
@@ -154,7 +166,8 @@ impl Surfaces {
         match &delivery.renderer.rendering {
             Rendering::Ctp { rule, profile } if !drained.is_empty() => {
                 ctp = Some(
-                    self.ctp
+                    self.inner
+                        .ctp
                         .drain(rule, *profile, delivery.surface.clone(), drained),
                 );
             }
@@ -185,23 +198,27 @@ impl Surfaces {
         if let Some(last) = frame.last_seq {
             d.ack_mode = true;
             d.last_sent = d.last_sent.max(last);
-            self.store
+            self.inner
+                .store
                 .tether_ack(d.session_id, last)
                 .await
                 .map_err(internal)?;
         }
         let pending = self
+            .inner
             .store
             .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
             .await
             .map_err(internal)?;
         let surface = frame.surface_context.clone().unwrap_or_default();
         // Turns streaming live keep what they streamed here (a re-attach must not repeat it).
-        d.renderer.rendering = rendering_for(&self.config.ctp, &surface);
+        d.renderer.rendering = rendering_for(&self.inner.config.ctp, &surface);
         d.surface = Arc::new(surface.clone());
-        self.connections
+        self.inner
+            .connections
             .update_surface(d.session_id, d.conn_id, surface.clone());
-        self.replicas
+        self.inner
+            .replicas
             .update_surface(d.session_id, d.conn_id, &surface)
             .await;
         let mut frames =
@@ -228,6 +245,7 @@ impl Surfaces {
             return TurnFrames::now(Vec::new());
         }
         let entries = match self
+            .inner
             .store
             .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
             .await
@@ -269,9 +287,10 @@ impl Surfaces {
         let content = done.content.unwrap_or_default();
         let complete = complete_frame(done.chunk_id, seq, done.model_used);
         if let Rendering::Ctp { rule, profile } = &d.renderer.rendering {
-            let ctp = self
-                .ctp
-                .stream(rule, profile, &d.surface, content, done.chunk_id, complete);
+            let ctp =
+                self.inner
+                    .ctp
+                    .stream(rule, profile, &d.surface, content, done.chunk_id, complete);
             d.renderer.drop_turn(done.chunk_id);
             return TurnFrames {
                 frames: before,
@@ -290,6 +309,7 @@ impl Surfaces {
     /// for a notification lost to a full inbox.
     pub async fn catch_up(&self, d: &mut Delivery) -> Vec<Frame> {
         let Ok(entries) = self
+            .inner
             .store
             .tether_pending(d.session_id, Some(d.last_sent), DRAIN_LIMIT)
             .await
@@ -311,13 +331,14 @@ impl Surfaces {
         if seqs.is_empty() {
             return;
         }
-        self.metrics
+        self.inner
+            .metrics
             .tether_delivered
             .fetch_add(seqs.len() as u64, Relaxed);
         if d.ack_mode {
             return;
         }
-        if let Err(e) = self.store.tether_remove(d.session_id, seqs).await {
+        if let Err(e) = self.inner.store.tether_remove(d.session_id, seqs).await {
             tracing::error!(session_id = %d.session_id, error = %e, "removing delivered turns failed");
         }
     }
@@ -326,14 +347,14 @@ impl Surfaces {
     pub async fn ack(&self, d: &mut Delivery, seq: u64) {
         d.ack_mode = true;
         let up_to = seq.min(d.last_sent);
-        if let Err(e) = self.store.tether_ack(d.session_id, up_to).await {
+        if let Err(e) = self.inner.store.tether_ack(d.session_id, up_to).await {
             tracing::error!(session_id = %d.session_id, error = %e, "acknowledging turns failed");
         }
     }
 
     /// Whether this connection is still its session's surface.
     pub fn is_current(&self, d: &Delivery) -> bool {
-        self.connections.is_current(d.session_id, d.conn_id)
+        self.inner.connections.is_current(d.session_id, d.conn_id)
     }
 
     /// The connection closed (DETACH, disconnect or timeout). If it was still the session's surface,
@@ -341,6 +362,7 @@ impl Surfaces {
     /// changes nothing.
     pub async fn detach(&self, d: &Delivery, reason: &str) {
         if let Err(e) = self
+            .inner
             .replicas
             .locked(d.session_id, self.release_session(d, reason))
             .await
@@ -348,7 +370,12 @@ impl Surfaces {
             // Without the bus's lock, still release: a session left "running" with no surface is
             // worse than a race with an attach on another replica.
             tracing::warn!(session_id = %d.session_id, error = %e, "detaching without the replica lock");
-            let _guard = self.connections.session_lock(d.session_id).lock().await;
+            let _guard = self
+                .inner
+                .connections
+                .session_lock(d.session_id)
+                .lock()
+                .await;
             self.release_session(d, reason).await;
         }
     }
@@ -360,16 +387,17 @@ impl Surfaces {
         id: Uuid,
         surface: Arc<SurfaceContext>,
     ) -> Result<(u64, Inbox), AttachError> {
-        self.store
+        self.inner
+            .store
             .mark_attached(id, Utc::now())
             .await
             .map_err(internal)?;
         // Registered here before it is claimed on the bus: a displacement sent by a later claim on
         // another replica then always finds this connection.
-        let (conn_id, inbox) = self.connections.register(id, surface.clone());
-        if let Err(e) = self.replicas.claim(id, conn_id, &surface).await {
-            self.connections.remove_if_current(id, conn_id);
-            self.replicas.withdraw(id, conn_id).await;
+        let (conn_id, inbox) = self.inner.connections.register(id, surface.clone());
+        if let Err(e) = self.inner.replicas.claim(id, conn_id, &surface).await {
+            self.inner.connections.remove_if_current(id, conn_id);
+            self.inner.replicas.withdraw(id, conn_id).await;
             return Err(AttachError::Internal(e.to_string()));
         }
         Ok((conn_id, inbox))
@@ -377,10 +405,13 @@ impl Surfaces {
 
     /// The detach proper, under the session's locks.
     async fn release_session(&self, d: &Delivery, reason: &str) {
-        let current = self.connections.remove_if_current(d.session_id, d.conn_id);
+        let current = self
+            .inner
+            .connections
+            .remove_if_current(d.session_id, d.conn_id);
         // Calls in flight on this connection get their error result now, displaced or not. After
         // the removal: a call registered from here on sees the connection gone and fails itself.
-        let cancelled = self.calls.cancel_conn(d.conn_id);
+        let cancelled = self.inner.tools.connection_closed(d.conn_id);
         if cancelled > 0 {
             tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, cancelled, "tool calls in flight cancelled by disconnect");
         }
@@ -388,11 +419,12 @@ impl Surfaces {
             tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "displaced connection closed");
             return;
         }
-        if !self.replicas.release(d.session_id, d.conn_id).await {
+        if !self.inner.replicas.release(d.session_id, d.conn_id).await {
             tracing::debug!(session_id = %d.session_id, conn_id = d.conn_id, reason, "connection displaced from another replica closed");
             return;
         }
         if let Err(e) = self
+            .inner
             .store
             .suspend_if_running(d.session_id, Utc::now())
             .await
@@ -405,6 +437,7 @@ impl Surfaces {
     /// The session exists (else SESSION_NOT_FOUND) and `token` is its token (else FORBIDDEN).
     async fn check_token(&self, id: Uuid, token: &str) -> Result<(), AttachError> {
         match self
+            .inner
             .sessions
             .check_token(id, token)
             .await
@@ -432,11 +465,11 @@ impl Surfaces {
             mcp_tools_registered: surface
                 .mcp_tools
                 .iter()
-                .filter(|t| self.config.tool_allowed(t))
+                .filter(|t| self.inner.config.tool_allowed(t))
                 .cloned()
                 .collect(),
-            sbp_version: self.config.sbp_version.clone(),
-            sbp_level: self.config.sbp_level.clone(),
+            sbp_version: self.inner.config.sbp_version.clone(),
+            sbp_level: self.inner.config.sbp_level.clone(),
             surface_context: ctx,
             extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
         };

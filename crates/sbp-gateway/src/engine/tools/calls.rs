@@ -83,6 +83,24 @@ impl PendingCalls {
         pending.is_some_and(|p| p.waiter.send(outcome).is_ok())
     }
 
+    /// Waits for call `call_id`'s outcome on `rx` until `deadline`; past it the call ends as a
+    /// timeout, unless its result raced the deadline and won.
+    pub async fn wait(
+        &self,
+        call_id: Uuid,
+        rx: &mut oneshot::Receiver<ToolOutcome>,
+        deadline: tokio::time::Instant,
+    ) -> ToolOutcome {
+        match tokio::time::timeout_at(deadline, &mut *rx).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(_)) => Err(ToolFailure::Disconnected),
+            Err(_) => {
+                self.finish(call_id, Err(ToolFailure::Timeout));
+                rx.try_recv().unwrap_or(Err(ToolFailure::Timeout))
+            }
+        }
+    }
+
     /// The connection closed: every call in flight on it fails now. Returns how many.
     pub fn cancel_conn(&self, conn_id: u64) -> usize {
         self.fail(|p| p.conn_id == conn_id)

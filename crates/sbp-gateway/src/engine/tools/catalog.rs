@@ -13,7 +13,7 @@ const MAX_FUNCTION_NAME: usize = 64;
 
 /// Who runs a function the LLM may call.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ToolTarget {
+pub(crate) enum ToolTarget {
     Surface(String),
     Server { server: String, tool: String },
 }
@@ -29,7 +29,7 @@ impl ToolTarget {
 }
 
 #[derive(Debug, Default)]
-pub struct Catalog {
+pub(crate) struct Catalog {
     targets: HashMap<String, ToolTarget>,
     declarations: Vec<ToolDecl>,
 }

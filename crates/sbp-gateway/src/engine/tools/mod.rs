@@ -3,11 +3,11 @@
 //! away), tools of operator-configured MCP servers (southbound), and the catalogue of both a turn
 //! offers the LLM.
 
-pub mod calls;
+pub(crate) mod calls;
 mod catalog;
 mod server;
 
-pub use catalog::{Catalog, ToolTarget};
+pub(crate) use catalog::{Catalog, ToolTarget};
 pub use server::{NoServerTools, ServerTools};
 
 use std::sync::Arc;
@@ -84,16 +84,16 @@ pub struct BackendCallOutcome {
 
 /// What one function call of the LLM produced, for its tool message and snapshots.
 #[derive(Debug, Clone)]
-pub struct ToolRun {
-    pub call_id: Option<Uuid>,
+pub(crate) struct ToolRun {
+    pub(crate) call_id: Option<Uuid>,
     /// The tool message's content.
-    pub content: String,
-    pub error: Option<String>,
+    pub(crate) content: String,
+    pub(crate) error: Option<String>,
 }
 
 impl ToolRun {
     /// A call that produced no result: the model reads `{"error": ...}`.
-    fn failed(call_id: Option<Uuid>, error: String) -> Self {
+    pub(crate) fn failed(call_id: Option<Uuid>, error: String) -> Self {
         Self {
             call_id,
             content: json!({"error": error}).to_string(),
@@ -104,6 +104,10 @@ impl ToolRun {
 
 #[derive(Clone)]
 pub struct Tools {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     config: Arc<GatewayConfig>,
     server: Arc<dyn ServerTools>,
     calls: Arc<PendingCalls>,
@@ -122,23 +126,25 @@ impl Tools {
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
-            config,
-            server,
-            calls,
-            replicas,
-            sessions,
-            metrics,
+            inner: Arc::new(Shared {
+                config,
+                server,
+                calls,
+                replicas,
+                sessions,
+                metrics,
+            }),
         }
     }
 
     /// Tools of the session's attached surface that may be called now (the MCP endpoint's list).
     pub async fn surface_tools(&self, session: Uuid) -> Vec<ToolSchema> {
-        self.tools_of(self.replicas.locate(session).await.as_ref())
+        self.tools_of(self.inner.replicas.locate(session).await.as_ref())
     }
 
     /// Whether a surface is attached to the session (on this replica or another).
     pub async fn is_attached(&self, session: Uuid) -> bool {
-        self.replicas.locate(session).await.is_some()
+        self.inner.replicas.locate(session).await.is_some()
     }
 
     /// Tools of the attached surface `att` that may be called: declared and allowed, with the
@@ -150,7 +156,7 @@ impl Tools {
         att.surface
             .mcp_tools
             .iter()
-            .filter(|t| self.config.tool_allowed(t))
+            .filter(|t| self.inner.config.tool_allowed(t))
             .map(|t| {
                 att.surface
                     .tool_schema(t)
@@ -166,7 +172,7 @@ impl Tools {
 
     /// The tools a turn offers the LLM now, given the session's surface `att` and the request
     /// (whose own tools keep their names).
-    pub fn catalog(&self, att: Option<&Attachment>, req: &ChatRequest) -> Catalog {
+    pub(crate) fn catalog(&self, att: Option<&Attachment>, req: &ChatRequest) -> Catalog {
         let taken = req.declared_functions();
         let mut catalog = Catalog::default();
         let device = att
@@ -188,7 +194,7 @@ impl Tools {
                 &taken,
             );
         }
-        for (server, tool) in self.server.tools() {
+        for (server, tool) in self.inner.server.tools() {
             let name = format!("{SERVER_PREFIX}{server}__{}", tool.name);
             let description = tool.description.unwrap_or_else(|| {
                 format!("The tool '{}' of the MCP server '{server}'.", tool.name)
@@ -212,7 +218,7 @@ impl Tools {
         input: Value,
         timeout: Duration,
     ) -> Result<SurfaceCall, CallRefused> {
-        let att = self.replicas.locate(session).await;
+        let att = self.inner.replicas.locate(session).await;
         self.call_surface_on(session, att, tool, input, timeout)
             .await
     }
@@ -234,7 +240,7 @@ impl Tools {
                 "the attached surface did not declare the tool '{tool}'"
             )));
         }
-        if !self.config.tool_allowed(tool) {
+        if !self.inner.config.tool_allowed(tool) {
             return Err(CallRefused::NotAllowed(format!(
                 "the tool '{tool}' is not in this gateway's tool allowlist"
             )));
@@ -248,34 +254,35 @@ impl Tools {
             tool_input: input,
             timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
         };
-        self.metrics.tool_calls.fetch_add(1, Relaxed);
-        let mut rx = self.replicas.send_tool_call(session, &att, call_id, frame);
+        self.inner.metrics.tool_calls.fetch_add(1, Relaxed);
+        // Registered before it is sent: a fast TOOL_RESULT must find its call.
+        let mut rx = self
+            .inner
+            .calls
+            .register(session, att.conn_id, call_id, att.replica());
+        if !self.inner.replicas.deliver_tool_call(session, &att, frame) {
+            self.inner
+                .calls
+                .finish(call_id, Err(ToolFailure::Disconnected));
+        }
         // If this future is dropped while waiting (the HTTP caller went away), the pending entry
         // goes with it instead of waiting for an answer nobody will read.
         let _forget = ForgetCall {
-            calls: &self.calls,
+            calls: &self.inner.calls,
             call_id,
         };
-        let outcome = match tokio::time::timeout_at(deadline, &mut rx).await {
-            Ok(Ok(outcome)) => outcome,
-            Ok(Err(_)) => Err(ToolFailure::Disconnected),
-            Err(_) => {
-                // A result racing the deadline wins; otherwise the call ends as a timeout.
-                self.calls.finish(call_id, Err(ToolFailure::Timeout));
-                rx.try_recv().unwrap_or(Err(ToolFailure::Timeout))
-            }
-        };
+        let outcome = self.inner.calls.wait(call_id, &mut rx, deadline).await;
         let elapsed = started.elapsed();
-        self.metrics.tool_call_latency.observe(elapsed);
+        self.inner.metrics.tool_call_latency.observe(elapsed);
         let elapsed_ms = elapsed.as_millis() as u64;
         match &outcome {
             Ok(_) => {
                 tracing::info!(session_id = %session, %call_id, tool, elapsed_ms, "TOOL_RESULT received");
             }
             Err(e) => {
-                self.metrics.tool_call_errors.fetch_add(1, Relaxed);
+                self.inner.metrics.tool_call_errors.fetch_add(1, Relaxed);
                 if *e == ToolFailure::Timeout {
-                    self.metrics.tool_call_timeouts.fetch_add(1, Relaxed);
+                    self.inner.metrics.tool_call_timeouts.fetch_add(1, Relaxed);
                 }
                 tracing::warn!(session_id = %session, %call_id, tool, error = %e, elapsed_ms, "tool call failed");
             }
@@ -287,11 +294,18 @@ impl Tools {
         })
     }
 
+    /// The connection closed: every call in flight on it fails now ("surface disconnected").
+    /// Returns how many.
+    pub fn connection_closed(&self, conn_id: u64) -> usize {
+        self.inner.calls.cancel_conn(conn_id)
+    }
+
     /// A TOOL_RESULT arrived on a connection. Late, unknown or foreign call ids are logged and
     /// ignored (SPEC 10.3 says to match the pending call; nothing else may be disturbed).
     pub fn result(&self, session: Uuid, conn_id: u64, result: ToolResult) {
         let call_id = result.call_id.clone();
         if !self
+            .inner
             .calls
             .complete(session, conn_id, &call_id, result.outcome())
         {
@@ -300,8 +314,13 @@ impl Tools {
     }
 
     /// Runs one function call of the LLM on its target; the text is the tool message's content.
-    pub async fn run(&self, session: Uuid, target: &ToolTarget, arguments: Value) -> ToolRun {
-        let timeout = self.config.tool_timeout;
+    pub(crate) async fn run(
+        &self,
+        session: Uuid,
+        target: &ToolTarget,
+        arguments: Value,
+    ) -> ToolRun {
+        let timeout = self.inner.config.tool_timeout;
         match target {
             ToolTarget::Surface(tool) => {
                 match self.call_surface(session, tool, arguments, timeout).await {
@@ -315,8 +334,13 @@ impl Tools {
                 }
             }
             ToolTarget::Server { server, tool } => {
-                self.metrics.server_tool_calls.fetch_add(1, Relaxed);
-                match self.server.call(server, tool, arguments, timeout).await {
+                self.inner.metrics.server_tool_calls.fetch_add(1, Relaxed);
+                match self
+                    .inner
+                    .server
+                    .call(server, tool, arguments, timeout)
+                    .await
+                {
                     Ok((false, text)) => ToolRun {
                         call_id: None,
                         content: text,
@@ -339,11 +363,11 @@ impl Tools {
     ) -> Result<BackendCallOutcome, Error> {
         let id = parse_uuid(raw_id)?;
         let (session, att) = tokio::join!(
-            self.sessions.authorized_id(raw_id, caller),
-            self.replicas.locate(id)
+            self.inner.sessions.authorized_id(raw_id, caller),
+            self.inner.replicas.locate(id)
         );
         let session_id = session?;
-        let timeout = call.timeout.unwrap_or(self.config.tool_timeout);
+        let timeout = call.timeout.unwrap_or(self.inner.config.tool_timeout);
         let out = self
             .call_surface_on(session_id, att, &call.tool_name, call.tool_input, timeout)
             .await?;

@@ -67,7 +67,7 @@ impl Turns {
                 finished
             }
             Err(err) => {
-                self.metrics.turns_failed.fetch_add(1, Relaxed);
+                self.inner.metrics.turns_failed.fetch_add(1, Relaxed);
                 let fail = FailTurn {
                     session_id: turn.session.id,
                     turn_id: turn.turn_id,
@@ -75,7 +75,7 @@ impl Turns {
                     idempotency_key: turn.idempotency_key.clone(),
                     now: Utc::now(),
                 };
-                if let Err(e) = self.store.fail_turn(fail).await {
+                if let Err(e) = self.inner.store.fail_turn(fail).await {
                     tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
                 }
                 Err(Error::InTurn {
@@ -107,19 +107,19 @@ impl Turns {
         turn: &Turn,
         events: Option<&mpsc::Sender<SseEvent>>,
     ) -> Result<Upstream, Error> {
-        let mut sink = LiveSink::new(&self.replicas, turn.session.id, turn.surface.clone());
+        let mut sink = LiveSink::new(&self.inner.replicas, turn.session.id, turn.surface.clone());
         let started = Instant::now();
         let mut transcript = turn.request.clone();
         let mut usage = UsageSum::default();
-        let max_rounds = self.config.max_tool_rounds;
+        let max_rounds = self.inner.config.max_tool_rounds;
         let mut round = 0;
         loop {
             // The surface may have gone (or come) since the turn started.
             let surface = match round {
                 0 => turn.surface.clone(),
-                _ => self.replicas.locate(turn.session.id).await,
+                _ => self.inner.replicas.locate(turn.session.id).await,
             };
-            let catalog = self.tools.catalog(surface.as_ref(), &turn.request);
+            let catalog = self.inner.tools.catalog(surface.as_ref(), &turn.request);
             if round > 0 {
                 sink.new_round();
             }
@@ -136,7 +136,10 @@ impl Turns {
             let calls = match gateway_calls(&out.message, &catalog) {
                 Some(calls) if round < max_rounds => calls,
                 _ => {
-                    self.metrics.upstream_latency.observe(started.elapsed());
+                    self.inner
+                        .metrics
+                        .upstream_latency
+                        .observe(started.elapsed());
                     return Ok(last_round(out, round, usage, events, &catalog, &sink).await);
                 }
             };
@@ -157,9 +160,10 @@ impl Turns {
         events: Option<&mpsc::Sender<SseEvent>>,
         hide_tools: bool,
     ) -> Result<RoundOut, Error> {
-        let routed = self.provider.route_name(&turn.model);
+        let routed = self.inner.provider.route_name(&turn.model);
         if !(turn.client_stream || sink.is_live()) {
             let c = self
+                .inner
                 .provider
                 .complete(request)
                 .await
@@ -177,6 +181,7 @@ impl Turns {
             request.request_stream_usage();
         }
         let mut stream = self
+            .inner
             .provider
             .stream(request)
             .await
@@ -239,7 +244,8 @@ impl Turns {
                 )
             })
             .collect();
-        self.store
+        self.inner
+            .store
             .record_progress(TurnProgress {
                 session_id,
                 turn_id: turn.turn_id,
@@ -250,12 +256,13 @@ impl Turns {
             .await?;
         let runs = futures::future::join_all(calls.iter().map(|c| async move {
             match &c.arguments {
-                Ok(args) => self.tools.run(session_id, &c.target, args.clone()).await,
-                Err(e) => ToolRun {
-                    call_id: None,
-                    content: json!({"error": e}).to_string(),
-                    error: Some(e.clone()),
-                },
+                Ok(args) => {
+                    self.inner
+                        .tools
+                        .run(session_id, &c.target, args.clone())
+                        .await
+                }
+                Err(e) => ToolRun::failed(None, e.clone()),
             }
         }))
         .await;
@@ -282,7 +289,8 @@ impl Turns {
                 created_at: now,
             })
             .collect();
-        self.store
+        self.inner
+            .store
             .record_progress(TurnProgress {
                 session_id,
                 turn_id: turn.turn_id,
@@ -358,13 +366,14 @@ impl Turns {
             idempotency_done: turn.idempotency_key.clone().map(|k| (k, 200, body.clone())),
             now,
         };
-        let outcome = self.store.finish_turn(finish).await?;
-        self.metrics.turns_completed.fetch_add(1, Relaxed);
+        let outcome = self.inner.store.finish_turn(finish).await?;
+        self.inner.metrics.turns_completed.fetch_add(1, Relaxed);
         if outcome.tether_seq.is_some() {
-            self.metrics.tether_enqueued.fetch_add(1, Relaxed);
+            self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
         }
         body["sbp"]["step_count"] = json!(outcome.session.step_count);
-        self.replicas
+        self.inner
+            .replicas
             .notify_turn_done(
                 session.id,
                 TurnDone {

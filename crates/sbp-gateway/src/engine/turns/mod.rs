@@ -18,8 +18,8 @@ use sbp_protocol::{
     ChatMessage, ChatRequest, SbpRequestOptions, SbpResponseMeta, SessionStatus, SnapshotKind,
 };
 use sbp_store::{
-    BeginTurn, ConflictKind, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage,
-    NewSession, NewSnapshot, SessionRecord, Store, StoreError,
+    BeginTurn, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage, NewSession,
+    NewSnapshot, SessionRecord, Store, StoreError,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
@@ -54,7 +54,8 @@ pub struct ChatInput {
 /// An `Idempotency-Key` and the fingerprint of the request body it came with.
 pub struct IdempotencyKey {
     pub key: String,
-    /// SHA-256 (hex) of the request body as received.
+    /// What tells a retry of the same request from another request under the key (the
+    /// transport's digest of the body).
     pub fingerprint: String,
 }
 
@@ -145,6 +146,10 @@ impl Turn {
 
 #[derive(Clone)]
 pub struct Turns {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
     store: Arc<dyn Store>,
     provider: Arc<dyn Provider>,
     config: Arc<GatewayConfig>,
@@ -168,14 +173,16 @@ impl Turns {
         tasks: Tasks,
     ) -> Self {
         Self {
-            store,
-            provider,
-            config,
-            replicas,
-            sessions,
-            tools,
-            metrics,
-            tasks,
+            inner: Arc::new(Shared {
+                store,
+                provider,
+                config,
+                replicas,
+                sessions,
+                tools,
+                metrics,
+                tasks,
+            }),
         }
     }
 
@@ -193,10 +200,10 @@ impl Turns {
         let model = request
             .model
             .clone()
-            .unwrap_or_else(|| self.config.default_model.clone());
+            .unwrap_or_else(|| self.inner.config.default_model.clone());
         request.model = Some(model.clone());
         let token = session_token.or_else(|| opts.as_ref().and_then(|o| o.session_token.clone()));
-        if self.config.strict_sbp && opts.is_none() && token.is_none() {
+        if self.inner.config.strict_sbp && opts.is_none() && token.is_none() {
             return self.passthrough(request, client_stream).await;
         }
         let opts = opts.unwrap_or_default();
@@ -210,7 +217,8 @@ impl Turns {
         };
         let resolved = match &keyed {
             Keyed::Retry { record, .. } => Resolved::Existing(
-                self.store
+                self.inner
+                    .store
                     .get_session(record.session_id)
                     .await?
                     .ok_or_else(|| Error::session_not_found(record.session_id))?,
@@ -229,7 +237,7 @@ impl Turns {
                 let id = Uuid::now_v7();
                 let token = match &keyed {
                     Keyed::Fresh { key, .. } => {
-                        auth::idempotent_session_token(&self.config.secret, &id, key)
+                        auth::idempotent_session_token(&self.inner.config.secret, &id, key)
                     }
                     _ => auth::new_session_token(),
                 };
@@ -243,7 +251,7 @@ impl Turns {
                 (id, Some(new), Some(token), Vec::new(), incoming)
             }
             Resolved::Existing(s) => {
-                let history = self.store.history(s.id).await?;
+                let history = self.inner.store.history(s.id).await?;
                 let new = match &keyed {
                     Keyed::Retry { .. } => Vec::new(),
                     _ => incoming.split_off(transcript::new_start(&history, &incoming)),
@@ -251,7 +259,7 @@ impl Turns {
                 // A retried request that created its session gets that session's token again.
                 let token = match &keyed {
                     Keyed::Retry { key, record } if record.created_session => Some(
-                        auth::idempotent_session_token(&self.config.secret, &s.id, key),
+                        auth::idempotent_session_token(&self.inner.config.secret, &s.id, key),
                     ),
                     _ => None,
                 };
@@ -306,20 +314,25 @@ impl Turns {
             }),
             idempotency,
             retry_key,
-            owner: Some(self.config.replica_id.clone()),
+            owner: Some(self.inner.config.replica_id.clone()),
             now,
         };
-        let outcome = self.store.begin_turn(begin).await.map_err(|e| match e {
-            StoreError::Conflict(ConflictKind::IdempotencyKey) => {
-                Error::conflict("a request with this Idempotency-Key is still in progress")
-            }
-            StoreError::Conflict(_) => {
-                Error::conflict("the session's state does not allow a new turn")
-            }
-            other => other.into(),
-        })?;
+        let outcome = self
+            .inner
+            .store
+            .begin_turn(begin)
+            .await
+            .map_err(|e| match e {
+                StoreError::Conflict(kind) if kind.is_idempotency() => {
+                    Error::conflict("a request with this Idempotency-Key is still in progress")
+                }
+                StoreError::Conflict(_) => {
+                    Error::conflict("the session's state does not allow a new turn")
+                }
+                other => other.into(),
+            })?;
         if created {
-            self.metrics.sessions_created.fetch_add(1, Relaxed);
+            self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         }
 
         request.messages = history
@@ -327,7 +340,7 @@ impl Turns {
             .map(|m| ChatMessage::from_value(m.body))
             .chain(new_messages)
             .collect();
-        let surface = self.replicas.locate(session_id).await;
+        let surface = self.inner.replicas.locate(session_id).await;
         if let Some(att) = &surface {
             shape_request(&att.surface, &mut request);
         }
@@ -347,7 +360,8 @@ impl Turns {
         if client_stream {
             let (tx, mut rx) = mpsc::channel(256);
             let turns = self.clone();
-            self.tasks
+            self.inner
+                .tasks
                 .spawn(async move { turns.run_turn(turn, Some(tx)).await });
             let first = rx.recv().await.unwrap_or(SseEvent::Done);
             if let SseEvent::Failed(err) = first {
@@ -361,7 +375,7 @@ impl Turns {
         }
         let (tx, rx) = oneshot::channel();
         let turns = self.clone();
-        self.tasks.spawn(async move {
+        self.inner.tasks.spawn(async move {
             let _ = tx.send(turns.run_turn(turn, None).await);
         });
         let body = rx
@@ -384,7 +398,7 @@ impl Turns {
             ));
         }
         let scoped = scoped_idempotency_key(&key, token, operator);
-        let Some(record) = self.store.get_idempotency(&scoped).await? else {
+        let Some(record) = self.inner.store.get_idempotency(&scoped).await? else {
             return Ok(Ok(Keyed::Fresh {
                 key,
                 scoped,
@@ -415,9 +429,10 @@ impl Turns {
             None => None,
         };
         let explicit_resume = named.is_some() || opts.resume;
-        let trusted = operator || self.config.insecure_no_session_auth;
+        let trusted = operator || self.inner.config.insecure_no_session_auth;
         if let Some(token) = token {
             let session = self
+                .inner
                 .sessions
                 .by_token(token)
                 .await?
@@ -436,6 +451,7 @@ impl Turns {
         }
         if let Some(id) = named {
             let session = self
+                .inner
                 .store
                 .get_session(id)
                 .await?
@@ -456,7 +472,7 @@ impl Turns {
         if let Some(agent) = &agent_header
             && !opts.force_new_session
             && trusted
-            && let Some(s) = self.store.latest_suspended_for_agent(agent).await?
+            && let Some(s) = self.inner.store.latest_suspended_for_agent(agent).await?
         {
             return continue_session(s, opts.resume);
         }
@@ -467,7 +483,7 @@ impl Turns {
 
     /// SPEC 6.3: what the caller needs to resume the suspended session.
     async fn resume_available(&self, s: &SessionRecord) -> Result<ChatOutcome, Error> {
-        let snap = self.sessions.recovery_snapshot(s.id).await?;
+        let snap = self.inner.sessions.recovery_snapshot(s.id).await?;
         let prompt = match &s.last_task {
             Some(task) => format!("You were last working on: {task} (step {}).", s.step_count),
             None => format!(
@@ -500,9 +516,9 @@ impl Turns {
     /// request created the session.
     fn replay(&self, rec: &IdempotencyRecord, key: &str) -> ChatOutcome {
         let mut body = rec.response_body.clone().unwrap_or(Value::Null);
-        let new_token = rec
-            .created_session
-            .then(|| auth::idempotent_session_token(&self.config.secret, &rec.session_id, key));
+        let new_token = rec.created_session.then(|| {
+            auth::idempotent_session_token(&self.inner.config.secret, &rec.session_id, key)
+        });
         if let Some(token) = &new_token
             && let Some(sbp) = body.get_mut("sbp").and_then(Value::as_object_mut)
         {

@@ -16,6 +16,7 @@ impl Turns {
     ) -> Result<ChatOutcome, Error> {
         if !stream {
             let c = self
+                .inner
                 .provider
                 .complete(request)
                 .await
@@ -23,12 +24,13 @@ impl Turns {
             return Ok(ChatOutcome::Proxied(c.body));
         }
         let mut upstream = self
+            .inner
             .provider
             .stream(request)
             .await
             .map_err(Error::Upstream)?;
         let (tx, mut events) = mpsc::channel(256);
-        self.tasks.spawn(async move {
+        self.inner.tasks.spawn(async move {
             while let Some(item) = upstream.next().await {
                 let ev = match item {
                     Ok(chunk) => SseEvent::Data(chunk),
