@@ -12,6 +12,7 @@ pub mod frames;
 pub mod lifecycle;
 pub mod rest;
 pub mod surface;
+pub mod time;
 pub mod token;
 pub mod tools;
 

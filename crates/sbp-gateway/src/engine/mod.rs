@@ -3,15 +3,16 @@
 //! each what it needs, and gives the transport their handles.
 //!
 //! ```text
-//! turns ──► tools ──► sessions ──► replicas ──► connections
-//!   │         └──────────────────────┘  │
-//!   └──► surfaces (render, ctp) ────────┘      roaming ──► sessions
+//! turns ─► surfaces ─► tools ─► sessions ─► replicas ─► connections, calls, tasks
+//! roaming ─► sessions
 //! ```
+//! (each service uses only those to its right). Services are handles around one `Arc`.
 //!
 //! Ids the engine makes are UUIDv7 (time-ordered): stored keys then grow at the end of their
 //! B-trees instead of dirtying a random page per insert, which is most of the cost of a durable
 //! write. They carry no secret; session tokens do.
 
+mod calls;
 pub(crate) mod connections;
 pub(crate) mod replicas;
 pub mod roaming;
@@ -23,20 +24,19 @@ pub mod turns;
 
 use std::sync::Arc;
 
-use chrono::SecondsFormat;
 use sbp_llm::Provider;
-use sbp_store::{Store, Timestamp};
+use sbp_store::Store;
 
 use crate::config::GatewayConfig;
 use crate::error::Error;
 use crate::metrics::{LiveGauges, Metrics};
+use calls::PendingCalls;
 use connections::Connections;
 use replicas::{BusLink, Replicas};
 use roaming::Roaming;
 use sessions::Sessions;
 use surfaces::Surfaces;
 use tasks::Tasks;
-use tools::calls::PendingCalls;
 use tools::{NoServerTools, ServerTools, Tools};
 use turns::Turns;
 
@@ -247,9 +247,4 @@ impl Gateway {
         };
         Ok(self.metrics().render(&live))
     }
-}
-
-/// RFC 3339 with milliseconds, UTC: the timestamp form of every response and frame.
-pub fn iso(ts: &Timestamp) -> String {
-    ts.to_rfc3339_opts(SecondsFormat::Millis, true)
 }

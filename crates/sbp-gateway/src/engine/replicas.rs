@@ -23,9 +23,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::calls::PendingCalls;
 use super::connections::{Attachment, ConnMsg, Connections, Route};
 use super::tasks::Tasks;
-use super::tools::calls::PendingCalls;
 use crate::config::GatewayConfig;
 
 /// A replica bus handed to the engine: the bus, and what other replicas send this one.

@@ -16,10 +16,10 @@ use sbp_store::{
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
-use crate::engine::iso;
-use crate::engine::roaming::{Exported, Forked, HandedOff, Imported, TokenInfo, unix_iso};
+use crate::engine::roaming::{Exported, Forked, HandedOff, Imported, TokenInfo};
 use crate::engine::sessions::SessionView;
 use crate::engine::tools::BackendCallOutcome;
+use sbp_protocol::time::{iso, unix_iso};
 
 fn id(u: Uuid) -> String {
     u.to_string()

@@ -15,8 +15,8 @@ use super::{
     DEFAULT_EXPORT_TTL_SECS, ExportRequest, Exported, Roaming, SessionState, TokenInfo, record_of,
     token_error,
 };
-use crate::engine::iso;
 use crate::error::Error;
+use sbp_protocol::time::iso;
 
 impl Roaming {
     /// The sealed canonical bytes of the session's bundle and its CID. The messages, nearly all of

@@ -24,9 +24,9 @@ use super::{
     new_session, system_message, token_error,
 };
 use crate::auth;
-use crate::engine::iso;
 use crate::engine::sessions::new_agent_id;
 use crate::error::Error;
+use sbp_protocol::time::iso;
 
 impl Roaming {
     /// `POST /v1/sbp/sessions/import`: a token (whose bundle is stored here, or sent along when it was

@@ -10,7 +10,7 @@ mod import;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use sbp_protocol::bundle::{CidError, KNOWN_MEMORY_SCHEMAS, MEMORY_SCHEMA_KV};
 use sbp_protocol::token::{RoamingClaims, TokenError};
 use sbp_protocol::{SessionStatus, SnapshotKind};
@@ -22,13 +22,13 @@ use sbp_store::{
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::iso;
 use super::sessions::Sessions;
 use super::tasks::Tasks;
 use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::Error;
 use crate::metrics::Metrics;
+use sbp_protocol::time::unix_iso;
 
 pub const DEFAULT_EXPORT_TTL_SECS: i64 = 86_400;
 pub const MIN_EXPORT_TTL_SECS: i64 = 60;
@@ -143,11 +143,6 @@ fn integrity(message: &str) -> Error {
         message: message.to_owned(),
         mismatch: None,
     }
-}
-
-/// A Unix time (a token claim) in the timestamp form of responses.
-pub fn unix_iso(secs: i64) -> Option<String> {
-    DateTime::<Utc>::from_timestamp(secs, 0).map(|t| iso(&t))
 }
 
 /// Transcripts longer than this are read and canonicalised in two halves at once.

@@ -16,12 +16,12 @@ use sbp_store::{
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::iso;
 use super::replicas::Replicas;
 use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::metrics::Metrics;
+use sbp_protocol::time::iso;
 use tokens::TokenCache;
 
 /// Who is calling a session-scoped endpoint.

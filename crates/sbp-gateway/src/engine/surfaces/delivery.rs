@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::Frame;
 use super::render::{Renderer, Rendering};
-use crate::engine::iso;
+use sbp_protocol::time::iso;
 
 #[derive(Debug)]
 pub struct Delivery {

@@ -3,7 +3,6 @@
 //! away), tools of operator-configured MCP servers (southbound), and the catalogue of both a turn
 //! offers the LLM.
 
-pub(crate) mod calls;
 mod catalog;
 mod server;
 
@@ -21,13 +20,13 @@ use sbp_protocol::{ChatRequest, ToolFailure, ToolOutcome, ToolSchema};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+use super::calls::PendingCalls;
 use super::connections::Attachment;
 use super::replicas::Replicas;
 use super::sessions::{Caller, Sessions};
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::metrics::Metrics;
-use calls::PendingCalls;
 
 /// Longest `timeout_ms` a backend may ask for.
 pub const MAX_BACKEND_TIMEOUT_MS: u64 = 300_000;

@@ -19,10 +19,10 @@ use uuid::Uuid;
 use super::chunks::{UsageSum, assembled_body, closing_chunk, sbp_chunk, strip_loop_fields};
 use super::{SseEvent, Turn, Turns};
 use crate::engine::connections::Attachment;
-use crate::engine::iso;
 use crate::engine::replicas::Replicas;
 use crate::engine::tools::{Catalog, ToolRun, ToolTarget};
 use crate::error::Error;
+use sbp_protocol::time::iso;
 
 /// One upstream call's outcome.
 struct RoundOut {

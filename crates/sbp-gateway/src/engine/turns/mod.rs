@@ -26,7 +26,6 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::connections::Attachment;
-use super::iso;
 use super::replicas::Replicas;
 use super::sessions::{Sessions, new_agent_id};
 use super::surfaces::render::shape_request;
@@ -36,6 +35,7 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, TurnSession, parse_uuid};
 use crate::metrics::Metrics;
+use sbp_protocol::time::iso;
 
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 
