@@ -121,12 +121,8 @@ impl<'de> Deserialize<'de> for RelayedOutcome {
         Ok(Self(match (wire.outcome, wire.failure) {
             (OutcomeWire::Result(v), _) => Ok(v),
             (OutcomeWire::Error(_), Some(failure)) => Err(failure),
-            // An earlier version sent only the text, which was then the whole of the failure.
-            (OutcomeWire::Error(text), None) => Err(match text.as_str() {
-                "timeout" => ToolFailure::Timeout,
-                "surface disconnected" => ToolFailure::Disconnected,
-                _ => ToolFailure::Surface(text),
-            }),
+            // An earlier version sent only the text.
+            (OutcomeWire::Error(text), None) => Err(ToolFailure::from_message(text)),
         }))
     }
 }

@@ -447,6 +447,7 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "surface_gps"}}, {"name": "bare"}, {}]}))
         .expect("valid");
         assert_eq!(req.declared_functions(), vec!["surface_gps", "bare"]);
+        assert!(ChatRequest::default().declared_functions().is_empty());
         req.add_tools([ToolDecl::function("x", "d", json!({}))]);
         assert_eq!(req.declared_functions(), vec!["surface_gps", "bare", "x"]);
 

@@ -62,7 +62,7 @@ impl ToolResult {
     /// How the call ended: the surface's error, else its result (`null` when it sent none).
     pub fn outcome(self) -> crate::ToolOutcome {
         match self.error {
-            Some(e) => Err(crate::ToolFailure::Surface(e)),
+            Some(e) => Err(crate::ToolFailure::from_message(e)),
             None => Ok(self.result.unwrap_or(Value::Null)),
         }
     }

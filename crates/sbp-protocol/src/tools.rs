@@ -20,6 +20,17 @@ pub enum ToolFailure {
 }
 
 impl ToolFailure {
+    /// The failure a TOOL_RESULT's error text reports: the texts of the gateway's own endings mean
+    /// those endings (a surface whose tool timed out says `timeout`), anything else is the
+    /// surface's error.
+    pub fn from_message(text: String) -> Self {
+        match text.as_str() {
+            "timeout" => Self::Timeout,
+            "surface disconnected" => Self::Disconnected,
+            _ => Self::Surface(text),
+        }
+    }
+
     /// The error text a caller sees: `timeout`, `surface disconnected`, or the surface's own.
     pub fn message(&self) -> &str {
         match self {
@@ -48,5 +59,12 @@ mod tests {
             "surface disconnected"
         );
         assert_eq!(ToolFailure::Surface("denied".into()).to_string(), "denied");
+        for f in [
+            ToolFailure::Timeout,
+            ToolFailure::Disconnected,
+            ToolFailure::Surface("denied".into()),
+        ] {
+            assert_eq!(ToolFailure::from_message(f.to_string()), f);
+        }
     }
 }

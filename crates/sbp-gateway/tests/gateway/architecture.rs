@@ -1,5 +1,6 @@
 //! The boundaries ARCHITECTURE.md states, checked on the source: the engine names no transport
-//! type, and no service is handed the whole gateway.
+//! type, no service is handed the whole gateway, and each service uses only the services to its
+//! right in the engine's order.
 
 use std::path::{Path, PathBuf};
 
@@ -37,7 +38,17 @@ fn engine_code() -> Vec<(PathBuf, String)> {
 #[test]
 fn the_engine_knows_no_http_or_websocket_types() {
     for (file, line) in engine_code() {
-        for transport in ["axum", "http::", "tungstenite", "StatusCode", "HeaderMap"] {
+        for transport in [
+            "axum",
+            "http::",
+            "hyper",
+            "reqwest",
+            "tungstenite",
+            "StatusCode",
+            "HeaderMap",
+            "IntoResponse",
+            "crate::transport",
+        ] {
             assert!(
                 !line.contains(transport),
                 "{} names `{transport}`: {line}",
@@ -62,4 +73,63 @@ fn services_are_not_handed_the_gateway() {
             file.display()
         );
     }
+}
+
+/// The engine's modules, each allowed to use only those after it (ARCHITECTURE.md, `engine/mod.rs`).
+const LAYERS: [&str; 9] = [
+    "turns",
+    "roaming",
+    "surfaces",
+    "tools",
+    "sessions",
+    "replicas",
+    "connections",
+    "calls",
+    "tasks",
+];
+
+/// The engine module a file belongs to (`engine/turns/agent.rs` -> `turns`).
+fn module_of(file: &Path) -> Option<&'static str> {
+    let engine = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let first = file.strip_prefix(&engine).ok()?.components().next()?;
+    let name = first.as_os_str().to_str()?.trim_end_matches(".rs");
+    LAYERS.iter().copied().find(|m| *m == name)
+}
+
+#[test]
+fn each_service_uses_only_those_to_its_right() {
+    let mut edges = 0;
+    for (file, line) in engine_code() {
+        let Some(from) = module_of(&file) else {
+            continue; // mod.rs: the composition root uses them all
+        };
+        let rank = |m: &str| LAYERS.iter().position(|l| *l == m);
+        // `super::x` names a module of the engine from a file directly under `engine/` or from a
+        // module's `mod.rs`; elsewhere it names the file's own module.
+        let in_engine_dir = file.parent().and_then(|p| p.file_name()) == Some("engine".as_ref());
+        let prefixes: &[&str] = if in_engine_dir || file.ends_with("mod.rs") {
+            &["crate::engine::", "super::"]
+        } else {
+            &["crate::engine::"]
+        };
+        for prefix in prefixes {
+            for (at, _) in line.match_indices(prefix) {
+                let rest = &line[at + prefix.len()..];
+                let used: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                let (Some(a), Some(b)) = (rank(from), rank(&used)) else {
+                    continue;
+                };
+                edges += 1;
+                assert!(
+                    a < b || from == used,
+                    "{} ({from}) uses {used}, which is not to its right: {line}",
+                    file.display()
+                );
+            }
+        }
+    }
+    assert!(edges > 10, "the engine's imports were read ({edges} edges)");
 }

@@ -493,6 +493,42 @@ async fn idempotent_replay_does_not_call_the_upstream_again() {
     assert_eq!(gw.session_view(&id, &token).await["message_count"], 4);
 }
 
+/// A retry is the same request whatever its key order or spacing: an Idempotency-Key's
+/// fingerprint is taken over the body as JSON, not over its bytes.
+#[tokio::test]
+async fn an_idempotent_retry_may_order_and_space_its_keys_differently() {
+    let gw = TestGateway::with_fake().await;
+    let (_, token) = gw.session().await;
+    let send = |body: &'static str| {
+        sbp_test_support::send(
+            gw.http
+                .post(format!("{}/v1/chat/completions", gw.url))
+                .header("content-type", "application/json")
+                .header("x-session-token", token.as_str())
+                .header("idempotency-key", "k-order")
+                .body(body),
+        )
+    };
+    let (s1, _, first) =
+        send(r#"{"model":"m","messages":[{"role":"user","content":"once"}]}"#).await;
+    let (s2, h2, again) = send(
+        r#"{ "messages" : [ { "content" : "once", "role" : "user" } ],
+            "model" : "m" }"#,
+    )
+    .await;
+    assert_eq!((s1, s2), (200, 200), "{first} {again}");
+    assert_eq!(h2["idempotent-replayed"], "true");
+    assert_eq!(again["choices"], first["choices"]);
+    assert_eq!(gw.fake().requests().len(), 2, "session creation + one turn");
+    // Another body under the key is another request.
+    let (s3, _, other) =
+        send(r#"{"model":"m","messages":[{"role":"user","content":"twice"}]}"#).await;
+    assert_eq!(
+        (s3, error_code(&other)),
+        (422, "SBP_IDEMPOTENCY_KEY_REUSED")
+    );
+}
+
 /// An Idempotency-Key belongs to the caller that used it: someone else presenting the same key and
 /// body (without the session's token, or with another session's) gets no replay of the stored
 /// response and cannot run a retry in that session.

@@ -413,5 +413,9 @@ mod tests {
             tool_message_content(&Err(ToolFailure::Timeout)),
             "{\"error\":\"timeout\"}"
         );
+        assert_eq!(
+            tool_message_content(&Err(ToolFailure::Surface("camera busy".into()))),
+            "{\"error\":\"camera busy\"}"
+        );
     }
 }

@@ -18,8 +18,8 @@ use sbp_protocol::{
     ChatMessage, ChatRequest, SbpRequestOptions, SbpResponseMeta, SessionStatus, SnapshotKind,
 };
 use sbp_store::{
-    BeginTurn, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage, NewSession,
-    NewSnapshot, SessionRecord, Store, StoreError,
+    BeginTurn, IdempotencyRecord, IdempotencyState, MessageRecord, NewIdempotency, NewMessage,
+    NewSession, NewSnapshot, SessionRecord, Store, StoreError, Timestamp,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
@@ -117,6 +117,26 @@ enum Keyed {
     },
 }
 
+/// The session a request runs in and its messages, decided before anything is written.
+struct Opening {
+    session_id: Uuid,
+    /// The session to create with the turn, when the request starts one.
+    create: Option<NewSession>,
+    created_token: Option<String>,
+    history: Vec<MessageRecord>,
+    /// The request's messages that are new to the transcript.
+    new_messages: Vec<ChatMessage>,
+}
+
+/// What the request asks of its turn, besides its messages.
+struct Plan {
+    /// The upstream request (model set; `stream` and `sbp` taken out).
+    request: ChatRequest,
+    model: String,
+    client_stream: bool,
+    checkpoint_every: u32,
+}
+
 /// What a turn task needs, owned.
 struct Turn {
     session: SessionRecord,
@@ -207,7 +227,6 @@ impl Turns {
             return self.passthrough(request, client_stream).await;
         }
         let opts = opts.unwrap_or_default();
-
         let keyed = match idempotency {
             None => Keyed::Unkeyed,
             Some(k) => match self.idempotency(k, token.as_deref(), operator).await? {
@@ -228,45 +247,107 @@ impl Turns {
                     .await?
             }
         };
-
         let now = Utc::now();
-        let mut incoming = std::mem::take(&mut request.messages);
-        let (session_id, create, created_token, history, new_messages) = match resolved {
+        let incoming = std::mem::take(&mut request.messages);
+        let opening = match resolved {
             Resolved::ResumeAvailable(s) => return self.resume_available(&s).await,
-            Resolved::New { agent_id } => {
-                let id = Uuid::now_v7();
-                let token = match &keyed {
-                    Keyed::Fresh { key, .. } => {
-                        auth::idempotent_session_token(&self.inner.config.secret, &id, key)
-                    }
-                    _ => auth::new_session_token(),
-                };
-                let new = NewSession {
-                    id,
-                    agent_id,
-                    token_hash: auth::hash_token(&token),
-                    created_at: now,
-                    metadata: json!({}),
-                };
-                (id, Some(new), Some(token), Vec::new(), incoming)
-            }
-            Resolved::Existing(s) => {
-                let history = self.inner.store.history(s.id).await?;
-                let new = match &keyed {
-                    Keyed::Retry { .. } => Vec::new(),
-                    _ => incoming.split_off(transcript::new_start(&history, &incoming)),
-                };
-                // A retried request that created its session gets that session's token again.
-                let token = match &keyed {
-                    Keyed::Retry { key, record } if record.created_session => Some(
-                        auth::idempotent_session_token(&self.inner.config.secret, &s.id, key),
-                    ),
-                    _ => None,
-                };
-                (s.id, None, token, history, new)
-            }
+            Resolved::New { agent_id } => self.open_new(agent_id, &keyed, incoming, now),
+            Resolved::Existing(s) => self.open_existing(&s, &keyed, incoming).await?,
         };
+        let plan = Plan {
+            request,
+            model,
+            client_stream,
+            checkpoint_every: opts.checkpoint_every.unwrap_or(1),
+        };
+        let turn = self.begin(opening, keyed, plan, now).await?;
+        self.start(turn).await
+    }
 
+    /// A session this request creates: its record and token (derived from the Idempotency-Key,
+    /// when there is one, so a retry can be given it again); every message is new.
+    fn open_new(
+        &self,
+        agent_id: String,
+        keyed: &Keyed,
+        incoming: Vec<ChatMessage>,
+        now: Timestamp,
+    ) -> Opening {
+        let id = Uuid::now_v7();
+        let token = match keyed {
+            Keyed::Fresh { key, .. } => {
+                auth::idempotent_session_token(&self.inner.config.secret, &id, key)
+            }
+            _ => auth::new_session_token(),
+        };
+        let create = NewSession {
+            id,
+            agent_id,
+            token_hash: auth::hash_token(&token),
+            created_at: now,
+            metadata: json!({}),
+        };
+        Opening {
+            session_id: id,
+            create: Some(create),
+            created_token: Some(token),
+            history: Vec::new(),
+            new_messages: incoming,
+        }
+    }
+
+    /// A session this request continues: its history, and which of the request's messages are
+    /// new to it (none for a retry, whose messages were stored by the failed attempt).
+    async fn open_existing(
+        &self,
+        s: &SessionRecord,
+        keyed: &Keyed,
+        mut incoming: Vec<ChatMessage>,
+    ) -> Result<Opening, Error> {
+        let history = self.inner.store.history(s.id).await?;
+        let new_messages = match keyed {
+            Keyed::Retry { .. } => Vec::new(),
+            _ => incoming.split_off(transcript::new_start(&history, &incoming)),
+        };
+        // A retried request that created its session gets that session's token again.
+        let created_token = match keyed {
+            Keyed::Retry { key, record } if record.created_session => Some(
+                auth::idempotent_session_token(&self.inner.config.secret, &s.id, key),
+            ),
+            _ => None,
+        };
+        Ok(Opening {
+            session_id: s.id,
+            create: None,
+            created_token,
+            history,
+            new_messages,
+        })
+    }
+
+    /// The turn's first write (`begin_turn`: the session if new, the new messages, status,
+    /// pre_action snapshot, the Idempotency-Key's claim), then the turn as its task will run it:
+    /// the whole transcript, shaped for the surface attached now.
+    async fn begin(
+        &self,
+        opening: Opening,
+        keyed: Keyed,
+        plan: Plan,
+        now: Timestamp,
+    ) -> Result<Turn, Error> {
+        let Opening {
+            session_id,
+            create,
+            created_token,
+            history,
+            new_messages,
+        } = opening;
+        let Plan {
+            mut request,
+            model,
+            client_stream,
+            checkpoint_every,
+        } = plan;
         let last_task = transcript::last_task(&new_messages);
         let turn_id = Uuid::now_v7();
         let created = create.is_some();
@@ -334,7 +415,6 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
         }
-
         request.messages = history
             .into_iter()
             .map(|m| ChatMessage::from_value(m.body))
@@ -344,22 +424,27 @@ impl Turns {
         if let Some(att) = &surface {
             shape_request(&att.surface, &mut request);
         }
-        let turn = Turn {
+        Ok(Turn {
             session: outcome.session,
             created_token,
             turn_id,
             request,
             model,
             client_stream,
-            checkpoint_every: opts.checkpoint_every.unwrap_or(1),
+            checkpoint_every,
             last_task,
             idempotency_key: store_key,
             surface,
-        };
+        })
+    }
+
+    /// Runs the turn on its own task (a caller that goes away cannot cancel it half-persisted)
+    /// and answers when it is done, or, streaming, with its first event.
+    async fn start(&self, turn: Turn) -> Result<ChatOutcome, Error> {
         let session = turn.session();
-        if client_stream {
+        let turns = self.clone();
+        if turn.client_stream {
             let (tx, mut rx) = mpsc::channel(256);
-            let turns = self.clone();
             self.inner
                 .tasks
                 .spawn(async move { turns.run_turn(turn, Some(tx)).await });
@@ -374,7 +459,6 @@ impl Turns {
             });
         }
         let (tx, rx) = oneshot::channel();
-        let turns = self.clone();
         self.inner.tasks.spawn(async move {
             let _ = tx.send(turns.run_turn(turn, None).await);
         });
