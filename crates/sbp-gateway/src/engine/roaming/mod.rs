@@ -304,12 +304,7 @@ impl Roaming {
             })?;
         self.inner.metrics.handoffs.fetch_add(1, Relaxed);
         self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
-        let source = self
-            .inner
-            .store
-            .get_session(source.id)
-            .await?
-            .ok_or_else(|| Error::session_not_found(source.id))?;
+        let source = self.inner.sessions.get(source.id).await?;
         let mut export = record_of(export);
         export.imported_at = Some(now);
         export.import_session_id = Some(new_id);

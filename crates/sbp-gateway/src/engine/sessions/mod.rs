@@ -101,15 +101,19 @@ impl Sessions {
         }
     }
 
-    /// Loads a session by path id and checks the caller may act on it.
-    pub async fn authorized(&self, raw_id: &str, caller: &Caller) -> Result<SessionRecord, Error> {
-        let id = parse_uuid(raw_id)?;
-        let session = self
-            .inner
+    /// The session `id`, or [`Error::SessionNotFound`].
+    pub async fn get(&self, id: Uuid) -> Result<SessionRecord, Error> {
+        self.inner
             .store
             .get_session(id)
             .await?
-            .ok_or_else(|| Error::session_not_found(id))?;
+            .ok_or_else(|| Error::session_not_found(id))
+    }
+
+    /// Loads a session by path id and checks the caller may act on it.
+    pub async fn authorized(&self, raw_id: &str, caller: &Caller) -> Result<SessionRecord, Error> {
+        let id = parse_uuid(raw_id)?;
+        let session = self.get(id).await?;
         self.inner.tokens.remember(id, &session.token_hash);
         self.authorize(&session, caller)?;
         Ok(session)
@@ -321,11 +325,7 @@ impl Sessions {
                 )),
                 other => other.into(),
             })?;
-        self.inner
-            .store
-            .get_session(session.id)
-            .await?
-            .ok_or_else(|| Error::session_not_found(session.id))
+        self.get(session.id).await
     }
 
     /// Persists a backend-pushed turn and delivers it live, or tethers it for the next attach.

@@ -235,13 +235,9 @@ impl Turns {
             },
         };
         let resolved = match &keyed {
-            Keyed::Retry { record, .. } => Resolved::Existing(
-                self.inner
-                    .store
-                    .get_session(record.session_id)
-                    .await?
-                    .ok_or_else(|| Error::session_not_found(record.session_id))?,
-            ),
+            Keyed::Retry { record, .. } => {
+                Resolved::Existing(self.inner.sessions.get(record.session_id).await?)
+            }
             _ => {
                 self.resolve(token.as_deref(), &opts, agent_id, operator)
                     .await?
@@ -534,12 +530,7 @@ impl Turns {
             return continue_session(session, explicit_resume);
         }
         if let Some(id) = named {
-            let session = self
-                .inner
-                .store
-                .get_session(id)
-                .await?
-                .ok_or_else(|| Error::session_not_found(id))?;
+            let session = self.inner.sessions.get(id).await?;
             if !trusted {
                 return Err(Error::Unauthorized(
                     "continuing a session needs its token in X-Session-Token or sbp.session_token"
