@@ -323,10 +323,6 @@ impl ToolDecl {
         }))
     }
 
-    pub fn from_value(v: Value) -> Self {
-        Self(v)
-    }
-
     pub fn as_value(&self) -> &Value {
         &self.0
     }

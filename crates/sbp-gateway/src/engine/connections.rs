@@ -246,30 +246,39 @@ impl Connections {
         self.conns().len()
     }
 
-    /// Best-effort delivery to the session's connection in this process; with `conn`, only if it
-    /// is still that connection.
-    pub fn send(&self, session: Uuid, conn: Option<u64>, msg: ConnMsg) -> bool {
-        match self.get(session) {
+    /// Runs `f` with the inbox and call queue of the session's connection in this process, if
+    /// it is `conn` (any, with `None`); without cloning the attachment, under the map's lock
+    /// (`f` must not block: `try_send`, a queue push).
+    fn with_local<T>(
+        &self,
+        session: Uuid,
+        conn: Option<u64>,
+        f: impl FnOnce(&mpsc::Sender<ConnMsg>, &CallQueue) -> T,
+    ) -> Option<T> {
+        match self.conns().get(&session) {
             Some(Attachment {
                 conn_id,
-                route: Route::Local { tx, .. },
+                route: Route::Local { tx, calls },
                 ..
-            }) if conn.is_none_or(|c| c == conn_id) => tx.try_send(msg).is_ok(),
-            _ => false,
+            }) if conn.is_none_or(|c| c == *conn_id) => Some(f(tx, calls)),
+            _ => None,
         }
+    }
+
+    /// Best-effort delivery to the session's connection in this process; with `conn`, only if it
+    /// is still that connection. False when it is not there, not that one, or its inbox is full.
+    pub fn send(&self, session: Uuid, conn: Option<u64>, msg: ConnMsg) -> bool {
+        self.with_local(session, conn, |tx, _| tx.try_send(msg).is_ok())
+            .unwrap_or(false)
     }
 
     /// Queues a TOOL_CALL on the session's connection `conn_id` in this process; false when that
     /// connection is gone.
     pub fn push_call(&self, session: Uuid, conn_id: u64, call: ToolCall) -> bool {
-        match self.get(session) {
-            Some(Attachment {
-                conn_id: current,
-                route: Route::Local { calls, .. },
-                ..
-            }) if current == conn_id => calls.push(Box::new(call)),
-            _ => false,
-        }
+        self.with_local(session, Some(conn_id), |_, calls| {
+            calls.push(Box::new(call))
+        })
+        .unwrap_or(false)
     }
 }
 

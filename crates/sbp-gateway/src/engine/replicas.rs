@@ -188,10 +188,11 @@ impl Replicas {
     /// no longer be streamed there (gone, displaced, or behind): the turn then reaches it whole.
     pub fn send_chunk(&self, session: Uuid, target: &Attachment, chunk: LiveChunk) -> bool {
         match &target.route {
-            Route::Local { tx, .. } => {
-                self.inner.connections.is_current(session, target.conn_id)
-                    && tx.try_send(ConnMsg::Chunk(Box::new(chunk))).is_ok()
-            }
+            Route::Local { .. } => self.inner.connections.send(
+                session,
+                Some(target.conn_id),
+                ConnMsg::Chunk(Box::new(chunk)),
+            ),
             // The holder's replica drops it if the connection is no longer current.
             Route::Remote(replica) => self.inner.bus.as_ref().is_some_and(|bus| {
                 bus.send(
@@ -210,12 +211,11 @@ impl Replicas {
     /// reach it (the connection is no longer current, or the bus refused the message).
     pub fn deliver_tool_call(&self, session: Uuid, att: &Attachment, call: ToolCall) -> bool {
         match &att.route {
-            Route::Local { calls, .. } => {
+            Route::Local { .. } => {
                 tracing::info!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = att.conn_id, "TOOL_CALL sent");
-                // A connection that closed (or was displaced) before its cancel sweep could see
-                // this call: the call must not wait for it.
-                self.inner.connections.is_current(session, att.conn_id)
-                    && calls.push(Box::new(call))
+                // Only to the connection that is still the session's: one that closed (or was
+                // displaced) before its cancel sweep could see this call must not be waited on.
+                self.inner.connections.push_call(session, att.conn_id, call)
             }
             Route::Remote(replica) => {
                 tracing::info!(session_id = %session, call_id = %call.call_id, tool = %call.tool_name, conn_id = att.conn_id, replica = %replica, "TOOL_CALL sent through another replica");

@@ -168,7 +168,7 @@ pub async fn get_session(
     Path(id): Path<String>,
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
-    let view = gw.sessions().view(&session).await?;
+    let view = gw.sessions().view(session).await?;
     Ok(Json(to_wire::session_info(view)).into_response())
 }
 

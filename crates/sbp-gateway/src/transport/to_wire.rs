@@ -50,23 +50,24 @@ pub fn session_created(s: &SessionRecord, session_token: &str) -> SessionCreated
 }
 
 pub fn session_info(v: SessionView) -> SessionInfo {
+    let s = v.session;
     SessionInfo {
-        session_id: id(v.session_id),
-        agent_id: Some(v.agent_id),
-        status: v.status,
-        step_count: v.step_count,
-        message_count: v.message_count,
-        created_at: Some(v.created_at),
-        updated_at: Some(v.updated_at),
-        last_task: v.last_task,
-        model: v.model,
-        surface_attached: v.surface_attached,
+        session_id: id(s.id),
+        agent_id: Some(s.agent_id),
+        status: s.status,
+        step_count: s.step_count,
+        message_count: s.message_count,
+        created_at: Some(iso(&s.created_at)),
+        updated_at: Some(iso(&s.updated_at)),
+        last_task: s.last_task,
+        model: s.model,
+        surface_attached: v.surface.is_some(),
         surface: v.surface,
-        tether_enabled: v.tether_enabled,
-        tether_turns_pending: v.tether_turns_pending,
+        tether_enabled: s.tether_enabled,
+        tether_turns_pending: v.tether_pending,
         queued_turns: None,
-        latest_snapshot_id: opt_id(v.latest_snapshot_id),
-        last_checkpoint: v.last_checkpoint,
+        latest_snapshot_id: v.latest_snapshot.as_ref().map(|snap| id(snap.id)),
+        last_checkpoint: v.latest_snapshot.as_ref().map(|snap| iso(&snap.created_at)),
         extra: Map::new(),
     }
     .with_aliases()

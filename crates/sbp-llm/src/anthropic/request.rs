@@ -5,7 +5,7 @@
 //! `tool_result` blocks of the next user turn. Translation never fails: what Anthropic cannot
 //! express is dropped with a warning, and what is still wrong is left for the upstream's 400.
 
-use sbp_protocol::{ChatMessage, ChatRequest};
+use sbp_protocol::{ChatMessage, ChatRequest, FunctionCall};
 use serde_json::{Map, Value, json};
 
 use crate::content_text;
@@ -106,9 +106,9 @@ impl Turn {
 fn conversation(messages: &[ChatMessage]) -> Conversation {
     let mut system = Vec::new();
     let mut turns: Vec<Turn> = Vec::new();
-    for (index, message) in messages.iter().map(ChatMessage::as_value).enumerate() {
-        let role = message.get("role").and_then(Value::as_str).unwrap_or("");
-        let content = message.get("content");
+    for (index, message) in messages.iter().enumerate() {
+        let role = message.role().unwrap_or("");
+        let content = message.content();
         let (role, blocks) = match role {
             "system" | "developer" => {
                 if let Some(text) = content.and_then(content_text)
@@ -121,8 +121,7 @@ fn conversation(messages: &[ChatMessage]) -> Conversation {
             "user" => ("user", content_blocks(content)),
             "assistant" => {
                 let mut blocks = content_blocks(content);
-                let calls = message.get("tool_calls").and_then(Value::as_array);
-                blocks.extend(calls.into_iter().flatten().map(tool_use));
+                blocks.extend(message.tool_calls().map(tool_use));
                 ("assistant", blocks)
             }
             "tool" => ("user", vec![tool_result(message)]),
@@ -205,17 +204,10 @@ fn image_block(url: &str) -> Value {
     json!({"type": "text", "text": "[image omitted]"})
 }
 
-fn tool_use(call: &Value) -> Value {
-    let id = call.get("id").and_then(Value::as_str).unwrap_or("");
-    let function = call.get("function");
-    let name = function
-        .and_then(|f| f.get("name"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let arguments = function
-        .and_then(|f| f.get("arguments"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+fn tool_use(call: FunctionCall<'_>) -> Value {
+    let id = call.id().unwrap_or("");
+    let name = call.name().unwrap_or("");
+    let arguments = call.arguments().unwrap_or("");
     json!({"type": "tool_use", "id": id, "name": name, "input": tool_input(id, name, arguments)})
 }
 
@@ -239,13 +231,10 @@ fn tool_input(id: &str, name: &str, arguments: &str) -> Value {
     }
 }
 
-fn tool_result(message: &Value) -> Value {
-    let id = message
-        .get("tool_call_id")
-        .and_then(Value::as_str)
-        .unwrap_or("");
+fn tool_result(message: &ChatMessage) -> Value {
+    let id = message.tool_call_id().unwrap_or("");
     let mut block = json!({"type": "tool_result", "tool_use_id": id});
-    if let Some(text) = message.get("content").and_then(content_text)
+    if let Some(text) = message.text()
         && !text.is_empty()
     {
         block["content"] = json!(text);

@@ -21,7 +21,6 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::metrics::Metrics;
-use sbp_protocol::time::iso;
 use tokens::TokenCache;
 
 /// Who is calling a session-scoped endpoint.
@@ -33,25 +32,16 @@ pub struct Caller {
     pub operator: bool,
 }
 
-/// A session as `GET /v1/sessions/{id}` shows it.
+/// A session as `GET /v1/sessions/{id}` shows it: the record, and what is live about it.
 #[derive(Debug, Clone)]
 pub struct SessionView {
-    pub session_id: Uuid,
-    pub agent_id: String,
-    pub status: SessionStatus,
-    pub step_count: u64,
-    pub message_count: u64,
-    pub created_at: String,
-    pub updated_at: String,
-    pub last_task: Option<String>,
-    pub model: Option<String>,
-    pub surface_attached: bool,
+    pub session: SessionRecord,
+    /// Tether turns waiting for a surface.
+    pub tether_pending: u64,
+    /// The snapshot a recovery would resume from.
+    pub latest_snapshot: Option<SnapshotRecord>,
+    /// The attached surface (here or on another replica), as it declared itself.
     pub surface: Option<SurfaceContext>,
-    pub tether_enabled: bool,
-    pub tether_turns_pending: u64,
-    pub queued_turns: u64,
-    pub latest_snapshot_id: Option<Uuid>,
-    pub last_checkpoint: Option<String>,
 }
 
 /// A turn pushed into a session by a backend (`POST /v1/sbp/sessions/{id}/turns`).
@@ -208,27 +198,15 @@ impl Sessions {
         Ok((session, token))
     }
 
-    pub async fn view(&self, session: &SessionRecord) -> Result<SessionView, Error> {
-        let pending = self.inner.store.tether_count(session.id).await?;
-        let latest = self.recovery_snapshot(session.id).await?;
+    pub async fn view(&self, session: SessionRecord) -> Result<SessionView, Error> {
+        let tether_pending = self.inner.store.tether_count(session.id).await?;
+        let latest_snapshot = self.recovery_snapshot(session.id).await?;
         let attachment = self.inner.replicas.locate(session.id).await;
         Ok(SessionView {
-            session_id: session.id,
-            agent_id: session.agent_id.clone(),
-            status: session.status,
-            step_count: session.step_count,
-            message_count: session.message_count,
-            created_at: iso(&session.created_at),
-            updated_at: iso(&session.updated_at),
-            last_task: session.last_task.clone(),
-            model: session.model.clone(),
-            surface_attached: attachment.is_some(),
+            session,
+            tether_pending,
+            latest_snapshot,
             surface: attachment.map(|a| (*a.surface).clone()),
-            tether_enabled: session.tether_enabled,
-            tether_turns_pending: pending,
-            queued_turns: pending,
-            latest_snapshot_id: latest.as_ref().map(|s| s.id),
-            last_checkpoint: latest.as_ref().map(|s| iso(&s.created_at)),
         })
     }
 
