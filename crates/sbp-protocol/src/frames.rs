@@ -226,6 +226,11 @@ pub struct SessionAttached {
     /// Protocol extensions this gateway supports (docs/PROTOCOL-EXTENSIONS.md).
     #[serde(default)]
     pub extensions: Vec<String>,
+    /// The attach's `last_seq` was beyond every seq this session ever issued (the surface's
+    /// position comes from another history): it was ignored, nothing was acknowledged, and the
+    /// drain starts at the oldest pending turn. Sent only when true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last_seq_reset: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -144,6 +144,9 @@ pub trait TetherStore: Send + Sync {
         limit: u32,
     ) -> StoreResult<Vec<TetherEntry>>;
     async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64>;
+    /// The highest seq ever issued to the session (0: none yet; `NotFound` without the session). A
+    /// surface's position beyond it did not come from this session's history.
+    async fn tether_issued(&self, session_id: Uuid) -> StoreResult<u64>;
     /// Removes every entry with `seq <= up_to`; returns how many were removed.
     async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64>;
     /// Removes the listed entries (delivered to a surface that does not ACK).

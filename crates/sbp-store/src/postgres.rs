@@ -359,6 +359,10 @@ impl TetherStore for PostgresStore {
         ops::tether_count(&self.client().await?, session_id).await
     }
 
+    async fn tether_issued(&self, session_id: Uuid) -> StoreResult<u64> {
+        ops::tether_issued(&self.client().await?, session_id).await
+    }
+
     async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
         ops::tether_ack(&self.client().await?, session_id, up_to).await
     }

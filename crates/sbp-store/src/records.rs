@@ -153,6 +153,8 @@ pub struct IdempotencyRecord {
     pub created_session: bool,
     pub response_status: Option<u16>,
     pub response_body: Option<Value>,
+    /// The tether seq the request's write issued (a pushed turn's `seq`, replayed with it).
+    pub tether_seq: Option<u64>,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
 }
@@ -203,6 +205,11 @@ pub struct FinishTurn {
     pub tether_only_if_enabled: bool,
     /// Completes the idempotency record with the response to replay.
     pub idempotency_done: Option<(String, u16, Value)>,
+    /// With `idempotency_done`: the record does not exist yet (a pushed turn has no `begin_turn`
+    /// to claim its key); it is created here, done, with this fingerprint and the tether seq
+    /// this write issues. A key that exists already is `Conflict(IdempotencyKeyClaimed)` and
+    /// nothing is written.
+    pub idempotency_claim: Option<String>,
     pub now: Timestamp,
 }
 

@@ -573,6 +573,11 @@ impl<S: Store + ?Sized + 'static> TetherStore for TetheredStore<S> {
             .map_err(redis_err)
     }
 
+    async fn tether_issued(&self, session_id: Uuid) -> StoreResult<u64> {
+        // The database issues every seq, in either mode.
+        self.shared.inner.tether_issued(session_id).await
+    }
+
     async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
         let sh = &self.shared;
         if sh.handoff {

@@ -373,6 +373,10 @@ impl TetherStore for SqliteStore {
         self.read(move |c| ops::tether_count(c, session_id)).await
     }
 
+    async fn tether_issued(&self, session_id: Uuid) -> StoreResult<u64> {
+        self.read(move |c| ops::tether_issued(c, session_id)).await
+    }
+
     async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
         self.write(move |c| ops::tether_ack(c, session_id, up_to))
             .await

@@ -128,7 +128,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 3);
+        assert_eq!(version, 4);
     }
 }
 
@@ -316,6 +316,7 @@ mod postgres {
                     tether: Some(entry.clone()),
                     tether_only_if_enabled: false,
                     idempotency_done: None,
+                    idempotency_claim: None,
                     now,
                 };
                 store.finish_turn(finish).await.expect("tethered");
@@ -605,6 +606,7 @@ mod redis_tether {
                     }),
                     tether_only_if_enabled: false,
                     idempotency_done: None,
+                    idempotency_claim: None,
                     now: Utc::now(),
                 })
                 .await

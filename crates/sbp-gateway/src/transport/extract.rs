@@ -63,19 +63,22 @@ impl<S: Send + Sync> FromRequest<S> for ChatBody {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let keyed = req.headers().contains_key("idempotency-key");
         let body = json_object(&body_bytes(req, state).await?)?;
-        // `serde_json`'s map is ordered by key: this is the canonical form.
-        let fingerprint = keyed
-            .then(|| {
-                serde_json::to_string(&body).map(|text| crate::auth::sha256_hex(text.as_bytes()))
-            })
-            .transpose()
-            .map_err(|e| Error::internal("fingerprinting a request", e))?;
+        let fingerprint = keyed.then(|| fingerprint(&body)).transpose()?;
         let request = ChatRequest::from_object(body).map_err(|e| Error::Invalid(e.0))?;
         Ok(Self {
             request,
             fingerprint,
         })
     }
+}
+
+/// What tells a retry from another request under one `Idempotency-Key`: the SHA-256 of the body
+/// as compact JSON with sorted keys (`serde_json`'s map is ordered by key), whatever the key order
+/// or spacing the client sent.
+pub fn fingerprint(body: &Map<String, Value>) -> Result<String, Error> {
+    serde_json::to_string(body)
+        .map(|text| crate::auth::sha256_hex(text.as_bytes()))
+        .map_err(|e| Error::internal("fingerprinting a request", e))
 }
 
 /// Set by `operator_auth` when the request carried a valid operator API key.

@@ -13,7 +13,7 @@ use sbp_protocol::rest::{Health, MessagesQuery, SetStatus};
 use serde_json::{Map, Value, json};
 
 use super::errors;
-use super::extract::{ChatBody, JsonObject, Operator, header};
+use super::extract::{ChatBody, JsonObject, Operator, fingerprint, header};
 use super::headers::{add_headers, created, session_headers};
 use super::to_wire;
 use crate::Gateway;
@@ -267,16 +267,35 @@ pub async fn push_turn(
     State(gw): State<Gateway>,
     caller: Caller,
     Path(id): Path<String>,
+    headers: HeaderMap,
     JsonObject(body): JsonObject,
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
     let push = push_from(&body)?;
-    let (seq, attached) = gw.sessions().push_turn(&session, push).await?;
-    Ok((
+    let key = match header(&headers, "idempotency-key") {
+        Some(key) => Some(IdempotencyKey {
+            key,
+            fingerprint: fingerprint(&body)?,
+        }),
+        None => None,
+    };
+    let pushed = gw.sessions().push_turn(&session, push, key).await?;
+    let mut response = (
         StatusCode::CREATED,
-        Json(to_wire::pushed_turn(session.id, seq, attached)),
+        Json(to_wire::pushed_turn(
+            session.id,
+            pushed.seq,
+            pushed.attached,
+        )),
     )
-        .into_response())
+        .into_response();
+    if pushed.replayed {
+        response.headers_mut().insert(
+            "idempotent-replayed",
+            axum::http::HeaderValue::from_static("true"),
+        );
+    }
+    Ok(response)
 }
 
 /// The public conformance suite's tether loader (only with `--enable-test-hooks`):
@@ -302,7 +321,7 @@ pub async fn test_tether(
     }
     let mut seqs = Vec::with_capacity(pushes.len());
     for p in pushes {
-        seqs.push(gw.sessions().push_turn(&session, p).await?.0);
+        seqs.push(gw.sessions().push_turn(&session, p, None).await?.seq);
     }
     Ok(Json(to_wire::tether_loaded(session.id, seqs)).into_response())
 }

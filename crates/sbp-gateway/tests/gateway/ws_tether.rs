@@ -480,6 +480,45 @@ async fn dropped_drain_resumes_from_last_seq_without_loss() {
 }
 
 #[tokio::test]
+async fn a_last_seq_beyond_every_issued_seq_acknowledges_nothing() {
+    let gw = TestGateway::start().await;
+    let (id, token) = gw.session().await;
+    for i in 1..=3 {
+        gw.push(&id, &token, &format!("kept {i}")).await;
+    }
+    // Far beyond the three seqs issued, then beyond i64 (which once closed the socket with 1011).
+    for claimed in [json!(1000), json!(1u64 << 63), json!(u64::MAX)] {
+        let (mut ws, attached) = gw
+            .attach(&id, &token, json!({"last_seq": claimed.clone()}))
+            .await;
+        assert_eq!(attached["queued_turns"], 3, "{claimed}: {attached}");
+        assert_eq!(attached["last_seq_reset"], true, "{attached}");
+        let turns = tether_turns(&mut ws, 3).await;
+        assert_eq!(contents(&turns), ["kept 1", "kept 2", "kept 3"]);
+        detach(&mut ws).await;
+    }
+    // A re-attach on the same connection with a wild position redelivers everything too.
+    let (mut ws, attached) = gw.attach(&id, &token, json!({"last_seq": 0})).await;
+    assert!(attached.get("last_seq_reset").is_none(), "{attached}");
+    let first = tether_turns(&mut ws, 3).await;
+    ws.send(
+        json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token,
+        "last_seq": 5000}),
+    )
+    .await;
+    let again = ws.recv().await;
+    assert_eq!(again["type"], "SESSION_ATTACHED", "{again}");
+    assert_eq!(again["last_seq_reset"], true, "{again}");
+    assert_eq!(seqs(&tether_turns(&mut ws, 3).await), seqs(&first));
+    // A genuine position still acknowledges what it covers.
+    let second = seqs(&first)[1];
+    detach(&mut ws).await;
+    let (mut ws, attached) = gw.attach(&id, &token, json!({"last_seq": second})).await;
+    assert_eq!(attached["queued_turns"], 1, "{attached}");
+    assert_eq!(contents(&tether_turns(&mut ws, 1).await), ["kept 3"]);
+}
+
+#[tokio::test]
 async fn unacknowledged_turns_stay_queued_in_ack_mode() {
     let gw = TestGateway::start().await;
     let (id, token) = gw.session().await;
@@ -719,4 +758,68 @@ async fn turn_outliving_the_first_attach_is_tethered() {
         "the reply finished after the surface left: {attached}"
     );
     assert_eq!(contents(&tether_turns(&mut ws, 1).await), [reply.as_str()]);
+}
+
+#[tokio::test]
+async fn a_push_retried_with_its_idempotency_key_is_stored_once() {
+    let gw = TestGateway::start().await;
+    let (id, token) = gw.session().await;
+    let path = format!("/v1/sbp/sessions/{id}/turns");
+    let keyed = |key: &'static str| {
+        [
+            ("x-session-token", token.as_str()),
+            ("idempotency-key", key),
+        ]
+    };
+    let (s, headers, first) = gw
+        .post(
+            &path,
+            json!({"content": "once", "role": "assistant"}),
+            &keyed("push-1"),
+        )
+        .await;
+    assert_eq!(s, 201, "{first}");
+    assert!(headers.get("idempotent-replayed").is_none());
+    // The retry (keys in another order) replays the first answer's seq; nothing is pushed again.
+    let (s, headers, again) = gw
+        .post(
+            &path,
+            json!({"role": "assistant", "content": "once"}),
+            &keyed("push-1"),
+        )
+        .await;
+    assert_eq!(s, 201, "{again}");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again["seq"], first["seq"], "{again}");
+    // Another body under the same key is refused; a new key pushes a new turn.
+    let (s, _, reused) = gw
+        .post(&path, json!({"content": "twice"}), &keyed("push-1"))
+        .await;
+    assert_eq!(s, 422, "{reused}");
+    assert_eq!(reused["error"]["code"], "SBP_IDEMPOTENCY_KEY_REUSED");
+    let (s, _, second) = gw
+        .post(&path, json!({"content": "second"}), &keyed("push-2"))
+        .await;
+    assert_eq!(s, 201, "{second}");
+    assert!(second["seq"].as_u64() > first["seq"].as_u64(), "{second}");
+
+    let (_, page) = gw
+        .get(
+            &format!("/v1/sessions/{id}/messages"),
+            &[("x-session-token", token.as_str())],
+        )
+        .await;
+    let stored: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert_eq!(stored[stored.len() - 2..], ["once", "second"], "{page}");
+    let (mut ws, attached) = gw.attach(&id, &token, json!({})).await;
+    assert_eq!(attached["queued_turns"], 2, "{attached}");
+    assert_eq!(
+        contents(&tether_turns(&mut ws, 2).await),
+        ["once", "second"]
+    );
 }

@@ -234,7 +234,7 @@ pub(crate) fn turn_row(row: &Row) -> Result<TurnRecord, StoreError> {
 macro_rules! idempotency_cols {
     () => {
         "key, session_id, fingerprint, state, created_session, \
-     response_status, response_body, created_at, updated_at"
+     response_status, response_body, created_at, updated_at, tether_seq"
     };
 }
 pub(crate) use idempotency_cols;
@@ -253,6 +253,9 @@ pub(crate) fn idempotency_row(row: &Row) -> Result<IdempotencyRecord, StoreError
         response_body: col_opt_json(row, 6)?,
         created_at: get(row, 7)?,
         updated_at: get(row, 8)?,
+        tether_seq: get::<Option<i64>>(row, 9)?
+            .map(|s| u64::try_from(s).map_err(|_| bad(9, format!("tether seq {s}"))))
+            .transpose()?,
     })
 }
 

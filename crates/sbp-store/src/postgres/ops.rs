@@ -488,6 +488,17 @@ pub(crate) async fn tether_count(c: &impl GenericClient, session: Uuid) -> Store
     .await
 }
 
+pub(crate) async fn tether_issued(c: &impl GenericClient, session: Uuid) -> StoreResult<u64> {
+    // `tether_seq` is the next seq to issue.
+    let st = prep(c, "SELECT tether_seq - 1 FROM sessions WHERE id = $1").await?;
+    let row = c
+        .query_opt(&st, &[&session])
+        .await
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)?;
+    col_u64(&row, 0)
+}
+
 pub(crate) async fn tether_depth_total(c: &impl GenericClient) -> StoreResult<u64> {
     count(c, "SELECT COUNT(*) FROM tether", &[]).await
 }
@@ -904,8 +915,8 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         .map_err(db_err)
     };
     let idem = async {
-        let (Some((key, status, _)), Some(st), Some(body)) =
-            (&f.idempotency_done, &idem, &idem_body)
+        let (Some((key, status, _)), Some(st), Some(body), None) =
+            (&f.idempotency_done, &idem, &idem_body, &f.idempotency_claim)
         else {
             return Ok(());
         };
@@ -954,12 +965,46 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         }
     }
     let tethered = tether.is_some() && (session.tether_enabled || !f.tether_only_if_enabled);
+    let tether_seq = if tethered {
+        Some(to_u64(next_tether - 1)?)
+    } else {
+        None
+    };
+    if let (Some((key, status, _)), Some(body), Some(fingerprint)) =
+        (&f.idempotency_done, &idem_body, &f.idempotency_claim)
+    {
+        // After the main statement: the record keeps the tether seq it issued.
+        let st = prep(
+            c,
+            "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+             created_session, response_status, response_body, tether_seq, created_at, \
+             updated_at) VALUES ($1, $2, NULL, $3, $4, false, $5, $6, $7, $8, $8) \
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .await?;
+        let seq: Option<i64> = tether_seq.map(|_| next_tether - 1);
+        let created = c
+            .execute(
+                &st,
+                &[
+                    key,
+                    &f.session_id,
+                    fingerprint,
+                    &idem_state(IdempotencyState::Done),
+                    &i32::from(*status),
+                    body,
+                    &seq,
+                    &f.now,
+                ],
+            )
+            .await
+            .map_err(db_err)?;
+        if created == 0 {
+            return Err(conflict(ConflictKind::IdempotencyKeyClaimed));
+        }
+    }
     Ok(FinishTurnOutcome {
-        tether_seq: if tethered {
-            Some(to_u64(next_tether - 1)?)
-        } else {
-            None
-        },
+        tether_seq,
         post_action_snapshot: post_action,
         checkpoint_snapshot: checkpoint,
         first_message_seq: to_u64(first_seq(&session, appended)?)?,

@@ -176,6 +176,10 @@ const MIGRATIONS: &[&str] = &[
         heartbeat_at timestamptz NOT NULL
     );
     "#,
+    // v4: an Idempotency-Key on a pushed turn replays its tether seq.
+    r#"
+    ALTER TABLE idempotency ADD COLUMN tether_seq bigint;
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.

@@ -183,7 +183,7 @@ pub(crate) fn turn_row(row: &Row<'_>) -> rusqlite::Result<TurnRecord> {
 }
 
 pub(crate) const IDEMPOTENCY_COLS: &str = "key, session_id, fingerprint, state, created_session, \
-     response_status, response_body, created_at, updated_at";
+     response_status, response_body, created_at, updated_at, tether_seq";
 
 pub(crate) fn idempotency_row(row: &Row<'_>) -> rusqlite::Result<IdempotencyRecord> {
     Ok(IdempotencyRecord {
@@ -196,5 +196,9 @@ pub(crate) fn idempotency_row(row: &Row<'_>) -> rusqlite::Result<IdempotencyReco
         response_body: col_opt_json(row, 6)?,
         created_at: col_ts(row, 7)?,
         updated_at: col_ts(row, 8)?,
+        tether_seq: row
+            .get::<_, Option<i64>>(9)?
+            .map(|s| u64::try_from(s).map_err(|_| rusqlite::Error::IntegralValueOutOfRange(9, s)))
+            .transpose()?,
     })
 }

@@ -441,6 +441,16 @@ pub(crate) fn tether_depth_total(conn: &Connection) -> StoreResult<u64> {
     count(conn, "SELECT COUNT(*) FROM tether", [])
 }
 
+pub(crate) fn tether_issued(conn: &Connection, session: Uuid) -> StoreResult<u64> {
+    // `tether_seq` is the next seq to issue.
+    let next: i64 = conn
+        .prepare_cached("SELECT tether_seq FROM sessions WHERE id = ?1")
+        .and_then(|mut st| st.query_row([uuid(&session)], |r| r.get(0)).optional())
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound)?;
+    u64::try_from(next - 1).map_err(|_| StoreError::Backend("negative tether seq".to_owned()))
+}
+
 pub(crate) fn tether_ack(conn: &Connection, session: Uuid, up_to: u64) -> StoreResult<u64> {
     // Clamp rather than fail: "everything up to a huge seq" is simply everything.
     let up_to = i64::try_from(up_to).unwrap_or(i64::MAX);
@@ -642,7 +652,35 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
         }
         _ => None,
     };
-    if let Some((key, status, body)) = &f.idempotency_done {
+    if let (Some((key, status, body)), Some(fingerprint)) =
+        (&f.idempotency_done, &f.idempotency_claim)
+    {
+        let tether = tether_seq.map(int).transpose()?;
+        let body = json(body)?;
+        let created = conn
+            .prepare_cached(
+                "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
+                 created_session, response_status, response_body, tether_seq, created_at, \
+                 updated_at) VALUES (?1, ?2, NULL, ?3, ?4, 0, ?5, ?6, ?7, ?8, ?8) \
+                 ON CONFLICT (key) DO NOTHING",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    key,
+                    sid,
+                    fingerprint,
+                    idem_state(IdempotencyState::Done),
+                    status,
+                    body,
+                    tether,
+                    now
+                ])
+            })
+            .map_err(db_err)?;
+        if created == 0 {
+            return Err(conflict(ConflictKind::IdempotencyKeyClaimed));
+        }
+    } else if let Some((key, status, body)) = &f.idempotency_done {
         let body = json(body)?;
         let n = conn
             .prepare_cached(

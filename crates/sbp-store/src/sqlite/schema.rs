@@ -155,6 +155,10 @@ const MIGRATIONS: &[&str] = &[
         heartbeat_at TEXT NOT NULL
     );
     "#,
+    // v4: an Idempotency-Key on a pushed turn replays its tether seq.
+    r#"
+    ALTER TABLE idempotency ADD COLUMN tether_seq INTEGER;
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening

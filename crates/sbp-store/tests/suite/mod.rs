@@ -100,6 +100,7 @@ fn finish(session_id: Uuid, turn_id: Option<Uuid>) -> FinishTurn {
         tether: None,
         tether_only_if_enabled: false,
         idempotency_done: None,
+        idempotency_claim: None,
         now: t(20),
     }
 }
@@ -796,6 +797,13 @@ pub async fn tether_pending_order_after_limit(store: Arc<dyn Store>) {
         "other session untouched"
     );
     assert_eq!(store.tether_depth_total().await.expect("depth"), 3);
+    // Acknowledging and removing entries leaves the highest issued seq where it was.
+    assert_eq!(store.tether_issued(a.id).await.expect("issued"), 5);
+    assert_eq!(store.tether_issued(b.id).await.expect("issued"), 1);
+    assert!(matches!(
+        store.tether_issued(Uuid::now_v7()).await,
+        Err(StoreError::NotFound)
+    ));
 }
 
 pub async fn fail_turn_and_retry(store: Arc<dyn Store>) {

@@ -44,6 +44,37 @@ pub struct SessionView {
     pub surface: Option<SurfaceContext>,
 }
 
+/// Longest `Idempotency-Key` accepted.
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// An `Idempotency-Key` and the fingerprint of the request body it came with.
+pub struct IdempotencyKey {
+    pub key: String,
+    /// What tells a retry of the same request from another request under the key (the
+    /// transport's digest of the body).
+    pub fingerprint: String,
+}
+
+impl IdempotencyKey {
+    pub fn check(&self) -> Result<(), Error> {
+        if self.key.is_empty() || self.key.len() > MAX_IDEMPOTENCY_KEY {
+            return Err(Error::invalid(
+                "Idempotency-Key must be 1 to 255 characters",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a push did: the turn's tether seq, whether a surface was attached to take it live, and
+/// whether this answer replays an earlier request with the same `Idempotency-Key`.
+#[derive(Debug, Clone, Copy)]
+pub struct Pushed {
+    pub seq: u64,
+    pub attached: bool,
+    pub replayed: bool,
+}
+
 /// A turn pushed into a session by a backend (`POST /v1/sbp/sessions/{id}/turns`).
 #[derive(Debug, Clone)]
 pub struct PushTurn {
@@ -307,12 +338,28 @@ impl Sessions {
     }
 
     /// Persists a backend-pushed turn and delivers it live, or tethers it for the next attach.
-    /// Returns its tether seq and whether a surface was attached.
+    /// With an `Idempotency-Key`, the turn and the key's record are one write: a retry of a push
+    /// whose answer was lost replays its seq instead of pushing the turn again.
     pub async fn push_turn(
         &self,
         session: &SessionRecord,
         push: PushTurn,
-    ) -> Result<(u64, bool), Error> {
+        key: Option<IdempotencyKey>,
+    ) -> Result<Pushed, Error> {
+        let key = match key {
+            Some(k) => {
+                k.check()?;
+                let scoped = auth::sha256_hex(format!("push:{}\n{}", session.id, k.key).as_bytes());
+                if let Some(replay) = self
+                    .replay_push(&scoped, &k.fingerprint, session.id)
+                    .await?
+                {
+                    return Ok(replay);
+                }
+                Some((scoped, k.fingerprint))
+            }
+            None => None,
+        };
         if session.status.is_terminal() {
             return Err(Error::conflict(format!("session is {}", session.status)));
         }
@@ -343,10 +390,25 @@ impl Sessions {
                     chunk_id,
                 }),
                 tether_only_if_enabled: false,
-                idempotency_done: None,
+                idempotency_done: key.as_ref().map(|(k, _)| (k.clone(), 201, json!({}))),
+                idempotency_claim: key.as_ref().map(|(_, f)| f.clone()),
                 now,
             })
-            .await?;
+            .await;
+        let outcome = match (outcome, &key) {
+            // Another request with this key committed first: answer as its retry would.
+            (Err(StoreError::Conflict(kind)), Some((scoped, fingerprint)))
+                if kind.is_idempotency() =>
+            {
+                return match self.replay_push(scoped, fingerprint, session.id).await? {
+                    Some(replay) => Ok(replay),
+                    None => Err(Error::conflict(
+                        "a request with this Idempotency-Key is still in progress",
+                    )),
+                };
+            }
+            (outcome, _) => outcome?,
+        };
         self.inner.metrics.turns_pushed.fetch_add(1, Relaxed);
         self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
         let seq = outcome.tether_seq.unwrap_or_default();
@@ -364,7 +426,34 @@ impl Sessions {
                 },
             )
             .await;
-        Ok((seq, attached))
+        Ok(Pushed {
+            seq,
+            attached,
+            replayed: false,
+        })
+    }
+
+    /// The earlier push recorded under `scoped`, if there is one; a different body under the same
+    /// key is refused.
+    async fn replay_push(
+        &self,
+        scoped: &str,
+        fingerprint: &str,
+        session: Uuid,
+    ) -> Result<Option<Pushed>, Error> {
+        let Some(record) = self.inner.store.get_idempotency(scoped).await? else {
+            return Ok(None);
+        };
+        if record.fingerprint != fingerprint || record.session_id != session {
+            return Err(Error::IdempotencyKeyReused);
+        }
+        Ok(Some(Pushed {
+            seq: record.tether_seq.unwrap_or_default(),
+            // Whether the first answer's live delivery happened is not recorded: the turn is
+            // durable either way, and a surface in ack mode gets it until it acknowledges it.
+            attached: false,
+            replayed: true,
+        }))
     }
 }
 

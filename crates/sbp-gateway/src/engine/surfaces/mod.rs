@@ -145,7 +145,8 @@ impl Surfaces {
             .locked(id, self.take_session(id, surface.clone()))
             .await
             .map_err(|e| AttachError::Internal(e.to_string()))??;
-        if let Some(after) = frame.last_seq.filter(|s| *s > 0) {
+        let (last_seq, reset) = self.trusted_position(id, frame.last_seq).await?;
+        if let Some(after) = last_seq.filter(|s| *s > 0) {
             self.inner
                 .store
                 .tether_ack(id, after)
@@ -155,12 +156,12 @@ impl Surfaces {
         let pending = self
             .inner
             .store
-            .tether_pending(id, frame.last_seq.or(Some(0)), DRAIN_LIMIT)
+            .tether_pending(id, last_seq.or(Some(0)), DRAIN_LIMIT)
             .await
             .map_err(internal)?;
         let rendering = rendering_for(&self.inner.config.ctp, &surface);
-        let mut delivery = Delivery::new(id, conn_id, frame.last_seq, surface.clone(), rendering);
-        let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len())];
+        let mut delivery = Delivery::new(id, conn_id, last_seq, surface.clone(), rendering);
+        let mut frames = vec![self.attached_frame(id, frame.surface_context, pending.len(), reset)];
         let drained: Vec<Frame> = pending.iter().map(|e| delivery.tether_frame(e)).collect();
         let mut ctp = None;
         match &delivery.renderer.rendering {
@@ -195,14 +196,20 @@ impl Surfaces {
             ));
         }
         self.check_token(d.session_id, &frame.session_token).await?;
-        if let Some(last) = frame.last_seq {
+        let (last_seq, reset) = self.trusted_position(d.session_id, frame.last_seq).await?;
+        if let Some(last) = last_seq {
             d.ack_mode = true;
-            d.last_sent = d.last_sent.max(last);
-            self.inner
-                .store
-                .tether_ack(d.session_id, last)
-                .await
-                .map_err(internal)?;
+            if reset {
+                // Everything pending again: the surface's own position cannot be trusted.
+                d.last_sent = 0;
+            } else {
+                d.last_sent = d.last_sent.max(last);
+                self.inner
+                    .store
+                    .tether_ack(d.session_id, last)
+                    .await
+                    .map_err(internal)?;
+            }
         }
         let pending = self
             .inner
@@ -222,7 +229,7 @@ impl Surfaces {
             .update_surface(d.session_id, d.conn_id, &surface)
             .await;
         let mut frames =
-            vec![self.attached_frame(d.session_id, frame.surface_context, pending.len())];
+            vec![self.attached_frame(d.session_id, frame.surface_context, pending.len(), reset)];
         let drained = pending.iter().map(|e| d.tether_frame(e)).collect();
         frames.extend(d.render_tethered(drained));
         Ok(frames)
@@ -453,8 +460,39 @@ impl Surfaces {
         }
     }
 
+    /// The attach's `last_seq` if this session could have issued it, with whether it was reset.
+    /// A position beyond the highest seq ever issued is not from this session's history (a
+    /// restored database, another gateway, a client bug): trusting it would acknowledge, and so
+    /// delete, turns that were never delivered. It counts as "nothing received" instead.
+    async fn trusted_position(
+        &self,
+        session: Uuid,
+        last_seq: Option<u64>,
+    ) -> Result<(Option<u64>, bool), AttachError> {
+        let Some(claimed) = last_seq.filter(|s| *s > 0) else {
+            return Ok((last_seq, false));
+        };
+        let issued = self
+            .inner
+            .store
+            .tether_issued(session)
+            .await
+            .map_err(internal)?;
+        if claimed <= issued {
+            return Ok((last_seq, false));
+        }
+        tracing::warn!(session_id = %session, last_seq = claimed, issued, "last_seq beyond every issued seq: ignored, draining from the oldest pending turn");
+        Ok((Some(0), true))
+    }
+
     /// SESSION_ATTACHED for `session`, echoing the surface's context, announcing `queued` turns.
-    fn attached_frame(&self, session: Uuid, ctx: Option<SurfaceContext>, queued: usize) -> Frame {
+    fn attached_frame(
+        &self,
+        session: Uuid,
+        ctx: Option<SurfaceContext>,
+        queued: usize,
+        last_seq_reset: bool,
+    ) -> Frame {
         let surface = ctx.clone().unwrap_or_default();
         let attached = SessionAttached {
             session_id: session.to_string(),
@@ -472,6 +510,7 @@ impl Surfaces {
             sbp_level: self.inner.config.sbp_level.clone(),
             surface_context: ctx,
             extensions: EXTENSIONS.iter().map(|s| (*s).to_owned()).collect(),
+            last_seq_reset,
         };
         (ServerFrame::SessionAttached(Box::new(attached)), None)
     }

@@ -364,6 +364,7 @@ impl Turns {
             tether,
             tether_only_if_enabled: true,
             idempotency_done: turn.idempotency_key.clone().map(|k| (k, 200, body.clone())),
+            idempotency_claim: None,
             now,
         };
         let outcome = self.inner.store.finish_turn(finish).await?;

@@ -37,8 +37,6 @@ use crate::error::{Error, TurnSession, parse_uuid};
 use crate::metrics::Metrics;
 use sbp_protocol::time::iso;
 
-const MAX_IDEMPOTENCY_KEY: usize = 255;
-
 /// A completion request, parsed at the edge.
 pub struct ChatInput {
     pub request: ChatRequest,
@@ -51,13 +49,7 @@ pub struct ChatInput {
     pub operator: bool,
 }
 
-/// An `Idempotency-Key` and the fingerprint of the request body it came with.
-pub struct IdempotencyKey {
-    pub key: String,
-    /// What tells a retry of the same request from another request under the key (the
-    /// transport's digest of the body).
-    pub fingerprint: String,
-}
+pub use super::sessions::IdempotencyKey;
 
 /// One server-sent event of a streamed completion.
 #[derive(Debug)]
@@ -471,12 +463,8 @@ impl Turns {
         token: Option<&str>,
         operator: bool,
     ) -> Result<Result<Keyed, ChatOutcome>, Error> {
+        k.check()?;
         let IdempotencyKey { key, fingerprint } = k;
-        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
-            return Err(Error::invalid(
-                "Idempotency-Key must be 1 to 255 characters",
-            ));
-        }
         let scoped = scoped_idempotency_key(&key, token, operator);
         let Some(record) = self.inner.store.get_idempotency(&scoped).await? else {
             return Ok(Ok(Keyed::Fresh {
