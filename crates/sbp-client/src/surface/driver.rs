@@ -93,6 +93,8 @@ pub(super) struct Driver {
     commands: mpsc::UnboundedReceiver<Command>,
     /// What the application has taken (the `Surface` updates it).
     delivered: watch::Receiver<u64>,
+    /// The same position, to start it again when the gateway does not know it.
+    delivered_tx: Arc<watch::Sender<u64>>,
     /// Highest seq received from the gateway: anything at or below it is a repeat.
     received: u64,
     /// Highest seq acknowledged on the current connection (its attach's `last_seq` included).
@@ -106,7 +108,7 @@ impl Driver {
         context: SurfaceContext,
         events: mpsc::UnboundedSender<Event>,
         commands: mpsc::UnboundedReceiver<Command>,
-        delivered: watch::Receiver<u64>,
+        delivered_tx: Arc<watch::Sender<u64>>,
     ) -> Self {
         Self {
             url,
@@ -122,7 +124,8 @@ impl Driver {
             commands,
             received: config.resume_from,
             acked: 0,
-            delivered,
+            delivered: delivered_tx.subscribe(),
+            delivered_tx,
         }
     }
 
@@ -166,8 +169,18 @@ impl Driver {
         Ok((text, last_seq))
     }
 
-    /// An attach with `last_seq` succeeded: it acknowledged everything up to it.
+    /// An attach with `last_seq` succeeded: it acknowledged everything up to it, unless the
+    /// gateway says the position is not from this session's history (`last_seq_reset`): then
+    /// every turn it sends is new, whatever its seq, and the position starts again from 0.
     fn attached_with(&mut self, last_seq: u64, attached: &SessionAttached) {
+        if attached.last_seq_reset {
+            tracing::warn!(url = %self.url, last_seq, "the gateway does not know this position; starting again from 0");
+            self.received = 0;
+            self.acked = 0;
+            self.delivered_tx.send_replace(0);
+            self.delivered.borrow_and_update();
+            return;
+        }
         self.acked = last_seq;
         tracing::info!(url = %self.url, last_seq, queued = attached.queued_turns, "surface attached");
     }

@@ -271,7 +271,7 @@ pub struct Surface {
     events: mpsc::UnboundedReceiver<Event>,
     commands: mpsc::UnboundedSender<Command>,
     /// Highest tether seq handed to the application: ACKed, and `last_seq` of the next attach.
-    delivered: watch::Sender<u64>,
+    delivered: Arc<watch::Sender<u64>>,
     task: Option<JoinHandle<()>>,
     attached: Box<SessionAttached>,
     session_id: String,
@@ -289,9 +289,15 @@ impl Surface {
         }
         let (events_tx, events) = mpsc::unbounded_channel();
         let (commands, commands_rx) = mpsc::unbounded_channel();
-        let (delivered, delivered_rx) = watch::channel(config.resume_from);
-        let mut driver =
-            driver::Driver::new(&config, url, context, events_tx, commands_rx, delivered_rx);
+        let delivered = Arc::new(watch::Sender::new(config.resume_from));
+        let mut driver = driver::Driver::new(
+            &config,
+            url,
+            context,
+            events_tx,
+            commands_rx,
+            delivered.clone(),
+        );
         let span = tracing::info_span!("sbp_surface", session_id = %config.session_id);
         let (ws, attached, early) = driver
             .first_attach()

@@ -320,3 +320,35 @@ async fn https_gateways_are_attached_over_tls() {
         "TLS is built in: {err}"
     );
 }
+
+#[tokio::test]
+async fn a_position_the_gateway_never_issued_starts_again_from_zero() {
+    let gw = TestGateway::start().await;
+    let session = gw.session().await;
+    for text in ["one", "two"] {
+        session
+            .push_turn(PushTurn::assistant(text))
+            .await
+            .expect("push");
+    }
+    // A stored position from another history (say, a restored gateway database).
+    let mut surface = Surface::connect(session.surface().resume_from(500))
+        .await
+        .expect("attached");
+    assert!(surface.attached().last_seq_reset);
+    assert_eq!(surface.attached().queued_turns, 2);
+    assert!(matches!(next(&mut surface).await, Event::Connected { .. }));
+    let first = tether_turn(&mut surface).await;
+    let second = tether_turn(&mut surface).await;
+    assert_eq!(
+        (first.content.as_deref(), second.content.as_deref()),
+        (Some("one"), Some("two"))
+    );
+    // The position follows this session's seqs again, and the turns taken are acknowledged.
+    assert_eq!(surface.last_seq(), second.seq);
+    wait_session(&session, "the ACK of both turns", |s| {
+        s.tether_turns_pending == 0
+    })
+    .await;
+    surface.close().await;
+}
