@@ -84,6 +84,16 @@ pub struct ServeArgs {
     /// Signing secret (>= 32 bytes). [default: generated at first start and kept in <data-dir>/secret]
     #[arg(long, env = "SBP_JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: Option<String>,
+    /// An earlier signing secret, still accepted after a rotation (repeatable; comma-separated in
+    /// the environment): roaming tokens it signed verify until they expire, while everything new
+    /// is signed with --jwt-secret. Drop it once the longest token lifetime has passed.
+    #[arg(
+        long = "previous-jwt-secret",
+        env = "SBP_PREVIOUS_JWT_SECRETS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub previous_jwt_secret: Vec<String>,
     /// Seconds between PING frames to attached surfaces. [default: 25]
     #[arg(long, env = "SBP_PING_INTERVAL")]
     pub ping_interval: Option<f64>,
@@ -188,6 +198,7 @@ struct FileConfig {
     llm_api_key: Option<String>,
     default_model: Option<String>,
     jwt_secret: Option<String>,
+    previous_jwt_secret: Option<Vec<String>>,
     ping_interval: Option<f64>,
     pong_timeout: Option<f64>,
     attach_timeout: Option<f64>,
@@ -263,6 +274,7 @@ pub struct Settings {
     pub llm_api_key: Option<String>,
     pub default_model: Option<String>,
     pub jwt_secret: Option<String>,
+    pub previous_jwt_secrets: Vec<Vec<u8>>,
     pub ping_interval: Duration,
     pub pong_timeout: Duration,
     pub attach_timeout: Duration,
@@ -445,6 +457,11 @@ impl Settings {
                 .filter(|s| !s.is_empty()),
             default_model: args.default_model.or(file.default_model),
             jwt_secret: args.jwt_secret.or(file.jwt_secret),
+            previous_jwt_secrets: previous_secrets(if args.previous_jwt_secret.is_empty() {
+                file.previous_jwt_secret.unwrap_or_default()
+            } else {
+                args.previous_jwt_secret
+            })?,
             ping_interval: seconds(
                 "ping-interval",
                 args.ping_interval.or(file.ping_interval),
@@ -594,6 +611,19 @@ fn parse_bus(
 
 /// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,
 /// created with 48 random bytes on first start (owner-only permissions). Never logged.
+/// The `--previous-jwt-secret` values, each at least 32 bytes like `--jwt-secret`.
+fn previous_secrets(values: Vec<String>) -> anyhow::Result<Vec<Vec<u8>>> {
+    values
+        .into_iter()
+        .map(|s| {
+            if s.len() < 32 {
+                bail!("--previous-jwt-secret must be at least 32 bytes");
+            }
+            Ok(s.into_bytes())
+        })
+        .collect()
+}
+
 pub fn load_secret(configured: Option<&str>, data_dir: &Path) -> anyhow::Result<Vec<u8>> {
     use base64::Engine as _;
     if let Some(s) = configured {

@@ -132,6 +132,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         enable_test_hooks: s.enable_test_hooks,
         insecure_no_session_auth: s.insecure_no_session_auth,
         secret,
+        previous_secrets: s.previous_jwt_secrets.clone(),
         ..defaults
     };
     let config = match &s.bus {

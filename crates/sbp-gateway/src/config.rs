@@ -39,6 +39,9 @@ pub struct GatewayConfig {
     pub insecure_no_session_auth: bool,
     /// The gateway's signing secret (>= 32 bytes).
     pub secret: Vec<u8>,
+    /// Earlier signing secrets (rotation): what they signed (roaming tokens, the session tokens of
+    /// idempotent replays) still verifies; everything new is signed with `secret`.
+    pub previous_secrets: Vec<Vec<u8>>,
     /// This process's id among replicas (unique per run): it owns the turns it runs, and other
     /// replicas address it on the bus.
     pub replica_id: String,
@@ -50,6 +53,12 @@ pub struct GatewayConfig {
 }
 
 impl GatewayConfig {
+    /// The signing secrets that verify: the current one first, then the previous ones.
+    pub fn verifying_secrets(&self) -> impl Iterator<Item = &[u8]> {
+        std::iter::once(self.secret.as_slice())
+            .chain(self.previous_secrets.iter().map(Vec::as_slice))
+    }
+
     /// Whether the operator's allowlist lets surfaces' `tool` be called (no allowlist: any).
     pub fn tool_allowed(&self, tool: &str) -> bool {
         self.tool_allowlist
@@ -86,6 +95,7 @@ impl Default for GatewayConfig {
             enable_test_hooks: false,
             insecure_no_session_auth: false,
             secret: Vec::new(),
+            previous_secrets: Vec::new(),
             replica_id: run_replica_id("gw"),
             replica_heartbeat: Duration::from_secs(2),
             replica_timeout: Duration::from_secs(10),

@@ -92,7 +92,7 @@ impl Gateway {
         server_tools: Arc<dyn ServerTools>,
         bus: Option<BusLink>,
     ) -> Result<Self, Error> {
-        if config.secret.len() < 32 {
+        if config.verifying_secrets().any(|s| s.len() < 32) {
             return Err(Error::internal(
                 "starting the gateway",
                 "the signing secret must be at least 32 bytes",

@@ -1037,6 +1037,76 @@ async fn roaming_survives_restart() {
     assert_eq!((s, code(&v)), (410, "SBP_TOKEN_CONSUMED"), "{v}");
 }
 
+#[tokio::test]
+async fn tokens_signed_before_a_secret_rotation_still_import() {
+    let old = vec![1u8; 32];
+    let new = vec![2u8; 40];
+    let gw = with_secret(old.clone(), Upstream::Echo).await;
+    let (id, t) = session_with_turns(&gw, 1).await;
+    let before = export(&gw, &id, &t, json!({})).await;
+    let spare = export(&gw, &id, &t, json!({})).await;
+    // A session created by an idempotent request before the rotation.
+    let (s, _, created) = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "sbp": {}}),
+            &[("idempotency-key", "rotation-created-1")],
+        )
+        .await;
+    assert_eq!(s, 200, "{created}");
+    let dir: Arc<tempfile::TempDir> = gw.stop().await;
+
+    let gw = TestGateway::with(Options {
+        dir: Some(dir.clone()),
+        config: GatewayConfig {
+            secret: new.clone(),
+            previous_secrets: vec![old.clone()],
+            ..GatewayConfig::default()
+        },
+        ..Options::default()
+    })
+    .await;
+    let (id2, t2) = session_with_turns(&gw, 1).await;
+    let after = export(&gw, &id2, &t2, json!({})).await;
+    let (s, v) = import(&gw, json!({"roaming_token": before["roaming_token"]})).await;
+    assert_eq!(s, 201, "a token of the previous secret imports: {v}");
+    // New tokens are signed with the new secret only.
+    let after_token = after["roaming_token"].as_str().expect("token");
+    assert!(token::verify(after_token, &new, 0).is_ok());
+    assert!(token::verify(after_token, &old, 0).is_err());
+    // The replay of the idempotent request hands out the token the session really has.
+    let (s, _, replayed) = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "sbp": {}}),
+            &[("idempotency-key", "rotation-created-1")],
+        )
+        .await;
+    assert_eq!(s, 200, "{replayed}");
+    assert_eq!(
+        replayed["sbp"]["session_token"],
+        created["sbp"]["session_token"]
+    );
+    let sid = created["sbp"]["session_id"].as_str().expect("session id");
+    let st = replayed["sbp"]["session_token"].as_str().expect("token");
+    let (s, _) = gw.get(&format!("/v1/sessions/{sid}"), &tok(st)).await;
+    assert_eq!(s, 200);
+    gw.stop().await;
+
+    // Without the previous secret, a token it signed is refused.
+    let gw = TestGateway::with(Options {
+        dir: Some(dir),
+        config: GatewayConfig {
+            secret: new,
+            ..GatewayConfig::default()
+        },
+        ..Options::default()
+    })
+    .await;
+    let (s, v) = import(&gw, json!({"roaming_token": spare["roaming_token"]})).await;
+    assert_eq!((s, code(&v)), (422, "SBP_TOKEN_INVALID"), "{v}");
+}
+
 /// A transcript long enough to be read and canonicalised in two pieces exports to the same bundle
 /// a whole-tree serialisation gives, in order, and imports back complete.
 #[tokio::test]

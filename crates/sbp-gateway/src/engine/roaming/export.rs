@@ -176,8 +176,7 @@ impl Roaming {
     /// is still described (with `expired: true`); a bad signature is not.
     pub async fn inspect_token(&self, raw: &str) -> Result<TokenInfo, Error> {
         // Verifying at the earliest instant checks the signature and claims but never expiry.
-        let claims =
-            token::verify(raw, &self.inner.config.secret, i64::MIN).map_err(token_error)?;
+        let claims = self.verify_token(raw, i64::MIN).map_err(token_error)?;
         let export = self.token_export(&claims).await?.1.ok_or_else(|| {
             Error::NotFound("the export this token refers to is not stored on this gateway".into())
         })?;

@@ -10,7 +10,6 @@ use chrono::{DateTime, Utc};
 use sbp_protocol::bundle::{
     self, BundleMemory, BundleMessage, BundleSnapshot, CidError, ParsedBundle,
 };
-use sbp_protocol::token;
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use sbp_store::{
     AdoptSession, ExportRecord, LinkKind, LinkRecord, NewBundle, NewExport, NewMessage,
@@ -64,7 +63,8 @@ impl Roaming {
             plan.source = parsed.session.id.clone();
             return self.adopt_import(plan, parsed, now).await;
         };
-        let claims = token::verify(&raw_token, &self.inner.config.secret, now.timestamp())
+        let claims = self
+            .verify_token(&raw_token, now.timestamp())
             .map_err(token_error)?;
         let (export_id, export) = self.token_export(&claims).await?;
         plan.export_id = Some(export_id);

@@ -167,6 +167,19 @@ impl SessionState {
 }
 
 impl Roaming {
+    /// Verifies a roaming token with the signing secret, or with a previous one (rotation): a
+    /// signature none of them made is `BadSignature`; any other fault is the current secret's.
+    fn verify_token(&self, raw: &str, now_unix: i64) -> Result<RoamingClaims, TokenError> {
+        let mut outcome = Err(TokenError::BadSignature);
+        for secret in self.inner.config.verifying_secrets() {
+            outcome = sbp_protocol::token::verify(raw, secret, now_unix);
+            if !matches!(outcome, Err(TokenError::BadSignature)) {
+                break;
+            }
+        }
+        outcome
+    }
+
     pub fn new(
         store: Arc<dyn Store>,
         config: Arc<GatewayConfig>,

@@ -477,7 +477,7 @@ impl Turns {
             return Err(Error::IdempotencyKeyReused);
         }
         match record.state {
-            IdempotencyState::Done => Ok(Err(self.replay(&record, &key))),
+            IdempotencyState::Done => Ok(Err(self.replay(&record, &key).await)),
             IdempotencyState::InProgress => Err(Error::conflict(
                 "a request with this Idempotency-Key is still in progress",
             )),
@@ -577,11 +577,12 @@ impl Turns {
 
     /// The stored response of a completed request, with the session's token again when that
     /// request created the session.
-    fn replay(&self, rec: &IdempotencyRecord, key: &str) -> ChatOutcome {
+    async fn replay(&self, rec: &IdempotencyRecord, key: &str) -> ChatOutcome {
         let mut body = rec.response_body.clone().unwrap_or(Value::Null);
-        let new_token = rec.created_session.then(|| {
-            auth::idempotent_session_token(&self.inner.config.secret, &rec.session_id, key)
-        });
+        let new_token = match rec.created_session {
+            true => Some(self.replayed_token(rec.session_id, key).await),
+            false => None,
+        };
         if let Some(token) = &new_token
             && let Some(sbp) = body.get_mut("sbp").and_then(Value::as_object_mut)
         {
@@ -593,6 +594,25 @@ impl Turns {
             session_id: rec.session_id,
             new_token,
         }
+    }
+
+    /// The token a session created under `key` was given: derived from the signing secret, so
+    /// after a rotation it may come from a previous one (the one whose token the session holds).
+    async fn replayed_token(&self, session: Uuid, key: &str) -> String {
+        let config = &self.inner.config;
+        let current = auth::idempotent_session_token(&config.secret, &session, key);
+        if config.previous_secrets.is_empty() {
+            return current;
+        }
+        if let Ok(Some(s)) = self.inner.store.get_session(session).await {
+            for secret in config.previous_secrets.iter() {
+                let older = auth::idempotent_session_token(secret, &session, key);
+                if auth::token_matches(&older, &s.token_hash) {
+                    return older;
+                }
+            }
+        }
+        current
     }
 }
 
