@@ -70,6 +70,17 @@ pub struct ServeArgs {
     /// failed and tool calls waiting on its surfaces end. [default: 10]
     #[arg(long, env = "SBP_REPLICA_TIMEOUT")]
     pub replica_timeout: Option<f64>,
+    /// How often the retention sweep runs: seconds, or a number with `s`, `m`, `h` or `d`; `0`
+    /// turns retention off. [default: 1h]
+    #[arg(long, env = "SBP_RETENTION_INTERVAL")]
+    pub retention_interval: Option<String>,
+    /// How long an export is kept after it expired or its single-use token was consumed (then its
+    /// bundle, when no other export refers to it); `0`: for ever. [default: 7d]
+    #[arg(long, env = "SBP_EXPORT_RETENTION")]
+    pub export_retention: Option<String>,
+    /// How long snapshots are kept (each session's latest always stays); `0`: for ever. [default: 30d]
+    #[arg(long, env = "SBP_SNAPSHOT_RETENTION")]
+    pub snapshot_retention: Option<String>,
     /// Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:11434/v1 (Ollama),
     /// http://127.0.0.1:8000/v1 (vLLM), http://127.0.0.1:8081/v1 (llama.cpp), https://api.openai.com/v1.
     /// Without it turns are answered by the built-in offline model `sbp/echo`.
@@ -194,6 +205,9 @@ struct FileConfig {
     replicated: Option<bool>,
     replica_heartbeat: Option<f64>,
     replica_timeout: Option<f64>,
+    retention_interval: Option<String>,
+    export_retention: Option<String>,
+    snapshot_retention: Option<String>,
     llm_base_url: Option<String>,
     llm_api_key: Option<String>,
     default_model: Option<String>,
@@ -275,6 +289,10 @@ pub struct Settings {
     pub default_model: Option<String>,
     pub jwt_secret: Option<String>,
     pub previous_jwt_secrets: Vec<Vec<u8>>,
+    /// `None`: retention off.
+    pub retention_interval: Option<Duration>,
+    pub export_retention: Option<Duration>,
+    pub snapshot_retention: Option<Duration>,
     pub ping_interval: Duration,
     pub pong_timeout: Duration,
     pub attach_timeout: Duration,
@@ -297,6 +315,32 @@ pub struct Settings {
     pub enable_test_hooks: bool,
     pub insecure_no_session_auth: bool,
     pub log_format: String,
+}
+
+/// A retention setting: seconds, or a number with `s`, `m`, `h` or `d`; `0` is `None` (off).
+fn retention(name: &str, v: Option<String>, default: &str) -> anyhow::Result<Option<Duration>> {
+    let text = v.unwrap_or_else(|| default.to_owned());
+    let t = text.trim();
+    let (number, unit) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c),
+        _ => (t, 's'),
+    };
+    let scale = match unit {
+        's' => 1.0,
+        'm' => 60.0,
+        'h' => 3600.0,
+        'd' => 86_400.0,
+        _ => bail!("--{name}: unknown unit in {text:?} (use s, m, h or d)"),
+    };
+    let n: f64 = number
+        .trim()
+        .parse()
+        .with_context(|| format!("--{name}: {text:?} is not a duration"))?;
+    let secs = n * scale;
+    if !(secs.is_finite() && (0.0..1e10).contains(&secs)) {
+        bail!("--{name} must be a duration of 0 or more, got {text:?}");
+    }
+    Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
 }
 
 fn seconds(name: &str, v: Option<f64>, default: f64) -> anyhow::Result<Duration> {
@@ -457,6 +501,21 @@ impl Settings {
                 .filter(|s| !s.is_empty()),
             default_model: args.default_model.or(file.default_model),
             jwt_secret: args.jwt_secret.or(file.jwt_secret),
+            retention_interval: retention(
+                "retention-interval",
+                args.retention_interval.or(file.retention_interval),
+                "1h",
+            )?,
+            export_retention: retention(
+                "export-retention",
+                args.export_retention.or(file.export_retention),
+                "7d",
+            )?,
+            snapshot_retention: retention(
+                "snapshot-retention",
+                args.snapshot_retention.or(file.snapshot_retention),
+                "30d",
+            )?,
             previous_jwt_secrets: previous_secrets(if args.previous_jwt_secret.is_empty() {
                 file.previous_jwt_secret.unwrap_or_default()
             } else {
@@ -670,6 +729,23 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retention_durations() {
+        let d = |v: &str| retention("x", Some(v.to_owned()), "1h");
+        assert_eq!(d("90").expect("s"), Some(Duration::from_secs(90)));
+        assert_eq!(d("2m").expect("m"), Some(Duration::from_secs(120)));
+        assert_eq!(d("1.5h").expect("h"), Some(Duration::from_secs(5400)));
+        assert_eq!(d("7d").expect("d"), Some(Duration::from_secs(7 * 86_400)));
+        assert_eq!(d("0").expect("off"), None);
+        assert_eq!(
+            retention("x", None, "1h").expect("default"),
+            Some(Duration::from_secs(3600))
+        );
+        for bad in ["", "d", "-1", "3w", "NaN", "1e20d"] {
+            assert!(d(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn defaults_and_file_and_flag_precedence() {

@@ -133,6 +133,9 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         insecure_no_session_auth: s.insecure_no_session_auth,
         secret,
         previous_secrets: s.previous_jwt_secrets.clone(),
+        retention_interval: s.retention_interval.unwrap_or_default(),
+        export_retention: s.export_retention,
+        snapshot_retention: s.snapshot_retention,
         ..defaults
     };
     let config = match &s.bus {

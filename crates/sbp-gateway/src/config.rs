@@ -50,6 +50,13 @@ pub struct GatewayConfig {
     /// How long after its last heartbeat a replica counts as dead: its running turns are failed
     /// and calls waiting on its surfaces end.
     pub replica_timeout: Duration,
+    /// How often the retention sweep runs (zero: never).
+    pub retention_interval: Duration,
+    /// How long an export is kept after it expired or its single-use token was consumed (then its
+    /// bundle too, when no other export refers to it); `None` keeps exports for ever.
+    pub export_retention: Option<Duration>,
+    /// How long snapshots are kept (each session's latest is always kept); `None`: for ever.
+    pub snapshot_retention: Option<Duration>,
 }
 
 impl GatewayConfig {
@@ -94,6 +101,9 @@ impl Default for GatewayConfig {
             strict_sbp: false,
             enable_test_hooks: false,
             insecure_no_session_auth: false,
+            retention_interval: Duration::from_secs(3600),
+            export_retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            snapshot_retention: Some(Duration::from_secs(30 * 24 * 3600)),
             secret: Vec::new(),
             previous_secrets: Vec::new(),
             replica_id: run_replica_id("gw"),

@@ -68,6 +68,11 @@ pub struct Metrics {
     pub tool_call_timeouts: AtomicU64,
     /// Tools of southbound MCP servers called by the gateway.
     pub server_tool_calls: AtomicU64,
+    /// Retention sweeps run, and what they removed.
+    pub retention_sweeps: AtomicU64,
+    pub retention_exports: AtomicU64,
+    pub retention_bundles: AtomicU64,
+    pub retention_snapshots: AtomicU64,
     pub upstream_latency: Histogram,
     /// TOOL_CALL sent to TOOL_RESULT received (or timeout / disconnect).
     pub tool_call_latency: Histogram,
@@ -174,6 +179,27 @@ impl Metrics {
             "WebSocket connections accepted.",
             &self.ws_connections,
         );
+        counter(
+            &mut out,
+            "sbp_retention_sweeps_total",
+            "Retention sweeps run.",
+            &self.retention_sweeps,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP sbp_retention_swept_total Rows removed by retention sweeps.\n# TYPE sbp_retention_swept_total counter"
+        );
+        for (kind, v) in [
+            ("exports", &self.retention_exports),
+            ("bundles", &self.retention_bundles),
+            ("snapshots", &self.retention_snapshots),
+        ] {
+            let _ = writeln!(
+                out,
+                "sbp_retention_swept_total{{kind=\"{kind}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
         for (name, help, v) in [
             (
                 "sbp_exports_total",

@@ -217,6 +217,31 @@ pub trait RoamingStore: Send + Sync {
     ) -> StoreResult<MemoryRecord>;
 }
 
+/// What a retention sweep removes: each cut-off is "older than this", `None` keeps everything.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sweep {
+    /// Exports that expired, or were consumed by a single-use import, before it (their tokens
+    /// cannot import any more); then the bundles no export refers to that were stored before it.
+    pub exports_before: Option<Timestamp>,
+    /// Snapshots written before it, except each session's latest (what a recovery resumes from).
+    pub snapshots_before: Option<Timestamp>,
+}
+
+/// What a sweep removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Swept {
+    pub exports: u64,
+    pub bundles: u64,
+    pub snapshots: u64,
+}
+
+/// Retention: removing what no longer serves anyone, on the operator's schedule.
+#[async_trait]
+pub trait RetentionStore: Send + Sync {
+    /// One sweep, in one write.
+    async fn sweep(&self, sweep: Sweep) -> StoreResult<Swept>;
+}
+
 /// Everything the engine needs from a backend.
 pub trait Store:
     SessionStore
@@ -226,6 +251,7 @@ pub trait Store:
     + TurnStore
     + IdempotencyStore
     + RoamingStore
+    + RetentionStore
 {
 }
 impl<T> Store for T where
@@ -236,5 +262,6 @@ impl<T> Store for T where
         + TurnStore
         + IdempotencyStore
         + RoamingStore
+        + RetentionStore
 {
 }

@@ -439,6 +439,14 @@ impl IdempotencyStore for PostgresStore {
 }
 
 #[async_trait]
+impl crate::RetentionStore for PostgresStore {
+    async fn sweep(&self, sweep: crate::Sweep) -> StoreResult<crate::Swept> {
+        self.write(move |tx| Box::pin(roaming::sweep(tx, sweep)))
+            .await
+    }
+}
+
+#[async_trait]
 impl RoamingStore for PostgresStore {
     async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
         self.write(move |tx| Box::pin(roaming::create_export(tx, export, bundle)))

@@ -776,6 +776,13 @@ impl<S: Store + ?Sized + 'static> IdempotencyStore for TetheredStore<S> {
 }
 
 #[async_trait]
+impl<S: Store + ?Sized + 'static> crate::RetentionStore for TetheredStore<S> {
+    async fn sweep(&self, sweep: crate::Sweep) -> StoreResult<crate::Swept> {
+        self.shared.inner.sweep(sweep).await
+    }
+}
+
+#[async_trait]
 impl<S: Store + ?Sized + 'static> RoamingStore for TetheredStore<S> {
     async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
         self.shared.inner.create_export(export, bundle).await

@@ -23,9 +23,9 @@ use self::writer::JobSender;
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionRecord, SessionStore,
-    SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
-    TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewSession, RetentionStore, RoamingStore, SessionRecord,
+    SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, Sweep, Swept,
+    TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// How long a connection waits for a lock held by another process before giving up with `Backend`.
@@ -442,6 +442,13 @@ impl IdempotencyStore for SqliteStore {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
         let key = key.to_owned();
         self.read(move |c| ops::get_idempotency(c, &key)).await
+    }
+}
+
+#[async_trait]
+impl RetentionStore for SqliteStore {
+    async fn sweep(&self, sweep: Sweep) -> StoreResult<Swept> {
+        self.write(move |c| roaming::sweep(c, &sweep)).await
     }
 }
 

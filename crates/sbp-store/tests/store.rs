@@ -42,6 +42,7 @@ macro_rules! for_each_case {
             foreign_export_is_recorded_once,
             memory_put_get,
             adopt_long_history_in_order,
+            retention_sweeps_what_no_longer_serves,
         );
     };
 }

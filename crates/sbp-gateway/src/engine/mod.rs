@@ -5,6 +5,7 @@
 //! ```text
 //! turns ─► surfaces ─► tools ─► sessions ─► replicas ─► connections, calls, tasks
 //! roaming ─► sessions
+//! retention (a background sweep of the store)
 //! ```
 //! (each service uses only those to its right). Services are handles around one `Arc`.
 //!
@@ -15,6 +16,7 @@
 mod calls;
 pub(crate) mod connections;
 pub(crate) mod replicas;
+mod retention;
 pub mod roaming;
 pub mod sessions;
 pub mod surfaces;
@@ -160,6 +162,7 @@ impl Gateway {
         if let Some(inbox) = inbox {
             replicas.start(inbox);
         }
+        retention::start(store.clone(), config.clone(), metrics.clone(), &tasks);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,

@@ -1222,3 +1222,69 @@ async fn empty_session_roams_and_exports_list_its_imports() {
     );
     assert!(mine["origin"].is_null());
 }
+
+#[tokio::test]
+async fn retention_sweeps_consumed_exports_and_old_snapshots() {
+    use std::time::Duration;
+    let gw = TestGateway::with(Options {
+        config: GatewayConfig {
+            retention_interval: Duration::from_millis(50),
+            export_retention: Some(Duration::ZERO),
+            snapshot_retention: Some(Duration::ZERO),
+            ..sbp_test_support::config()
+        },
+        ..Options::default()
+    })
+    .await;
+    let (id, t) = session_with_turns(&gw, 3).await;
+    let ex = export(&gw, &id, &t, json!({})).await;
+    let (s, v) = import(&gw, json!({"roaming_token": ex["roaming_token"]})).await;
+    assert_eq!(s, 201, "{v}");
+    let swept = |kind: &'static str| {
+        let gw = &gw;
+        async move {
+            let text = gw
+                .http
+                .get(format!("{}/metrics", gw.url))
+                .send()
+                .await
+                .expect("sent")
+                .text()
+                .await
+                .expect("text");
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix(&format!("sbp_retention_swept_total{{kind=\"{kind}\"}} "))
+                })
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0)
+        }
+    };
+    sbp_test_support::eventually(
+        sbp_test_support::WAIT,
+        "the consumed export is swept",
+        || async { (swept("exports").await >= 1).then_some(()) },
+    )
+    .await;
+    assert!(swept("bundles").await >= 1);
+    let (s, list) = gw
+        .get(&format!("/v1/sbp/sessions/{id}/exports"), &tok(&t))
+        .await;
+    assert_eq!(s, 200, "{list}");
+    assert_eq!(list["exports"].as_array().map(Vec::len), Some(0), "{list}");
+    // The consumed token names nothing any more: it cannot import.
+    let (s, v) = import(&gw, json!({"roaming_token": ex["roaming_token"]})).await;
+    assert_ne!(s, 201, "{v}");
+    // Only the latest snapshot of the session stays.
+    sbp_test_support::eventually(
+        sbp_test_support::WAIT,
+        "old snapshots are swept",
+        || async {
+            let (_, snaps) = gw
+                .get(&format!("/v1/sbp/sessions/{id}/snapshots"), &tok(&t))
+                .await;
+            (snaps["snapshots"].as_array().map(Vec::len) == Some(1)).then_some(())
+        },
+    )
+    .await;
+}

@@ -16,7 +16,7 @@ use super::ops::{
 };
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
-    NewBundle, NewExport, StoreError, StoreResult, Timestamp,
+    NewBundle, NewExport, StoreError, StoreResult, Sweep, Swept, Timestamp,
 };
 
 macro_rules! export_cols {
@@ -409,4 +409,34 @@ pub(crate) async fn put_memory(
     upsert_memory(c, session, schema_id, payload, now)
         .await?
         .ok_or(StoreError::NotFound)
+}
+
+pub(crate) async fn sweep(c: &Tx, sweep: Sweep) -> StoreResult<Swept> {
+    let mut swept = Swept::default();
+    if let Some(before) = &sweep.exports_before {
+        let st = prep(
+            c,
+            "DELETE FROM exports WHERE expires_at < $1 \
+             OR (imported_at IS NOT NULL AND imported_at < $1)",
+        )
+        .await?;
+        swept.exports = c.execute(&st, &[before]).await.map_err(db_err)?;
+        let st = prep(
+            c,
+            "DELETE FROM bundles WHERE created_at < $1 \
+             AND NOT EXISTS (SELECT 1 FROM exports e WHERE e.bundle_cid = bundles.cid)",
+        )
+        .await?;
+        swept.bundles = c.execute(&st, &[before]).await.map_err(db_err)?;
+    }
+    if let Some(before) = &sweep.snapshots_before {
+        let st = prep(
+            c,
+            "DELETE FROM snapshots s WHERE s.created_at < $1 AND s.ord < \
+             (SELECT MAX(l.ord) FROM snapshots l WHERE l.session_id = s.session_id)",
+        )
+        .await?;
+        swept.snapshots = c.execute(&st, &[before]).await.map_err(db_err)?;
+    }
+    Ok(swept)
 }

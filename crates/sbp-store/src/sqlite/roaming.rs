@@ -14,7 +14,7 @@ use super::ops::{
 };
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
-    NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Timestamp,
+    NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Sweep, Swept, Timestamp,
 };
 
 const EXPORT_COLS: &str = "id, session_id, bundle_cid, label, message_count, created_at, \
@@ -337,4 +337,35 @@ pub(crate) fn put_memory(
     current_status(conn, &uuid(&session))?;
     upsert_memory(conn, session, schema_id, payload, now)?;
     get_memory(conn, session)?.ok_or(StoreError::NotFound)
+}
+
+pub(crate) fn sweep(conn: &Connection, sweep: &Sweep) -> StoreResult<Swept> {
+    let mut swept = Swept::default();
+    if let Some(before) = &sweep.exports_before {
+        let before = ts(before);
+        swept.exports = conn
+            .prepare_cached(
+                "DELETE FROM exports WHERE expires_at < ?1 \
+                 OR (imported_at IS NOT NULL AND imported_at < ?1)",
+            )
+            .and_then(|mut st| st.execute([&before]))
+            .map_err(db_err)? as u64;
+        swept.bundles = conn
+            .prepare_cached(
+                "DELETE FROM bundles WHERE created_at < ?1 \
+                 AND NOT EXISTS (SELECT 1 FROM exports e WHERE e.bundle_cid = bundles.cid)",
+            )
+            .and_then(|mut st| st.execute([&before]))
+            .map_err(db_err)? as u64;
+    }
+    if let Some(before) = &sweep.snapshots_before {
+        swept.snapshots = conn
+            .prepare_cached(
+                "DELETE FROM snapshots WHERE created_at < ?1 AND ord < \
+                 (SELECT MAX(s.ord) FROM snapshots s WHERE s.session_id = snapshots.session_id)",
+            )
+            .and_then(|mut st| st.execute([ts(before)]))
+            .map_err(db_err)? as u64;
+    }
+    Ok(swept)
 }

@@ -353,3 +353,81 @@ pub async fn adopt_long_history_in_order(store: Arc<dyn Store>) {
         assert_eq!(m.body["content"], json!(format!("m{i} 東京")));
     }
 }
+
+pub async fn retention_sweeps_what_no_longer_serves(store: Arc<dyn Store>) {
+    let source = created(&store, "agent-a").await.id;
+    // Expires at t(3600); a live one; a single-use one consumed at t(40) by an import.
+    let (expired, live, consumed) = (bundle("r1"), bundle("r2"), bundle("r3"));
+    let e1 = export(source, &expired.cid);
+    let mut e2 = export(source, &live.cid);
+    e2.expires_at = t(100_000);
+    let mut e3 = export(source, &consumed.cid);
+    e3.expires_at = t(100_000);
+    for (e, b) in [(&e1, expired), (&e2, live), (&e3, consumed)] {
+        store
+            .create_export(e.clone(), b)
+            .await
+            .expect("create export");
+    }
+    store
+        .adopt_session(adopt(source, Some(e3.id)))
+        .await
+        .expect("adopt consumes e3");
+    // Three snapshots of one session, one of another.
+    for kind in [SnapshotKind::PreAction, SnapshotKind::PostAction] {
+        let mut f = super::finish(source, None);
+        f.count_step = false;
+        f.post_action = Some(snap(kind));
+        store.finish_turn(f).await.expect("finish");
+    }
+    let mut f = super::finish(source, None);
+    f.post_action = Some(snap(SnapshotKind::Checkpoint));
+    store.finish_turn(f).await.expect("finish");
+    let other = created(&store, "agent-b").await.id;
+    let mut f = super::finish(other, None);
+    f.post_action = Some(snap(SnapshotKind::PostAction));
+    store.finish_turn(f).await.expect("finish");
+
+    // Nothing is old enough yet.
+    let early = sbp_store::Sweep {
+        exports_before: Some(t(1)),
+        snapshots_before: Some(t(1)),
+    };
+    assert_eq!(
+        store.sweep(early).await.expect("sweep"),
+        sbp_store::Swept::default()
+    );
+    let swept = store
+        .sweep(sbp_store::Sweep {
+            exports_before: Some(t(50_000)),
+            snapshots_before: Some(t(50_000)),
+        })
+        .await
+        .expect("sweep");
+    assert_eq!(
+        (swept.exports, swept.bundles, swept.snapshots),
+        (2, 2, 2),
+        "{swept:?}"
+    );
+    assert!(store.get_export(e1.id).await.expect("get").is_none());
+    assert!(store.get_export(e3.id).await.expect("get").is_none());
+    assert!(store.get_export(e2.id).await.expect("get").is_some());
+    assert!(store.get_bundle(&e2.bundle_cid).await.expect("b").is_some());
+    assert!(store.get_bundle(&e1.bundle_cid).await.expect("b").is_none());
+    // Each session keeps its latest snapshot.
+    let kept = store.list_snapshots(source, 10).await.expect("list");
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].kind, SnapshotKind::Checkpoint);
+    assert_eq!(
+        store.list_snapshots(other, 10).await.expect("list").len(),
+        1
+    );
+    // A sweep with no cut-offs removes nothing.
+    assert_eq!(
+        store
+            .sweep(sbp_store::Sweep::default())
+            .await
+            .expect("sweep"),
+        sbp_store::Swept::default()
+    );
+}
