@@ -47,13 +47,16 @@ pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUp
         let cfg = gw.config();
         let max = cfg.max_frame_bytes;
         // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
-        // are flushed frame by frame anyway.
+        // are flushed frame by frame, so the write buffer holds at most the frame being written:
+        // it is not capped (a cap would make a turn larger than it undeliverable, on every
+        // reconnect); a surface that stops reading is bounded by the write timeout and the
+        // outbound budget instead. The size limits apply to what the client sends.
         let ws_config = WebSocketConfig::default()
             .max_message_size(Some(max))
             .max_frame_size(Some(max))
             .read_buffer_size(WS_BUFFER)
             .write_buffer_size(WS_BUFFER)
-            .max_write_buffer_size(max.saturating_mul(4).max(WS_BUFFER * 2));
+            .max_write_buffer_size(usize::MAX);
         let wire = Wire::new(
             TokioIo::new(upgraded),
             FrameLimit::new(cfg.ws_frame_rate, cfg.ws_frame_burst),

@@ -130,6 +130,9 @@ impl Socket {
         let result = match &self.backlog {
             None => write.await,
             Some(backlog) => tokio::select! {
+                // A write that completed counts, even if the budget overflowed meanwhile: its
+                // frame is out and must be reported sent.
+                biased;
                 r = write => r,
                 () = backlog.overflowed() => return Err(WriteFailed::Overflow),
             },
