@@ -642,3 +642,27 @@ async fn websocket_endpoint_follows_rfc_6455() {
     );
     assert!(total >= 60, "the table shrank to {total} cases");
 }
+
+/// The upgrade itself: what is not a WebSocket handshake gets the error envelope, a version other
+/// than 13 gets 426 naming the version spoken (RFC 6455 §4.4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_is_not_an_upgrade_gets_the_error_envelope() {
+    let gw = TestGateway::start().await;
+    let (id, _) = gw.idle_session().await;
+    let path = format!("/v1/sbp/ws/{id}");
+    let (status, body) = gw.get(&path, &[]).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["code"], "SBP_BAD_REQUEST", "{body}");
+    let upgrade = [
+        ("connection", "Upgrade"),
+        ("upgrade", "websocket"),
+        ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+    ];
+    let mut old_version = upgrade.to_vec();
+    old_version.push(("sec-websocket-version", "8"));
+    let (status, headers, body) =
+        sbp_test_support::send(gw.request(reqwest::Method::GET, &path, &old_version)).await;
+    assert_eq!(status, 426, "{body}");
+    assert_eq!(headers["sec-websocket-version"], "13");
+    assert!(body["error"]["message"].is_string(), "{body}");
+}
