@@ -406,7 +406,45 @@ impl Connections {
 
 #[cfg(test)]
 mod tests {
-    use super::ConnMsg;
+    use super::{Backlog, ConnMsg};
+
+    #[test]
+    fn backlog_admits_up_to_its_budget_then_overflows_for_good() {
+        let b = Backlog::new(1000);
+        assert!(b.admit(600));
+        assert!(b.admit(400));
+        assert!(!b.is_overflowed());
+        b.release(400);
+        assert_eq!(b.queued(), 600);
+        assert!(!b.admit(401));
+        assert!(b.is_overflowed());
+        // Once over, nothing more is queued, even what would fit again.
+        b.release(600);
+        assert!(!b.admit(1));
+    }
+
+    #[test]
+    fn one_message_larger_than_the_budget_still_goes_to_an_empty_backlog() {
+        let b = Backlog::new(1000);
+        assert!(b.admit(5000));
+        assert!(!b.admit(1));
+        assert!(b.is_overflowed());
+    }
+
+    #[tokio::test]
+    async fn overflow_wakes_the_connection_waiting_for_it() {
+        let b = std::sync::Arc::new(Backlog::new(10));
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.overflowed().await }
+        });
+        assert!(b.admit(10));
+        assert!(!b.admit(10));
+        tokio::time::timeout(std::time::Duration::from_secs(10), waiter)
+            .await
+            .expect("woken")
+            .expect("task");
+    }
 
     /// Every idle connection pays for its inbox's first block of 32 slots: each byte a message
     /// grows costs 10,000 idle surfaces ~0.3 MiB (BENCHMARKS.md, "Idle surfaces after issues 5
