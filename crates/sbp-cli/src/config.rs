@@ -162,6 +162,21 @@ pub struct ServeArgs {
     /// Largest WebSocket frame in bytes. [default: 1048576]
     #[arg(long, env = "SBP_MAX_FRAME_BYTES")]
     pub max_frame_bytes: Option<usize>,
+    /// Seconds one WebSocket frame may take to be written; a surface that does not read is then
+    /// dropped (close 1008, its turns stay tethered). [default: 10]
+    #[arg(long, env = "SBP_WS_WRITE_TIMEOUT")]
+    pub ws_write_timeout: Option<f64>,
+    /// Bytes of turn traffic that may wait for one WebSocket surface; beyond, it is dropped as a
+    /// slow consumer (close 1008, its turns stay tethered). [default: 8388608]
+    #[arg(long, env = "SBP_WS_OUTBOUND_BUDGET")]
+    pub ws_outbound_budget: Option<usize>,
+    /// Frames per second a WebSocket client may send, sustained; a flood closes with 1008.
+    /// [default: 100]
+    #[arg(long, env = "SBP_WS_FRAME_RATE")]
+    pub ws_frame_rate: Option<u32>,
+    /// Frames a WebSocket client may send at once above the sustained rate. [default: 1000]
+    #[arg(long, env = "SBP_WS_FRAME_BURST")]
+    pub ws_frame_burst: Option<u32>,
     /// Largest HTTP request body in bytes. [default: 8388608]
     #[arg(long, env = "SBP_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -232,6 +247,10 @@ struct FileConfig {
     upstream_timeout: Option<f64>,
     upstream_idle_timeout: Option<f64>,
     max_frame_bytes: Option<usize>,
+    ws_write_timeout: Option<f64>,
+    ws_outbound_budget: Option<usize>,
+    ws_frame_rate: Option<u32>,
+    ws_frame_burst: Option<u32>,
     max_body_bytes: Option<usize>,
     api_keys: Option<Vec<String>>,
     strict_sbp: Option<bool>,
@@ -309,6 +328,10 @@ pub struct Settings {
     pub upstream_timeout: Duration,
     pub upstream_idle_timeout: Duration,
     pub max_frame_bytes: usize,
+    pub ws_write_timeout: Duration,
+    pub ws_outbound_budget: usize,
+    pub ws_frame_rate: u32,
+    pub ws_frame_burst: u32,
     pub max_body_bytes: usize,
     pub api_keys: Vec<String>,
     pub strict_sbp: bool,
@@ -425,6 +448,18 @@ impl Settings {
             .unwrap_or(8 << 20);
         if max_frame_bytes < 1024 || max_body_bytes < 1024 {
             bail!("--max-frame-bytes and --max-body-bytes must be at least 1024");
+        }
+        let ws_outbound_budget = args
+            .ws_outbound_budget
+            .or(file.ws_outbound_budget)
+            .unwrap_or(8 << 20);
+        if ws_outbound_budget < 1024 {
+            bail!("--ws-outbound-budget must be at least 1024");
+        }
+        let ws_frame_rate = args.ws_frame_rate.or(file.ws_frame_rate).unwrap_or(100);
+        let ws_frame_burst = args.ws_frame_burst.or(file.ws_frame_burst).unwrap_or(1000);
+        if ws_frame_rate == 0 || ws_frame_burst == 0 {
+            bail!("--ws-frame-rate and --ws-frame-burst must be at least 1");
         }
         let list = |flag: Vec<String>, file: Option<Vec<String>>| -> Vec<String> {
             let mut v: Vec<String> = flag
@@ -560,6 +595,14 @@ impl Settings {
                 60.0,
             )?,
             max_frame_bytes,
+            ws_write_timeout: seconds(
+                "ws-write-timeout",
+                args.ws_write_timeout.or(file.ws_write_timeout),
+                10.0,
+            )?,
+            ws_outbound_budget,
+            ws_frame_rate,
+            ws_frame_burst,
             max_body_bytes,
             api_keys,
             strict_sbp: args.strict_sbp || file.strict_sbp.unwrap_or(false),
@@ -922,5 +965,46 @@ mod tests {
             load_secret(Some(&"x".repeat(32)), dir.path()).expect("ok"),
             vec![b'x'; 32]
         );
+    }
+
+    #[test]
+    fn websocket_limits_default_and_come_from_file_and_flags() {
+        let s = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert_eq!(s.ws_write_timeout, Duration::from_secs(10));
+        assert_eq!(
+            (s.ws_outbound_budget, s.ws_frame_rate, s.ws_frame_burst),
+            (8 << 20, 100, 1000)
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(&file, "ws_frame_rate = 50\nws_outbound_budget = 65536\n").expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            ws_write_timeout: Some(2.5),
+            ws_frame_burst: Some(80),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.ws_write_timeout, Duration::from_millis(2500));
+        assert_eq!(
+            (s.ws_outbound_budget, s.ws_frame_rate, s.ws_frame_burst),
+            (65536, 50, 80)
+        );
+        for args in [
+            ServeArgs {
+                ws_outbound_budget: Some(10),
+                ..Default::default()
+            },
+            ServeArgs {
+                ws_frame_rate: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                ws_write_timeout: Some(0.0),
+                ..Default::default()
+            },
+        ] {
+            assert!(Settings::resolve(args).is_err());
+        }
     }
 }

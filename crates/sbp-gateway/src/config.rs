@@ -28,6 +28,16 @@ pub struct GatewayConfig {
     /// deterministic adaptation, so a long queue does not cost an LLM call per turn.
     pub ctp_drain_max: usize,
     pub max_frame_bytes: usize,
+    /// How long one WebSocket frame may take to be written before the surface is dropped as not
+    /// reading (close 1008; its turns stay in the tether).
+    pub ws_write_timeout: Duration,
+    /// Bytes of turn traffic that may wait for one WebSocket connection; beyond, the surface is
+    /// dropped as a slow consumer.
+    pub ws_outbound_budget: usize,
+    /// Frames per second a WebSocket client may send, sustained; a flood closes with 1008.
+    pub ws_frame_rate: u32,
+    /// Frames a WebSocket client may send at once above the sustained rate.
+    pub ws_frame_burst: u32,
     pub max_body_bytes: usize,
     /// Operator API keys; when non-empty every HTTP endpoint but /healthz needs one as a Bearer token.
     pub api_keys: Vec<String>,
@@ -96,6 +106,10 @@ impl Default for GatewayConfig {
             ctp_timeout: Duration::from_secs(20),
             ctp_drain_max: 20,
             max_frame_bytes: 1 << 20,
+            ws_write_timeout: Duration::from_secs(10),
+            ws_outbound_budget: 8 << 20,
+            ws_frame_rate: 100,
+            ws_frame_burst: 1000,
             max_body_bytes: 8 << 20,
             api_keys: Vec::new(),
             strict_sbp: false,

@@ -58,6 +58,10 @@ pub struct Metrics {
     pub tether_enqueued: AtomicU64,
     pub tether_delivered: AtomicU64,
     pub ws_connections: AtomicU64,
+    /// Surfaces dropped for not reading (write timeout or outbound budget).
+    pub ws_slow_consumers: AtomicU64,
+    /// Connections closed for sending frames faster than their limit.
+    pub ws_frame_floods: AtomicU64,
     pub exports: AtomicU64,
     pub imports: AtomicU64,
     pub handoffs: AtomicU64,
@@ -178,6 +182,18 @@ impl Metrics {
             "sbp_ws_connections_total",
             "WebSocket connections accepted.",
             &self.ws_connections,
+        );
+        counter(
+            &mut out,
+            "sbp_ws_slow_consumers_total",
+            "Surfaces dropped for not reading (write timeout or outbound byte budget).",
+            &self.ws_slow_consumers,
+        );
+        counter(
+            &mut out,
+            "sbp_ws_frame_floods_total",
+            "WebSocket connections closed (1008) for sending frames faster than allowed.",
+            &self.ws_frame_floods,
         );
         counter(
             &mut out,

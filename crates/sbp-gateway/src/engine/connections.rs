@@ -2,12 +2,13 @@
 //! surface per session: registering a new connection displaces the old one. Attach/detach status
 //! changes of one session are serialised by a striped async lock, so a displaced socket's close
 //! cannot suspend a session a new surface has just attached to (with replicas, the bus's lock is
-//! taken too: `replicas.rs`).
+//! taken too: `replicas.rs`). Each inbox has an outbound byte budget ([`Backlog`]): a surface that
+//! stops reading is dropped instead of growing its queue.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use sbp_bus::{LiveChunk, TurnDone};
 use sbp_protocol::SurfaceContext;
@@ -19,6 +20,9 @@ use uuid::Uuid;
 /// connection; the turn is still persisted (and tethered) and reaches the surface from storage.
 pub const CONN_INBOX: usize = 1024;
 const LOCK_STRIPES: usize = 64;
+
+/// What a queued message is counted as besides its text (ids, JSON keys of its frame).
+const MSG_OVERHEAD: usize = 128;
 
 /// A message from the engine to one attached connection.
 #[derive(Debug, Clone)]
@@ -33,12 +37,105 @@ pub enum ConnMsg {
     Displaced,
 }
 
+impl ConnMsg {
+    /// The bytes this message holds until its frames are written, as the [`Backlog`] counts them.
+    pub fn weight(&self) -> usize {
+        match self {
+            ConnMsg::Chunk(c) => c.delta.len() + MSG_OVERHEAD,
+            ConnMsg::TurnDone(d) => d.content.as_ref().map_or(0, String::len) + MSG_OVERHEAD,
+            ConnMsg::Displaced => 0,
+        }
+    }
+}
+
+/// What [`Connections::send`] did with a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// In the connection's inbox.
+    Queued,
+    /// Not queued: the inbox is full. The connection is alive and catches up from the tether.
+    Behind,
+    /// Not queued: no such connection here, or it is being dropped as a slow consumer.
+    Gone,
+}
+
 /// What a connection receives from the engine: turn traffic, and TOOL_CALLs on their own queue so
 /// a call never waits behind a backlog of chunks or a CTP rewrite.
 #[derive(Debug)]
 pub struct Inbox {
     pub msgs: mpsc::Receiver<ConnMsg>,
     pub calls: Arc<CallQueue>,
+    /// The bytes queued in `msgs` and not yet written; the connection reports what it wrote.
+    pub backlog: Arc<Backlog>,
+}
+
+/// The outbound byte budget of one connection: bytes of turn traffic queued for it and not yet
+/// written to its socket. A message that would take it over the budget is refused and the
+/// connection is marked overflowed; the connection then drops itself as a slow consumer (its
+/// turns stay in the tether). One message larger than the whole budget is still accepted into an
+/// empty backlog, so a single big turn never drops a surface that keeps up.
+#[derive(Debug)]
+pub struct Backlog {
+    queued: AtomicUsize,
+    budget: usize,
+    overflowed: AtomicBool,
+    wake: Notify,
+}
+
+impl Backlog {
+    fn new(budget: usize) -> Self {
+        Self {
+            queued: AtomicUsize::new(0),
+            budget,
+            overflowed: AtomicBool::new(false),
+            wake: Notify::new(),
+        }
+    }
+
+    /// Counts `bytes` about to be queued; false (and overflowed from now on) when they do not fit.
+    fn admit(&self, bytes: usize) -> bool {
+        if self.is_overflowed() {
+            return false;
+        }
+        let admitted = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q == 0 || q.saturating_add(bytes) <= self.budget).then(|| q.saturating_add(bytes))
+            })
+            .is_ok();
+        if !admitted {
+            self.overflowed.store(true, Ordering::Release);
+            self.wake.notify_one();
+        }
+        admitted
+    }
+
+    /// Bytes admitted earlier that are no longer queued (written, or not deliverable).
+    pub fn release(&self, bytes: usize) {
+        let _ = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                Some(q.saturating_sub(bytes))
+            });
+    }
+
+    /// Bytes queued and not yet written.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    pub fn is_overflowed(&self) -> bool {
+        self.overflowed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the backlog went over its budget.
+    pub async fn overflowed(&self) {
+        // `notify_one` keeps a permit when nobody waits, so a flag set between the check and
+        // the wait still wakes this.
+        while !self.is_overflowed() {
+            self.wake.notified().await;
+        }
+    }
 }
 
 impl Drop for Inbox {
@@ -103,6 +200,7 @@ pub enum Route {
     Local {
         tx: mpsc::Sender<ConnMsg>,
         calls: Arc<CallQueue>,
+        backlog: Arc<Backlog>,
     },
     /// A connection held by this replica of the bus.
     Remote(Arc<str>),
@@ -130,6 +228,8 @@ pub struct Connections {
     conns: Mutex<HashMap<Uuid, Attachment>>,
     next_conn: AtomicU64,
     stripes: Vec<tokio::sync::Mutex<()>>,
+    /// Each connection's outbound byte budget ([`Backlog`]).
+    outbound_budget: usize,
 }
 
 impl std::fmt::Debug for Connections {
@@ -140,8 +240,9 @@ impl std::fmt::Debug for Connections {
     }
 }
 
-impl Default for Connections {
-    fn default() -> Self {
+impl Connections {
+    /// An empty map whose connections each get `outbound_budget` bytes of queued turn traffic.
+    pub fn new(outbound_budget: usize) -> Self {
         // Connection ids start at a random point so that ids of different replicas (and of one
         // replica's successive runs) do not collide: a completed turn names the connection that
         // streamed it, and a bus message names the connection it is for.
@@ -152,11 +253,10 @@ impl Default for Connections {
             stripes: (0..LOCK_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
+            outbound_budget,
         }
     }
-}
 
-impl Connections {
     fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Attachment>> {
         // A panic while holding this lock cannot leave the map half-updated (single insert/remove
         // calls), so a poisoned lock is still safe to use.
@@ -174,19 +274,28 @@ impl Connections {
         let conn_id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(CONN_INBOX);
         let calls = Arc::new(CallQueue::default());
+        let backlog = Arc::new(Backlog::new(self.outbound_budget));
         let att = Attachment {
             conn_id,
             surface,
             route: Route::Local {
                 tx,
                 calls: calls.clone(),
+                backlog: backlog.clone(),
             },
         };
         let old = self.conns().insert(session, att);
         if let Some(old) = old {
             old.displace();
         }
-        (conn_id, Inbox { msgs: rx, calls })
+        (
+            conn_id,
+            Inbox {
+                msgs: rx,
+                calls,
+                backlog,
+            },
+        )
     }
 
     /// Removes the connection if it is still the session's current one.
@@ -253,29 +362,42 @@ impl Connections {
         &self,
         session: Uuid,
         conn: Option<u64>,
-        f: impl FnOnce(&mpsc::Sender<ConnMsg>, &CallQueue) -> T,
+        f: impl FnOnce(&mpsc::Sender<ConnMsg>, &CallQueue, &Backlog) -> T,
     ) -> Option<T> {
         match self.conns().get(&session) {
             Some(Attachment {
                 conn_id,
-                route: Route::Local { tx, calls },
+                route: Route::Local { tx, calls, backlog },
                 ..
-            }) if conn.is_none_or(|c| c == *conn_id) => Some(f(tx, calls)),
+            }) if conn.is_none_or(|c| c == *conn_id) => Some(f(tx, calls, backlog)),
             _ => None,
         }
     }
 
     /// Best-effort delivery to the session's connection in this process; with `conn`, only if it
-    /// is still that connection. False when it is not there, not that one, or its inbox is full.
-    pub fn send(&self, session: Uuid, conn: Option<u64>, msg: ConnMsg) -> bool {
-        self.with_local(session, conn, |tx, _| tx.try_send(msg).is_ok())
-            .unwrap_or(false)
+    /// is still that connection. A message that would take the connection over its outbound
+    /// budget is refused and the connection is dropped as a slow consumer.
+    pub fn send(&self, session: Uuid, conn: Option<u64>, msg: ConnMsg) -> Sent {
+        self.with_local(session, conn, |tx, _, backlog| {
+            let weight = msg.weight();
+            if !backlog.admit(weight) {
+                return Sent::Gone;
+            }
+            match tx.try_send(msg) {
+                Ok(()) => Sent::Queued,
+                Err(_) => {
+                    backlog.release(weight);
+                    Sent::Behind
+                }
+            }
+        })
+        .unwrap_or(Sent::Gone)
     }
 
     /// Queues a TOOL_CALL on the session's connection `conn_id` in this process; false when that
     /// connection is gone.
     pub fn push_call(&self, session: Uuid, conn_id: u64, call: ToolCall) -> bool {
-        self.with_local(session, Some(conn_id), |_, calls| {
+        self.with_local(session, Some(conn_id), |_, calls, _| {
             calls.push(Box::new(call))
         })
         .unwrap_or(false)
@@ -284,7 +406,45 @@ impl Connections {
 
 #[cfg(test)]
 mod tests {
-    use super::ConnMsg;
+    use super::{Backlog, ConnMsg};
+
+    #[test]
+    fn backlog_admits_up_to_its_budget_then_overflows_for_good() {
+        let b = Backlog::new(1000);
+        assert!(b.admit(600));
+        assert!(b.admit(400));
+        assert!(!b.is_overflowed());
+        b.release(400);
+        assert_eq!(b.queued(), 600);
+        assert!(!b.admit(401));
+        assert!(b.is_overflowed());
+        // Once over, nothing more is queued, even what would fit again.
+        b.release(600);
+        assert!(!b.admit(1));
+    }
+
+    #[test]
+    fn one_message_larger_than_the_budget_still_goes_to_an_empty_backlog() {
+        let b = Backlog::new(1000);
+        assert!(b.admit(5000));
+        assert!(!b.admit(1));
+        assert!(b.is_overflowed());
+    }
+
+    #[tokio::test]
+    async fn overflow_wakes_the_connection_waiting_for_it() {
+        let b = std::sync::Arc::new(Backlog::new(10));
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.overflowed().await }
+        });
+        assert!(b.admit(10));
+        assert!(!b.admit(10));
+        tokio::time::timeout(std::time::Duration::from_secs(10), waiter)
+            .await
+            .expect("woken")
+            .expect("task");
+    }
 
     /// Every idle connection pays for its inbox's first block of 32 slots: each byte a message
     /// grows costs 10,000 idle surfaces ~0.3 MiB (BENCHMARKS.md, "Idle surfaces after issues 5

@@ -108,7 +108,7 @@ impl Gateway {
         let config = Arc::new(config);
         let metrics = Arc::new(Metrics::default());
         let tasks = Tasks::default();
-        let connections = Arc::new(Connections::default());
+        let connections = Arc::new(Connections::new(config.ws_outbound_budget));
         let calls = Arc::new(PendingCalls::default());
         let replicas = Replicas::new(
             bus,

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::calls::PendingCalls;
-use super::connections::{Attachment, ConnMsg, Connections, Route};
+use super::connections::{Attachment, ConnMsg, Connections, Route, Sent};
 use super::tasks::Tasks;
 use crate::config::GatewayConfig;
 
@@ -170,29 +170,34 @@ impl Replicas {
             return false;
         };
         match &att.route {
+            // A full inbox still counts: the connection catches the turn up from the tether. A
+            // connection being dropped as a slow consumer does not.
             Route::Local { .. } => {
                 self.inner
                     .connections
-                    .send(session, None, ConnMsg::TurnDone(Box::new(done)));
+                    .send(session, None, ConnMsg::TurnDone(Box::new(done)))
+                    != Sent::Gone
             }
             Route::Remote(replica) => {
                 if let Some(bus) = &self.inner.bus {
                     bus.send(replica, BusMsg::TurnDone { session, done });
                 }
+                true
             }
         }
-        true
     }
 
     /// A live delta for `target`, the session's surface when the turn started; false when it can
     /// no longer be streamed there (gone, displaced, or behind): the turn then reaches it whole.
     pub fn send_chunk(&self, session: Uuid, target: &Attachment, chunk: LiveChunk) -> bool {
         match &target.route {
-            Route::Local { .. } => self.inner.connections.send(
-                session,
-                Some(target.conn_id),
-                ConnMsg::Chunk(Box::new(chunk)),
-            ),
+            Route::Local { .. } => {
+                self.inner.connections.send(
+                    session,
+                    Some(target.conn_id),
+                    ConnMsg::Chunk(Box::new(chunk)),
+                ) == Sent::Queued
+            }
             // The holder's replica drops it if the connection is no longer current.
             Route::Remote(replica) => self.inner.bus.as_ref().is_some_and(|bus| {
                 bus.send(

@@ -1,22 +1,34 @@
 //! The WebSocket endpoint `/v1/sbp/ws/{session_id}`: the ATTACH_SESSION handshake with the close
 //! codes of the frame reference, then one loop per connection that forwards engine messages (live
 //! chunks, completed turns, displacement) to the socket, answers client frames, pings, and detaches.
+//! Every write is bounded in time and every connection's queued turn traffic in bytes: a surface
+//! that stops reading is dropped (1008) and its turns stay in the tether. The upgrade, the byte
+//! stream and the closing handshake are in `ws/`.
 
+mod handshake;
+mod socket;
+mod wire;
+
+use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::Response;
+use hyper_util::rt::TokioIo;
 use sbp_protocol::frames::{
     CLOSE_FORBIDDEN, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_PROTOCOL_ERROR,
-    CLOSE_TOO_BIG,
 };
 use sbp_protocol::{ClientFrame, ServerFrame};
 use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
 use crate::Gateway;
 use crate::engine::connections::{ConnMsg, Inbox};
 use crate::engine::surfaces::{AttachError, CtpFrames, Delivery, Frame};
+use handshake::WsUpgrade;
+use socket::{Close, Incoming, Socket, WriteFailed};
+use wire::{FrameLimit, Wire};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
 pub use sbp_protocol::frames::CLOSE_DISPLACED;
@@ -25,87 +37,104 @@ const WS_BUFFER: usize = 1024;
 /// Close code for an internal failure during attach.
 const CLOSE_INTERNAL: u16 = 1011;
 
-pub async fn upgrade(
-    State(gw): State<Gateway>,
-    Path(id): Path<String>,
-    ws: WebSocketUpgrade,
-) -> Response {
-    let max = gw.config().max_frame_bytes;
-    // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
-    // are flushed frame by frame anyway; the cap gives backpressure against a surface that stops
-    // reading.
-    ws.max_message_size(max)
-        .max_frame_size(max)
-        .read_buffer_size(WS_BUFFER)
-        .write_buffer_size(WS_BUFFER)
-        .max_write_buffer_size(max.saturating_mul(4).max(WS_BUFFER * 2))
-        .on_upgrade(move |socket| {
-            let tracked = gw.clone();
-            tracked.track(run(gw, id, socket))
-        })
+pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUpgrade) -> Response {
+    let (response, on_upgrade) = ws.accept();
+    let tracked = gw.clone();
+    tokio::spawn(tracked.track(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        let cfg = gw.config();
+        let max = cfg.max_frame_bytes;
+        // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
+        // are flushed frame by frame, so the write buffer holds at most the frame being written:
+        // it is not capped (a cap would make a turn larger than it undeliverable, on every
+        // reconnect); a surface that stops reading is bounded by the write timeout and the
+        // outbound budget instead. The size limits apply to what the client sends.
+        let ws_config = WebSocketConfig::default()
+            .max_message_size(Some(max))
+            .max_frame_size(Some(max))
+            .read_buffer_size(WS_BUFFER)
+            .write_buffer_size(WS_BUFFER)
+            .max_write_buffer_size(usize::MAX);
+        let wire = Wire::new(
+            TokioIo::new(upgraded),
+            FrameLimit::new(cfg.ws_frame_rate, cfg.ws_frame_burst),
+        );
+        let stream = WebSocketStream::from_raw_socket(wire, Role::Server, Some(ws_config)).await;
+        let socket = Socket::new(stream, cfg.ws_write_timeout);
+        run(gw, id, socket).await;
+    }));
+    response
 }
 
-enum Incoming {
-    Text(String),
-    /// Binary frames are not part of the protocol.
-    Binary,
-    /// The client closed or the connection dropped.
-    Closed,
-    /// The frame exceeded the size limit.
-    TooBig,
+/// Why a connection ended, and how it is closed.
+struct End {
+    reason: &'static str,
+    close: Close,
 }
 
-async fn next_frame(socket: &mut WebSocket) -> Incoming {
-    loop {
-        match socket.recv().await {
-            None => return Incoming::Closed,
-            Some(Err(e)) => {
-                let too_big = e
-                    .into_inner()
-                    .downcast_ref::<tungstenite::Error>()
-                    .is_some_and(|e| {
-                        matches!(
-                            e,
-                            tungstenite::Error::Capacity(_)
-                                | tungstenite::Error::Protocol(
-                                    tungstenite::error::ProtocolError::ControlFrameTooBig
-                                )
-                        )
-                    });
-                return if too_big {
-                    Incoming::TooBig
-                } else {
-                    Incoming::Closed
-                };
-            }
-            Some(Ok(Message::Text(t))) => return Incoming::Text(t.as_str().to_owned()),
-            Some(Ok(Message::Binary(_))) => return Incoming::Binary,
-            Some(Ok(Message::Close(_))) => return Incoming::Closed,
-            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+impl End {
+    fn closing(reason: &'static str, code: u16, why: &'static str) -> Self {
+        Self {
+            reason,
+            close: Close::Send(code, why),
+        }
+    }
+
+    /// The client ended it (closed, broke the protocol, or went away).
+    fn by_client(close: Close) -> Self {
+        let reason = match close {
+            Close::Gone | Close::Answer => "disconnected",
+            Close::Send(socket::CLOSE_TOO_BIG, _) => "frame too large",
+            Close::Send(socket::CLOSE_POLICY, _) => "frame flood",
+            Close::Send(socket::CLOSE_INVALID_DATA, _) => "invalid UTF-8",
+            Close::Send(..) => "WebSocket protocol violation",
+        };
+        Self { reason, close }
+    }
+}
+
+impl From<WriteFailed> for End {
+    fn from(w: WriteFailed) -> Self {
+        match w {
+            WriteFailed::Gone => Self {
+                reason: "socket write failed",
+                close: Close::Gone,
+            },
+            WriteFailed::Timeout => Self::closing(
+                SLOW_WRITE,
+                socket::CLOSE_POLICY,
+                "surface not reading: write timed out",
+            ),
+            WriteFailed::Overflow => Self::closing(
+                SLOW_BACKLOG,
+                socket::CLOSE_POLICY,
+                "surface not reading: outbound budget exceeded",
+            ),
         }
     }
 }
 
-async fn send(socket: &mut WebSocket, frame: &ServerFrame) -> bool {
-    socket
-        .send(Message::Text(frame.to_json().into()))
-        .await
-        .is_ok()
+/// Reasons a surface is dropped as a slow consumer.
+const SLOW_WRITE: &str = "write timeout";
+const SLOW_BACKLOG: &str = "outbound budget exceeded";
+
+async fn send(socket: &mut Socket, frame: &ServerFrame) -> Result<(), End> {
+    Ok(socket.send(frame.to_json()).await?)
 }
 
-async fn close(socket: &mut WebSocket, code: u16, reason: &str) {
-    let _ = socket
-        .send(Message::Close(Some(CloseFrame {
-            code,
-            reason: reason.to_owned().into(),
-        })))
-        .await;
+/// Sends an error frame; the connection then closes with `code`.
+async fn refused(socket: &mut Socket, frame: ServerFrame, code: u16, reason: &'static str) -> End {
+    // Best effort: the close follows whether or not this was written.
+    let _ = socket.send(frame.to_json()).await;
+    End::closing(reason, code, reason)
 }
 
-/// Sends an error frame, then closes with `code`.
-async fn refuse(socket: &mut WebSocket, frame: ServerFrame, code: u16, reason: &str) {
-    send(socket, &frame).await;
-    close(socket, code, reason).await;
+/// Sends an error frame, then closes with `code` (before attach).
+async fn refuse(mut socket: Socket, frame: ServerFrame, code: u16, reason: &'static str) {
+    let end = refused(&mut socket, frame, code, reason).await;
+    socket.finish(end.close).await;
 }
 
 fn protocol_error(detail: String) -> ServerFrame {
@@ -116,32 +145,32 @@ fn protocol_error(detail: String) -> ServerFrame {
 /// an async fn keeps its arguments twice in its state (once as captured, once as locals), and this
 /// state lives as long as the surface stays attached.
 #[allow(clippy::manual_async_fn)] // deliberate: see above
-fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Output = ()> + Send {
+fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output = ()> + Send {
     async move {
         gw.metrics()
             .ws_connections
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let timeout = gw.config().attach_timeout;
-        let first = match tokio::time::timeout(timeout, next_frame(&mut socket)).await {
+        let first = match tokio::time::timeout(timeout, socket.recv()).await {
             Err(_) => {
                 let detail = format!("Expected ATTACH_SESSION within {} s", timeout.as_secs_f64());
                 return refuse(
-                    &mut socket,
+                    socket,
                     protocol_error(detail),
                     CLOSE_PROTOCOL_ERROR,
                     "attach timeout",
                 )
                 .await;
             }
-            Ok(Incoming::Closed) => return,
-            Ok(Incoming::TooBig) => {
-                return close(&mut socket, CLOSE_TOO_BIG, "frame too large").await;
+            Ok(Incoming::Ended(close)) => {
+                count_flood(&gw, close);
+                return socket.finish(close).await;
             }
             Ok(Incoming::Binary) => {
                 let detail =
                     "Expected ATTACH_SESSION as first frame, got a binary frame".to_owned();
                 return refuse(
-                    &mut socket,
+                    socket,
                     protocol_error(detail),
                     CLOSE_PROTOCOL_ERROR,
                     "protocol error",
@@ -150,7 +179,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
             }
             Ok(Incoming::Text(t)) => t,
         };
-        let attach = match ClientFrame::parse(&first) {
+        let attach = match ClientFrame::parse(first.as_str()) {
             Ok(ClientFrame::Attach(a)) => a,
             Ok(other) => {
                 let detail = format!(
@@ -158,7 +187,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
                     other.type_name()
                 );
                 return refuse(
-                    &mut socket,
+                    socket,
                     protocol_error(detail),
                     CLOSE_PROTOCOL_ERROR,
                     "protocol error",
@@ -167,7 +196,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
             }
             Err(e) => {
                 return refuse(
-                    &mut socket,
+                    socket,
                     protocol_error(e.to_string()),
                     CLOSE_PROTOCOL_ERROR,
                     "protocol error",
@@ -175,6 +204,7 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
                 .await;
             }
         };
+        drop(first);
         // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
         // as long as the surface stays attached, so only the small idle loop should live inline.
         let attached = match Box::pin(gw.surfaces().attach(&path_id, attach)).await {
@@ -203,19 +233,49 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
                         )
                     }
                 };
-                return refuse(&mut socket, frame, code, reason).await;
+                return refuse(socket, frame, code, reason).await;
             }
         };
         let mut delivery = attached.delivery;
         let mut inbox = attached.inbox;
-        let reason = if send_all(&gw, &mut socket, &delivery, attached.frames).await {
-            connection_loop(&gw, &mut socket, &mut delivery, &mut inbox, attached.ctp).await
-        } else {
-            "socket write failed"
+        socket.watch(inbox.backlog.clone());
+        let end = match send_all(&gw, &mut socket, &delivery, attached.frames).await {
+            Ok(()) => {
+                let Err(end) = Box::pin(connection_loop(
+                    &gw,
+                    &mut socket,
+                    &mut delivery,
+                    &mut inbox,
+                    attached.ctp,
+                ))
+                .await;
+                end
+            }
+            Err(end) => end,
         };
-        if reason != DETACHED {
-            Box::pin(gw.surfaces().detach(&delivery, reason)).await;
+        count_flood(&gw, end.close);
+        if matches!(end.reason, SLOW_WRITE | SLOW_BACKLOG) {
+            gw.metrics()
+                .ws_slow_consumers
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(session_id = %delivery.session_id, conn_id = delivery.conn_id, reason = end.reason, queued_bytes = inbox.backlog.queued(), "dropping a surface that does not read");
         }
+        // Detached before the closing handshake, which may take a while: from now on turns go to
+        // the tether, whatever the socket does.
+        if end.reason != DETACHED {
+            Box::pin(gw.surfaces().detach(&delivery, end.reason)).await;
+        }
+        drop(inbox);
+        socket.finish(end.close).await;
+    }
+}
+
+/// Counts a connection closed for sending frames too fast.
+fn count_flood(gw: &Gateway, close: Close) {
+    if close == Close::Send(socket::CLOSE_POLICY, socket::FLOOD) {
+        gw.metrics()
+            .ws_frame_floods
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -223,12 +283,17 @@ fn run(gw: Gateway, path_id: String, mut socket: WebSocket) -> impl Future<Outpu
 const DETACHED: &str = "DETACH";
 
 /// Writes frames in order; after each frame that carries a tether seq, reports it sent.
-async fn send_all(gw: &Gateway, socket: &mut WebSocket, d: &Delivery, frames: Vec<Frame>) -> bool {
+async fn send_all(
+    gw: &Gateway,
+    socket: &mut Socket,
+    d: &Delivery,
+    frames: Vec<Frame>,
+) -> Result<(), End> {
     let mut sent = Vec::new();
-    let mut ok = true;
+    let mut result = Ok(());
     for (frame, seq) in frames {
-        if !send(socket, &frame).await {
-            ok = false;
+        if let Err(end) = send(socket, &frame).await {
+            result = Err(end);
             break;
         }
         sent.extend(seq);
@@ -236,57 +301,43 @@ async fn send_all(gw: &Gateway, socket: &mut WebSocket, d: &Delivery, frames: Ve
     if !sent.is_empty() {
         Box::pin(gw.surfaces().sent(d, &sent)).await;
     }
-    ok
+    result
 }
 
 /// A repeated ATTACH_SESSION on this connection. A rewrite in progress goes out first: its turn
 /// precedes what the re-attach drains. `Err` is why the connection ends.
 async fn reattach(
     gw: &Gateway,
-    socket: &mut WebSocket,
+    socket: &mut Socket,
     d: &mut Delivery,
     ctp: &mut Option<CtpFrames>,
     frame: sbp_protocol::frames::AttachSession,
-) -> Result<(), &'static str> {
+) -> Result<(), End> {
     if let Some(mut rx) = ctp.take() {
         while let Some(f) = rx.recv().await {
-            if !send_all(gw, socket, d, vec![f]).await {
-                return Err("socket write failed");
-            }
+            send_all(gw, socket, d, vec![f]).await?;
         }
     }
     match gw.surfaces().reattach(d, frame).await {
-        Ok(frames) => {
-            if send_all(gw, socket, d, frames).await {
-                Ok(())
-            } else {
-                Err("socket write failed")
-            }
-        }
-        Err(AttachError::Forbidden(detail)) => {
-            refuse(
-                socket,
-                ServerFrame::Forbidden { detail },
-                CLOSE_FORBIDDEN,
-                "forbidden",
-            )
-            .await;
-            Err("forbidden re-attach")
-        }
+        Ok(frames) => send_all(gw, socket, d, frames).await,
+        Err(AttachError::Forbidden(detail)) => Err(refused(
+            socket,
+            ServerFrame::Forbidden { detail },
+            CLOSE_FORBIDDEN,
+            "forbidden re-attach",
+        )
+        .await),
         Err(
             AttachError::NotFound(detail)
             | AttachError::Protocol(detail)
             | AttachError::Internal(detail),
-        ) => {
-            refuse(
-                socket,
-                protocol_error(detail),
-                CLOSE_PROTOCOL_ERROR,
-                "protocol error",
-            )
-            .await;
-            Err("bad re-attach")
-        }
+        ) => Err(refused(
+            socket,
+            protocol_error(detail),
+            CLOSE_PROTOCOL_ERROR,
+            "bad re-attach",
+        )
+        .await),
     }
 }
 
@@ -298,14 +349,22 @@ async fn next_ctp(ctp: &mut Option<CtpFrames>) -> Option<Frame> {
     }
 }
 
+fn displaced() -> End {
+    End::closing(
+        "displaced",
+        CLOSE_DISPLACED,
+        "another surface attached to this session",
+    )
+}
+
 /// Runs until the connection ends; returns why.
 async fn connection_loop(
     gw: &Gateway,
-    socket: &mut WebSocket,
+    socket: &mut Socket,
     d: &mut Delivery,
     inbox: &mut Inbox,
     mut ctp: Option<CtpFrames>,
-) -> &'static str {
+) -> Result<Infallible, End> {
     let cfg = gw.config();
     let shutdown = gw.shutdown_token();
     let mut ping = tokio::time::interval_at(Instant::now() + cfg.ping_interval, cfg.ping_interval);
@@ -316,39 +375,29 @@ async fn connection_loop(
         let deadline = pong_deadline.unwrap_or_else(|| Instant::now() + far);
         tokio::select! {
             _ = shutdown.cancelled() => {
-                close(socket, CLOSE_GOING_AWAY, "gateway shutting down").await;
-                return "gateway shutdown";
+                return Err(End::closing("gateway shutdown", CLOSE_GOING_AWAY, "gateway shutting down"));
             }
-            incoming = next_frame(socket) => match incoming {
-                Incoming::Closed => return "disconnected",
-                Incoming::TooBig => {
-                    close(socket, CLOSE_TOO_BIG, "frame too large").await;
-                    return "frame too large";
-                }
+            // Turn traffic went over the budget while this task was busy elsewhere.
+            () = inbox.backlog.overflowed() => return Err(WriteFailed::Overflow.into()),
+            incoming = socket.recv() => match incoming {
+                Incoming::Ended(close) => return Err(End::by_client(close)),
                 Incoming::Binary => {
-                    Box::pin(refuse(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error")).await;
-                    return "protocol error";
+                    return Err(Box::pin(refused(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error")).await);
                 }
-                Incoming::Text(text) => match ClientFrame::parse(&text) {
+                Incoming::Text(text) => match ClientFrame::parse(text.as_str()) {
                     Err(e) => {
-                        Box::pin(refuse(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error")).await;
-                        return "protocol error";
+                        return Err(Box::pin(refused(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error")).await);
                     }
                     Ok(ClientFrame::Detach) => {
                         // Suspended before the close frame acknowledges the DETACH: a client that
                         // saw its close complete then reads the session suspended.
                         Box::pin(gw.surfaces().detach(d, DETACHED)).await;
-                        close(socket, CLOSE_NORMAL, "detached").await;
-                        return DETACHED;
+                        return Err(End::closing(DETACHED, CLOSE_NORMAL, "detached"));
                     }
                     Ok(ClientFrame::Pong) => pong_deadline = None,
                     Ok(ClientFrame::Ack { seq }) => Box::pin(gw.surfaces().ack(d, seq)).await,
                     Ok(ClientFrame::ToolResult(r)) => gw.tools().result(d.session_id, d.conn_id, r),
-                    Ok(ClientFrame::Attach(a)) => {
-                        if let Err(reason) = Box::pin(reattach(gw, socket, d, &mut ctp, a)).await {
-                            return reason;
-                        }
-                    }
+                    Ok(ClientFrame::Attach(a)) => Box::pin(reattach(gw, socket, d, &mut ctp, a)).await?,
                     Ok(ClientFrame::Unknown { frame_type }) => {
                         tracing::debug!(session_id = %d.session_id, frame_type, "unknown frame type ignored");
                     }
@@ -357,17 +406,13 @@ async fn connection_loop(
             // While a CTP rewrite streams, the inbox waits: later turns must not overtake it.
             () = inbox.calls.ready() => {
                 while let Some(call) = inbox.calls.pop() {
-                    if !send(socket, &ServerFrame::ToolCall(*call)).await {
-                        return "socket write failed";
-                    }
+                    send(socket, &ServerFrame::ToolCall(*call)).await?;
                 }
             }
             msg = inbox.msgs.recv(), if ctp.is_none() => {
+                let weight = msg.as_ref().map_or(0, ConnMsg::weight);
                 let frames = match msg {
-                    None | Some(ConnMsg::Displaced) => {
-                        close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
-                        return "displaced";
-                    }
+                    None | Some(ConnMsg::Displaced) => return Err(displaced()),
                     Some(ConnMsg::Chunk(c)) => {
                         gw.surfaces().live_chunk(d, &c).into_iter().collect()
                     }
@@ -377,41 +422,29 @@ async fn connection_loop(
                         turn.frames
                     }
                 };
-                if !Box::pin(send_all(gw, socket, d, frames)).await {
-                    return "socket write failed";
-                }
+                let written = Box::pin(send_all(gw, socket, d, frames)).await;
+                inbox.backlog.release(weight);
+                written?;
             }
             item = next_ctp(&mut ctp), if ctp.is_some() => match item {
                 // The inbox (and its Displaced) waits while a rewrite streams: check directly.
-                Some(_) if !gw.surfaces().is_current(d) => {
-                    close(socket, CLOSE_DISPLACED, "another surface attached to this session").await;
-                    return "displaced";
-                }
-                Some(frame) => {
-                    if !Box::pin(send_all(gw, socket, d, vec![frame])).await {
-                        return "socket write failed";
-                    }
-                }
+                Some(_) if !gw.surfaces().is_current(d) => return Err(displaced()),
+                Some(frame) => Box::pin(send_all(gw, socket, d, vec![frame])).await?,
                 None => ctp = None,
             },
             _ = ping.tick() => {
                 if pong_deadline.is_none() {
-                    if !send(socket, &ServerFrame::Ping).await {
-                        return "socket write failed";
-                    }
+                    send(socket, &ServerFrame::Ping).await?;
                     pong_deadline = Some(Instant::now() + cfg.pong_timeout);
                 }
                 if ctp.is_some() {
                     continue;
                 }
                 let missed = Box::pin(gw.surfaces().catch_up(d)).await;
-                if !Box::pin(send_all(gw, socket, d, missed)).await {
-                    return "socket write failed";
-                }
+                Box::pin(send_all(gw, socket, d, missed)).await?;
             }
             _ = tokio::time::sleep_until(deadline) => {
-                close(socket, CLOSE_GOING_AWAY, "no PONG received in time").await;
-                return "pong timeout";
+                return Err(End::closing("pong timeout", CLOSE_GOING_AWAY, "no PONG received in time"));
             }
         }
     }

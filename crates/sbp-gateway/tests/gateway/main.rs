@@ -10,5 +10,8 @@ mod mcp;
 mod roaming;
 mod surfaces;
 mod tools;
+mod ws_conformance;
 mod ws_handshake;
+mod ws_limits;
+mod ws_raw;
 mod ws_tether;

@@ -1,0 +1,190 @@
+//! One surface's WebSocket as the connection task uses it: messages in, each read failure mapped to
+//! the close code RFC 6455 asks for; frames out, each write bounded in time (and abandoned when the
+//! connection's outbound budget overflows); and the closing handshake, which answers a client's
+//! close and, after a close of ours, keeps reading (bounded in time and bytes) until the client's
+//! close arrives, so the client sees our close frame instead of a reset.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{SinkExt as _, StreamExt as _};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use tokio::io::AsyncReadExt as _;
+use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+
+use super::wire::Wire;
+use crate::engine::connections::Backlog;
+
+/// RFC 6455 close codes the transport itself sends (the protocol's own are in
+/// `sbp_protocol::frames`).
+pub const CLOSE_WS_PROTOCOL: u16 = 1002;
+pub const CLOSE_INVALID_DATA: u16 = 1007;
+pub const CLOSE_POLICY: u16 = 1008;
+pub const CLOSE_TOO_BIG: u16 = 1009;
+/// The reason of the close for a frame flood.
+pub const FLOOD: &str = "too many frames";
+
+/// Longest closing handshake: writing our close, then waiting for the client's.
+const CLOSE_LINGER: Duration = Duration::from_secs(3);
+/// Most bytes read and dropped while waiting for the client's close (a client may be in the
+/// middle of sending a frame far larger than the limit: it reads our close only once it is done).
+const CLOSE_LINGER_BYTES: u64 = 64 << 20;
+/// Read size while lingering.
+const LINGER_READ: usize = 16 << 10;
+
+pub type Stream = WebSocketStream<Wire<TokioIo<Upgraded>>>;
+
+/// What the client sent next.
+pub enum Incoming {
+    Text(Utf8Bytes),
+    /// Binary frames are not part of the protocol.
+    Binary,
+    /// The connection is over (the client closed, broke the protocol, or went away); how to
+    /// close it.
+    Ended(Close),
+}
+
+/// How a connection is closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    /// The connection is gone: nothing to send.
+    Gone,
+    /// The client sent a close frame: answer it (tungstenite has queued the answer).
+    Answer,
+    /// Send this close frame, then wait for the client's.
+    Send(u16, &'static str),
+}
+
+/// Why a write did not complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteFailed {
+    /// The connection is gone.
+    Gone,
+    /// The frame was not written within the write timeout: the client is not reading.
+    Timeout,
+    /// Turn traffic for this connection went over its outbound budget.
+    Overflow,
+}
+
+pub struct Socket {
+    ws: Stream,
+    write_timeout: Duration,
+    /// Once attached: the connection's queued turn traffic, whose overflow abandons a write.
+    backlog: Option<Arc<Backlog>>,
+}
+
+impl Socket {
+    pub fn new(ws: Stream, write_timeout: Duration) -> Self {
+        Self {
+            ws,
+            write_timeout,
+            backlog: None,
+        }
+    }
+
+    /// From now on a write is abandoned as soon as `backlog` overflows.
+    pub fn watch(&mut self, backlog: Arc<Backlog>) {
+        self.backlog = Some(backlog);
+    }
+
+    /// The next message; PINGs are answered (by tungstenite, on the next read or write) and
+    /// PONGs dropped.
+    pub async fn recv(&mut self) -> Incoming {
+        loop {
+            let msg = match self.ws.next().await {
+                None => return Incoming::Ended(Close::Gone),
+                Some(Ok(msg)) => msg,
+                Some(Err(e)) => return Incoming::Ended(self.close_for(&e)),
+            };
+            match msg {
+                Message::Text(t) => return Incoming::Text(t),
+                Message::Binary(_) => return Incoming::Binary,
+                Message::Close(_) => return Incoming::Ended(Close::Answer),
+                Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
+            }
+        }
+    }
+
+    /// The close a read error calls for (RFC 6455 §7.4.1).
+    fn close_for(&self, e: &WsError) -> Close {
+        match e {
+            WsError::Io(_) if self.ws.get_ref().flooded() => Close::Send(CLOSE_POLICY, FLOOD),
+            WsError::Capacity(_) => Close::Send(CLOSE_TOO_BIG, "frame too large"),
+            WsError::Utf8(_) => Close::Send(CLOSE_INVALID_DATA, "invalid UTF-8"),
+            // The peer closed TCP without a close frame: nobody to tell.
+            WsError::Protocol(
+                tokio_tungstenite::tungstenite::error::ProtocolError::ResetWithoutClosingHandshake,
+            ) => Close::Gone,
+            WsError::Protocol(_) => Close::Send(CLOSE_WS_PROTOCOL, "protocol violation"),
+            _ => Close::Gone,
+        }
+    }
+
+    /// Writes one text frame within the write timeout.
+    pub async fn send(&mut self, text: String) -> Result<(), WriteFailed> {
+        let write = tokio::time::timeout(self.write_timeout, self.ws.send(Message::text(text)));
+        let result = match &self.backlog {
+            None => write.await,
+            Some(backlog) => tokio::select! {
+                // A write that completed counts, even if the budget overflowed meanwhile: its
+                // frame is out and must be reported sent.
+                biased;
+                r = write => r,
+                () = backlog.overflowed() => return Err(WriteFailed::Overflow),
+            },
+        };
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(WriteFailed::Gone),
+            Err(_) => Err(WriteFailed::Timeout),
+        }
+    }
+
+    /// Ends the connection as `close` says; bounded by [`CLOSE_LINGER`] in all.
+    pub async fn finish(mut self, close: Close) {
+        let deadline = Instant::now() + CLOSE_LINGER;
+        match close {
+            Close::Gone => {}
+            // Writes the queued answer; tungstenite then ends the stream (the server closes TCP
+            // first, RFC 6455 §7.1.1).
+            Close::Answer => {
+                let _ = tokio::time::timeout_at(deadline, self.ws.flush()).await;
+            }
+            Close::Send(code, reason) => {
+                let frame = Message::Close(Some(CloseFrame {
+                    code: code.into(),
+                    reason: reason.into(),
+                }));
+                match tokio::time::timeout_at(deadline, self.ws.send(frame)).await {
+                    // Written: the client answers once it has read it.
+                    Ok(Ok(())) => self.linger(deadline).await,
+                    // The client already closed (a close frame of its own crossed ours).
+                    Ok(Err(WsError::ConnectionClosed)) => {}
+                    // Not written: the client will never see it, so nothing to wait for.
+                    Ok(Err(_)) | Err(_) => {}
+                }
+            }
+        }
+    }
+
+    /// After our close: reads and drops what the client still sends until its close frame, the end
+    /// of the stream, `deadline` or [`CLOSE_LINGER_BYTES`]. Reads below tungstenite (which may
+    /// have given up on the stream); the wire still knows where frames begin.
+    async fn linger(&mut self, deadline: Instant) {
+        let wire = self.ws.get_mut();
+        wire.stop_limiting();
+        let start = wire.bytes_read();
+        // Allocated here, not on the stack: the connection task's state would carry it.
+        let mut buf = vec![0u8; LINGER_READ];
+        while !wire.close_seen() && wire.bytes_read() - start < CLOSE_LINGER_BYTES {
+            match tokio::time::timeout_at(deadline, wire.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => return,
+            }
+        }
+    }
+}
