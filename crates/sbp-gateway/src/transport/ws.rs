@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::Response;
@@ -28,8 +29,12 @@ const CLOSE_INTERNAL: u16 = 1011;
 pub async fn upgrade(
     State(gw): State<Gateway>,
     Path(id): Path<String>,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(rejection) => return super::errors::not_a_websocket(rejection),
+    };
     let max = gw.config().max_frame_bytes;
     // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
     // are flushed frame by frame anyway; the cap gives backpressure against a surface that stops

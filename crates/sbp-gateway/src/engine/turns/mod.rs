@@ -522,6 +522,7 @@ impl Turns {
                     "the session token belongs to another session",
                 ));
             }
+            self.inner.sessions.admit(session.id)?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,
@@ -537,6 +538,7 @@ impl Turns {
                         .into(),
                 ));
             }
+            self.inner.sessions.admit(session.id)?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,
