@@ -1,7 +1,8 @@
 //! The rate limits the transport applies before a request is handled: per operator key for
 //! requests carrying a valid one, per client address for every other request, and a stricter
-//! count of failed authentications (a 401 or 403 answer) per address, which, once exhausted,
-//! refuses every request from that address until it refills. Loopback clients are counted like any
+//! count of failed authentications per address (a 401 or 403 answer to a request that presented a
+//! credential: `X-Session-Token` or `Authorization`; a request without one guesses nothing), which,
+//! once exhausted, refuses every request from that address until it refills. Loopback clients are counted like any
 //! other; `/healthz` is not counted (a load balancer's probe must not be the first thing refused).
 //! The per-session limit is the engine's (`Sessions::admit`), applied once a caller is authorised.
 //!
@@ -11,7 +12,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -72,11 +73,15 @@ pub async fn enforce(State(limits): State<Arc<Limits>>, req: Request, next: Next
     if let Err(e) = limits.admit(&req, ip) {
         return e.into_response();
     }
+    let credentials = req.headers().contains_key("x-session-token")
+        || req.headers().contains_key(header::AUTHORIZATION);
     let resp = next.run(req).await;
-    if matches!(
-        resp.status(),
-        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
-    ) && let (Some(failures), Some(ip)) = (&limits.failures, ip)
+    if credentials
+        && matches!(
+            resp.status(),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+        )
+        && let (Some(failures), Some(ip)) = (&limits.failures, ip)
     {
         failures.strike(&ip);
     }

@@ -11,7 +11,11 @@
 //!
 //! An `Origin` is accepted when it is the request's own origin (same host, same port), or one of
 //! the `--public-url` origins (a proxy may rewrite `Host`). `null` and every other origin are
-//! refused, on every route including the WebSocket upgrade. `/healthz` is exempt from all of it.
+//! refused, on every route including the WebSocket upgrade. A request a browser marks
+//! `Sec-Fetch-Site: cross-site` without an `Origin` (an `<img>`, a `<script>` of another site) is
+//! refused too, unless it is a plain navigation (a link to the page): it could only probe, but
+//! refused here it never counts against the rate limits of the user's own address. `/healthz` is
+//! exempt from all of it.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -136,6 +140,25 @@ fn path_is_utf8(path: &str) -> bool {
     std::str::from_utf8(&decoded).is_ok()
 }
 
+/// Fetch Metadata (sent by current browsers): the request comes from a page of another site.
+fn is_cross_site(headers: &HeaderMap) -> bool {
+    headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"))
+}
+
+/// A browser following a link or typing the URL: a `GET` of a top-level page.
+fn is_navigation(req: &Request) -> bool {
+    let header_is = |name: &str, value: &[u8]| {
+        req.headers()
+            .get(name)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(value))
+    };
+    req.method() == axum::http::Method::GET
+        && header_is("sec-fetch-mode", b"navigate")
+        && !header_is("sec-fetch-dest", b"iframe")
+}
+
 fn origin(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::ORIGIN)
@@ -168,14 +191,18 @@ pub async fn enforce(State(policy): State<Arc<Policy>>, req: Request, next: Next
             ),
         );
     }
-    if let Some(origin) = origin(req.headers())
-        && !policy.origin_allowed(origin, target.as_ref())
-    {
-        tracing::debug!(origin, "cross-origin request refused");
-        return errors::routing(
-            ErrorCode::Forbidden,
-            "cross-origin requests are refused (list the page's origin with --public-url)",
-        );
+    match origin(req.headers()) {
+        Some(origin) if !policy.origin_allowed(origin, target.as_ref()) => {
+            tracing::debug!(origin, "cross-origin request refused");
+            return errors::routing(
+                ErrorCode::Forbidden,
+                "cross-origin requests are refused (list the page's origin with --public-url)",
+            );
+        }
+        None if is_cross_site(req.headers()) && !is_navigation(&req) => {
+            return errors::routing(ErrorCode::Forbidden, "cross-site requests are refused");
+        }
+        _ => {}
     }
     next.run(req).await
 }

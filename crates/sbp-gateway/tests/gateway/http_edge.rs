@@ -318,6 +318,46 @@ async fn cross_origin_requests_are_refused_and_same_origin_ones_pass() {
     assert_eq!(s, 403, "{v}");
 }
 
+/// Defect 9 and 10: what a page of another site makes a browser send without an `Origin` (an
+/// image, a link) is refused as cross-site and costs the user's own address nothing.
+#[tokio::test]
+async fn cross_site_requests_do_not_spend_the_users_rate() {
+    let gw = with_config(GatewayConfig {
+        rate_limits: RateLimits {
+            address: rate(1, HOUR, 3),
+            ..RateLimits::off()
+        },
+        ..GatewayConfig::default()
+    })
+    .await;
+    for _ in 0..10 {
+        let resp = raw(
+            &gw,
+            "GET /v1/sessions/x HTTP/1.1\nSec-Fetch-Site: cross-site\nSec-Fetch-Mode: no-cors",
+            b"",
+        )
+        .await;
+        assert_eq!((resp.status, resp.code().as_str()), (403, "SBP_FORBIDDEN"));
+    }
+    // A link to the page from another site is a navigation: it opens.
+    let resp = raw(
+        &gw,
+        "GET / HTTP/1.1\nSec-Fetch-Site: cross-site\nSec-Fetch-Mode: navigate\nSec-Fetch-Dest: document",
+        b"",
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    for site in ["same-origin", "none"] {
+        let resp = raw(
+            &gw,
+            &format!("POST /v1/sessions HTTP/1.1\nSec-Fetch-Site: {site}"),
+            b"",
+        )
+        .await;
+        assert_eq!(resp.status, 201, "{site}: {:?}", resp.json());
+    }
+}
+
 /// Defect 9: browsers send `Origin` on a WebSocket handshake and no CORS protects it: a page of
 /// another site must not open a surface's socket (cross-site WebSocket hijacking).
 #[tokio::test]
@@ -532,6 +572,11 @@ async fn failed_authentications_block_the_address_even_for_a_right_token() {
     assert_eq!(s, 201, "{v}");
     let id = v["session_id"].as_str().expect("id").to_owned();
     let path = format!("/v1/sessions/{id}");
+    // A request with no credential guesses nothing: not counted.
+    for _ in 0..5 {
+        let (s, v) = gw.get(&path, &[]).await;
+        assert_eq!(s, 401, "{v}");
+    }
     for guess in ["a", "b", "c", "d"] {
         let (s, v) = gw
             .get(&path, &[("authorization", &format!("Bearer {guess}"))])
