@@ -1,12 +1,14 @@
 //! The rate limits the transport applies before a request is handled: per operator key for
 //! requests carrying a valid one, per client address for every other request, and a stricter
 //! count of failed authentications per address (a 401 or 403 answer to a request that presented a
-//! credential: `X-Session-Token` or `Authorization`; a request without one guesses nothing), which,
-//! once exhausted, refuses every request from that address until it refills. Loopback clients are counted like any
-//! other; `/healthz` is not counted (a load balancer's probe must not be the first thing refused).
-//! The per-session limit is the engine's (`Sessions::admit`), applied once a caller is authorised.
+//! credential, `X-Session-Token` or `Authorization`: a request without one guesses nothing), which,
+//! once exhausted, refuses every request from that address until it refills. Loopback clients are
+//! counted like any other; `/healthz` is not counted (a load balancer's probe must not be the first
+//! thing refused). The per-session limit is the engine's (`Sessions::admit`), applied once a caller
+//! is authorised.
 //!
-//! A refusal is `429` with `Retry-After` and the envelope code `SBP_RATE_LIMITED`.
+//! A refusal is `429` with `Retry-After` and the envelope code `SBP_RATE_LIMITED`, counted in
+//! `sbp_rate_limited_total{limit}`.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -17,12 +19,13 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::extract::bearer;
+use crate::Gateway;
 use crate::auth::api_key_index;
-use crate::config::GatewayConfig;
 use crate::error::Error;
 use crate::ratelimit::{Limit, Limiter, Strikes, address_key};
 
 pub struct Limits {
+    gateway: Gateway,
     address: Option<Limiter<IpAddr>>,
     operator_key: Option<Limiter<usize>>,
     failures: Option<Strikes<IpAddr>>,
@@ -30,19 +33,26 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub fn new(config: &GatewayConfig) -> Self {
+    pub fn new(gateway: Gateway) -> Self {
+        let config = gateway.config();
         let limits = &config.rate_limits;
         Self {
             address: limits.address.map(Limiter::new),
             operator_key: limits.operator_key.map(Limiter::new),
             failures: limits.auth_failures.map(Strikes::new),
             keys: config.api_keys.clone(),
+            gateway,
         }
     }
 
     /// Which bucket `req` is counted in, and whether it has a token.
     fn admit(&self, req: &Request, ip: Option<IpAddr>) -> Result<(), Error> {
-        let refuse = |limit| move |retry_after| Error::RateLimited { limit, retry_after };
+        let refuse = |limit| {
+            move |retry_after| {
+                self.gateway.metrics().count_rate_limited(limit);
+                Error::RateLimited { limit, retry_after }
+            }
+        };
         if let (Some(failures), Some(ip)) = (&self.failures, ip) {
             failures.admit(&ip).map_err(refuse(Limit::AuthFailures))?;
         }

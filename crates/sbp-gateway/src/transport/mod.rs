@@ -73,7 +73,7 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
         );
     }
     app = app.merge(mcp::routes(gateway.clone()));
-    let limits = Arc::new(limits::Limits::new(gateway.config()));
+    let limits = Arc::new(limits::Limits::new(gateway.clone()));
     let policy = Arc::new(policy::Policy::new(gateway.config(), bound));
     app.fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)

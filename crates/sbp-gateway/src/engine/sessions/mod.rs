@@ -118,12 +118,13 @@ impl Sessions {
     /// Counts one request against session `id`'s rate limit ([`Error::RateLimited`] when over).
     pub fn admit(&self, id: Uuid) -> Result<(), Error> {
         match &self.inner.limiter {
-            Some(limiter) => limiter
-                .check(&id)
-                .map_err(|retry_after| Error::RateLimited {
+            Some(limiter) => limiter.check(&id).map_err(|retry_after| {
+                self.inner.metrics.count_rate_limited(Limit::Session);
+                Error::RateLimited {
                     limit: Limit::Session,
                     retry_after,
-                }),
+                }
+            }),
             None => Ok(()),
         }
     }
