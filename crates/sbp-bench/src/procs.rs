@@ -473,6 +473,10 @@ async fn spawn_gateway(
         .args(["--sqlite-synchronous", sync.as_str()])
         // Idle surfaces must not be woken by PINGs during a run.
         .args(["--ping-interval", "300"])
+        // A benchmark is thousands of requests a second from one loopback address on a handful
+        // of sessions: what the rate limits exist to stop. Throughput is measured without them.
+        .args(["--rate-limit-ip", "0", "--rate-limit-session", "0"])
+        .args(["--rate-limit-key", "0", "--rate-limit-auth-failures", "0"])
         // The bench's own environment must not reconfigure the gateway under test.
         .env_remove("SBP_CONFIG")
         .env_remove("SBP_DATABASE")
@@ -482,7 +486,8 @@ async fn spawn_gateway(
         .env_remove("SBP_BUS")
         .env_remove("SBP_BUS_PREFIX")
         .env_remove("SBP_REPLICA_NAME")
-        .env_remove("SBP_REPLICATED");
+        .env_remove("SBP_REPLICATED")
+        .env_remove("SBP_PUBLIC_URLS");
     if let Some(schema) = schema {
         cmd.arg("--database").arg(schema.url());
     }

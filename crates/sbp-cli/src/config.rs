@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use sbp_gateway::CtpRule;
+use sbp_gateway::ratelimit::parse_limit;
+use sbp_gateway::{CtpRule, PublicUrl, RateLimits};
 use sbp_store::redis_tether::TetherMode;
 use serde::Deserialize;
 
@@ -198,6 +199,28 @@ pub struct ServeArgs {
     /// INSECURE: session-scoped endpoints stop requiring the session token (for conformance runs).
     #[arg(long, env = "SBP_INSECURE_NO_SESSION_AUTH")]
     pub insecure_no_session_auth: bool,
+    /// A URL clients and browsers reach this gateway by, e.g. https://gw.example.com (repeatable;
+    /// env: comma-separated). Its host is accepted in `Host` besides localhost and IP literals, its
+    /// origin in `Origin` besides the request's own. Bound to a non-loopback address without one,
+    /// any `Host` is accepted (with a warning at start). [default: none]
+    #[arg(long = "public-url", env = "SBP_PUBLIC_URLS", value_delimiter = ',')]
+    pub public_urls: Vec<String>,
+    /// Requests per client address (IPv6: per /64) without a valid operator key, as
+    /// COUNT/s|m|h[,BURST]; 0 turns it off. [default: 200/s,1000]
+    #[arg(long, env = "SBP_RATE_LIMIT_IP")]
+    pub rate_limit_ip: Option<String>,
+    /// Requests per session, counted once the caller is authorised; 0 turns it off.
+    /// [default: 50/s,500]
+    #[arg(long, env = "SBP_RATE_LIMIT_SESSION")]
+    pub rate_limit_session: Option<String>,
+    /// Requests per operator API key (instead of the address limit); 0 turns it off.
+    /// [default: 1000/s,5000]
+    #[arg(long, env = "SBP_RATE_LIMIT_KEY")]
+    pub rate_limit_key: Option<String>,
+    /// Failed authentications (401/403) per client address; once used up, every request from
+    /// that address is refused until it refills. 0 turns it off. [default: 60/m,60]
+    #[arg(long, env = "SBP_RATE_LIMIT_AUTH_FAILURES")]
+    pub rate_limit_auth_failures: Option<String>,
     /// Log format: `text` or `json` (level via SBP_LOG, e.g. SBP_LOG=debug). [default: text]
     #[arg(long, env = "SBP_LOG_FORMAT")]
     pub log_format: Option<String>,
@@ -256,6 +279,11 @@ struct FileConfig {
     strict_sbp: Option<bool>,
     enable_test_hooks: Option<bool>,
     insecure_no_session_auth: Option<bool>,
+    public_urls: Option<Vec<String>>,
+    rate_limit_ip: Option<String>,
+    rate_limit_session: Option<String>,
+    rate_limit_key: Option<String>,
+    rate_limit_auth_failures: Option<String>,
     log_format: Option<String>,
 }
 
@@ -337,6 +365,8 @@ pub struct Settings {
     pub strict_sbp: bool,
     pub enable_test_hooks: bool,
     pub insecure_no_session_auth: bool,
+    pub public_urls: Vec<PublicUrl>,
+    pub rate_limits: RateLimits,
     pub log_format: String,
 }
 
@@ -509,6 +539,42 @@ impl Settings {
             )),
             (None, None) => None,
         };
+        let public_urls = list(args.public_urls, file.public_urls)
+            .iter()
+            .map(|u| u.parse().map_err(|e| anyhow::anyhow!("--public-url: {e}")))
+            .collect::<anyhow::Result<Vec<PublicUrl>>>()?;
+        let defaults = RateLimits::default();
+        let limit =
+            |name: &str, flag: Option<String>, file: Option<String>, default| match flag.or(file) {
+                None => Ok(default),
+                Some(text) => parse_limit(&text).map_err(|e| anyhow::anyhow!("--{name}: {e}")),
+            };
+        let rate_limits = RateLimits {
+            address: limit(
+                "rate-limit-ip",
+                args.rate_limit_ip,
+                file.rate_limit_ip,
+                defaults.address,
+            )?,
+            session: limit(
+                "rate-limit-session",
+                args.rate_limit_session,
+                file.rate_limit_session,
+                defaults.session,
+            )?,
+            operator_key: limit(
+                "rate-limit-key",
+                args.rate_limit_key,
+                file.rate_limit_key,
+                defaults.operator_key,
+            )?,
+            auth_failures: limit(
+                "rate-limit-auth-failures",
+                args.rate_limit_auth_failures,
+                file.rate_limit_auth_failures,
+                defaults.auth_failures,
+            )?,
+        };
         let max_tool_rounds = args.max_tool_rounds.or(file.max_tool_rounds).unwrap_or(8);
         if max_tool_rounds > 64 {
             bail!("--max-tool-rounds must be at most 64");
@@ -609,6 +675,8 @@ impl Settings {
             enable_test_hooks: args.enable_test_hooks || file.enable_test_hooks.unwrap_or(false),
             insecure_no_session_auth: args.insecure_no_session_auth
                 || file.insecure_no_session_auth.unwrap_or(false),
+            public_urls,
+            rate_limits,
             log_format,
         })
     }
@@ -946,6 +1014,57 @@ mod tests {
             },
             ServeArgs {
                 sqlite_synchronous: Some("sometimes".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(Settings::resolve(args).is_err());
+        }
+    }
+
+    #[test]
+    fn public_urls_and_rate_limits() {
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert!(d.public_urls.is_empty());
+        assert_eq!(d.rate_limits, RateLimits::default());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "public_urls = [\"https://b.example\"]\nrate_limit_session = \"5/m,10\"\n\
+             rate_limit_ip = \"1/s\"\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            public_urls: vec!["https://GW.example.com:8443/base".into()],
+            rate_limit_ip: Some("0".into()),
+            rate_limit_auth_failures: Some("off".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        let urls: Vec<String> = s.public_urls.iter().map(ToString::to_string).collect();
+        assert_eq!(urls, ["https://gw.example.com:8443", "https://b.example"]);
+        assert_eq!(s.rate_limits.address, None, "the flag wins over the file");
+        assert_eq!(s.rate_limits.auth_failures, None);
+        assert_eq!(
+            s.rate_limits.session.map(|r| r.to_string()).as_deref(),
+            Some("5/m,10")
+        );
+        assert_eq!(
+            s.rate_limits.operator_key,
+            RateLimits::default().operator_key
+        );
+        for args in [
+            ServeArgs {
+                public_urls: vec!["ftp://x".into()],
+                ..Default::default()
+            },
+            ServeArgs {
+                public_urls: vec!["gw.example.com".into()],
+                ..Default::default()
+            },
+            ServeArgs {
+                rate_limit_key: Some("fast".into()),
                 ..Default::default()
             },
         ] {

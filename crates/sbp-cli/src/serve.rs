@@ -135,6 +135,8 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         strict_sbp: s.strict_sbp,
         enable_test_hooks: s.enable_test_hooks,
         insecure_no_session_auth: s.insecure_no_session_auth,
+        public_urls: s.public_urls.clone(),
+        rate_limits: s.rate_limits.clone(),
         secret,
         previous_secrets: s.previous_jwt_secrets.clone(),
         retention_interval: s.retention_interval.unwrap_or_default(),

@@ -489,6 +489,54 @@ async fn operator_api_keys_guard_the_api() {
     assert_eq!(health["status"], "ok");
 }
 
+/// `--public-url` and `--rate-limit-*` reach the gateway: the public name is accepted as `Host`
+/// and its origin as `Origin` (other names are refused), and the address limit answers 429 with
+/// `Retry-After` once used up.
+#[tokio::test]
+async fn public_url_and_rate_limit_flags() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gw = Sbp::start(
+        dir.path(),
+        &[
+            "--public-url",
+            "https://gw.example.com",
+            "--rate-limit-ip",
+            "1/h,3",
+            "--rate-limit-auth-failures",
+            "0",
+        ],
+    )
+    .await;
+    let (status, _, v) = send(
+        gw.post("/v1/sessions", &json!({}))
+            .header("host", "gw.example.com")
+            .header("origin", "https://gw.example.com"),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _, v) = send(
+        gw.post("/v1/sessions", &json!({}))
+            .header("host", "evil.example"),
+    )
+    .await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (403, Some("SBP_FORBIDDEN")),
+        "{v}"
+    );
+    let (status, _, v) = send(gw.post("/v1/sessions", &json!({}))).await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _, v) = send(gw.post("/v1/sessions", &json!({}))).await;
+    assert_eq!(status, 201, "{v}");
+    let (status, headers, v) = send(gw.post("/v1/sessions", &json!({}))).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (429, Some("SBP_RATE_LIMITED")),
+        "{v}"
+    );
+    assert!(headers.contains_key("retry-after"), "{headers:?}");
+}
+
 /// The L4/L5 flags reach the gateway: `claude*` models go to the Anthropic Messages API, a
 /// southbound stdio MCP server's tools are offered to the model and called by the gateway, the tool
 /// allowlist filters what a surface registers, and the MCP server's process goes away with the

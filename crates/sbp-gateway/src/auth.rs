@@ -47,9 +47,14 @@ pub fn token_matches(token: &str, stored_hash: &str) -> bool {
 
 /// Whether `presented` equals one of the configured keys (each compared in constant time).
 pub fn api_key_matches(presented: &str, keys: &[String]) -> bool {
-    keys.iter().fold(false, |found, k| {
+    api_key_index(presented, keys).is_some()
+}
+
+/// Which of the configured keys `presented` is; every key is compared, each in constant time.
+pub fn api_key_index(presented: &str, keys: &[String]) -> Option<usize> {
+    keys.iter().enumerate().fold(None, |found, (i, k)| {
         let eq: bool = k.as_bytes().ct_eq(presented.as_bytes()).into();
-        found | eq
+        found.or(eq.then_some(i))
     })
 }
 

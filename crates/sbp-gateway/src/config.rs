@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::ratelimit::RateLimits;
+
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
     /// Advertised in SESSION_ATTACHED.
@@ -67,6 +69,11 @@ pub struct GatewayConfig {
     pub export_retention: Option<Duration>,
     /// How long snapshots are kept (each session's latest is always kept); `None`: for ever.
     pub snapshot_retention: Option<Duration>,
+    /// Token-bucket limits per client address, session, operator key and failed authentication.
+    pub rate_limits: RateLimits,
+    /// The URLs browsers and clients reach this gateway by (besides loopback): their hosts are
+    /// accepted in `Host`, their origins in `Origin` (`transport/policy.rs`).
+    pub public_urls: Vec<PublicUrl>,
 }
 
 impl GatewayConfig {
@@ -123,6 +130,8 @@ impl Default for GatewayConfig {
             replica_id: run_replica_id("gw"),
             replica_heartbeat: Duration::from_secs(2),
             replica_timeout: Duration::from_secs(10),
+            rate_limits: RateLimits::default(),
+            public_urls: Vec::new(),
         }
     }
 }
@@ -154,5 +163,63 @@ impl std::str::FromStr for CtpRule {
             model: model.to_owned(),
             prompt: None,
         })
+    }
+}
+
+/// A URL this gateway is reached by (`--public-url`): `http` or `https`, a host, perhaps a port;
+/// a path is allowed and ignored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicUrl {
+    /// `http` or `https`.
+    pub scheme: String,
+    /// Lower case; an IPv6 address in brackets, as in a `Host` header.
+    pub host: String,
+    /// The port as given, if any.
+    pub port: Option<u16>,
+}
+
+impl PublicUrl {
+    /// The port a browser connects to: the given one or the scheme's default.
+    pub fn effective_port(&self) -> u16 {
+        self.port
+            .unwrap_or(if self.scheme == "https" { 443 } else { 80 })
+    }
+}
+
+impl std::str::FromStr for PublicUrl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("public URL '{s}' must look like https://gateway.example.com[:PORT]");
+        let uri: http::Uri = s.trim().parse().map_err(|_| bad())?;
+        let scheme = uri
+            .scheme_str()
+            .map(str::to_ascii_lowercase)
+            .ok_or_else(bad)?;
+        if scheme != "http" && scheme != "https" {
+            return Err(bad());
+        }
+        let authority = uri.authority().ok_or_else(bad)?;
+        if authority.as_str().contains('@') {
+            return Err(bad());
+        }
+        let host = authority.host().trim_end_matches('.').to_ascii_lowercase();
+        if host.is_empty() {
+            return Err(bad());
+        }
+        Ok(Self {
+            scheme,
+            host,
+            port: authority.port_u16(),
+        })
+    }
+}
+
+impl std::fmt::Display for PublicUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.port {
+            Some(port) => write!(f, "{}://{}:{port}", self.scheme, self.host),
+            None => write!(f, "{}://{}", self.scheme, self.host),
+        }
     }
 }

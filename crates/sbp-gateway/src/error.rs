@@ -1,9 +1,13 @@
 //! The engine's error: what went wrong, in the engine's terms. The transport alone decides how a
 //! caller sees it (HTTP status, `SBP_*` code, headers: `transport/errors.rs`).
 
+use std::time::Duration;
+
 use sbp_llm::LlmError;
 use sbp_store::StoreError;
 use uuid::Uuid;
+
+use crate::ratelimit::{Limit, retry_after_secs};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
@@ -28,6 +32,9 @@ pub enum Error {
     /// An input over its size limit.
     #[error("{0}")]
     TooLarge(String),
+    /// A body in a format the endpoint does not take (not JSON).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// The session's state does not allow this now.
     #[error("{0}")]
     Conflict(String),
@@ -50,6 +57,10 @@ pub enum Error {
     /// The upstream LLM failed.
     #[error("{}", upstream_message(.0))]
     Upstream(LlmError),
+    /// A rate limit refused the request: `limit` says which, `retry_after` when a request would
+    /// be let through again.
+    #[error("{}", rate_limited_message(*.limit, *.retry_after))]
+    RateLimited { limit: Limit, retry_after: Duration },
     /// A failure of the gateway itself (already logged where it happened).
     #[error("internal error while {0}")]
     Internal(String),
@@ -128,6 +139,16 @@ fn upstream_message(e: &LlmError) -> String {
         }
         LlmError::Protocol(m) => format!("the upstream LLM sent an invalid reply: {m}"),
     }
+}
+
+fn rate_limited_message(limit: Limit, retry_after: Duration) -> String {
+    let what = match limit {
+        Limit::Address => "too many requests from this address",
+        Limit::Session => "too many requests for this session",
+        Limit::OperatorKey => "too many requests with this operator key",
+        Limit::AuthFailures => "too many failed authentications from this address",
+    };
+    format!("{what}; retry in {} s", retry_after_secs(retry_after))
 }
 
 /// Parses a path id.

@@ -7,13 +7,15 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod ratelimit;
 pub mod transport;
 
-pub use config::{CtpRule, GatewayConfig, run_replica_id};
+pub use config::{CtpRule, GatewayConfig, PublicUrl, run_replica_id};
 pub use engine::Gateway;
 pub use engine::replicas::BusLink;
 pub use engine::tools::ServerTools;
 pub use error::Error;
+pub use ratelimit::{Rate, RateLimits};
 
 use std::future::Future;
 
@@ -25,7 +27,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::serve::ListenerExt as _;
-    let app = transport::router(gateway.clone());
+    let app = transport::router(gateway.clone(), listener.local_addr()?);
     let stop = gateway.shutdown_token();
     // Frames are small and often sent back to back (an ACK after a TURN_COMPLETE, a TOOL_RESULT
     // after a PONG): with Nagle on, the second waits for the peer's delayed ACK, up to 40 ms.
@@ -34,6 +36,8 @@ pub async fn serve(
             tracing::debug!(%err, "could not set TCP_NODELAY");
         }
     });
+    // The peer's address reaches handlers as `ConnectInfo` (the rate limits are keyed by it).
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             tokio::select! {

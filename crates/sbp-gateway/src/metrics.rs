@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use crate::ratelimit::Limit;
+
 const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
 ];
@@ -80,6 +82,20 @@ pub struct Metrics {
     pub upstream_latency: Histogram,
     /// TOOL_CALL sent to TOOL_RESULT received (or timeout / disconnect).
     pub tool_call_latency: Histogram,
+    /// Requests refused by a rate limit, by limit (`ratelimit::Limit` order).
+    pub rate_limited: [AtomicU64; 4],
+}
+
+impl Metrics {
+    pub fn count_rate_limited(&self, limit: Limit) {
+        let i = match limit {
+            Limit::Address => 0,
+            Limit::Session => 1,
+            Limit::OperatorKey => 2,
+            Limit::AuthFailures => 3,
+        };
+        self.rate_limited[i].fetch_add(1, Relaxed);
+    }
 }
 
 /// Figures read from storage and the hub at scrape time.
@@ -214,6 +230,24 @@ impl Metrics {
                 out,
                 "sbp_retention_swept_total{{kind=\"{kind}\"}} {}",
                 v.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP sbp_rate_limited_total Requests refused by a rate limit.\n# TYPE sbp_rate_limited_total counter"
+        );
+        let limits = [
+            Limit::Address,
+            Limit::Session,
+            Limit::OperatorKey,
+            Limit::AuthFailures,
+        ];
+        for (limit, n) in limits.iter().zip(&self.rate_limited) {
+            let _ = writeln!(
+                out,
+                "sbp_rate_limited_total{{limit=\"{}\"}} {}",
+                limit.as_str(),
+                n.load(Relaxed)
             );
         }
         for (name, help, v) in [

@@ -116,7 +116,7 @@ mod tool;
 pub use config::{ConfigError, ServerConfig, ServerTransport};
 pub use northbound::{
     HostError, McpSession, NorthboundOptions, NorthboundService, SurfaceMcpServer, SurfaceToolHost,
-    northbound_service,
+    check_client_message, northbound_service,
 };
 pub use southbound::{McpError, RECONNECT_BACKOFF, RECONNECT_BACKOFF_MAX, Southbound};
 pub use tool::{ToolOutput, ToolSpec};

@@ -86,6 +86,15 @@ impl SurfaceMcpServer {
     }
 }
 
+/// Whether `body` is one JSON-RPC message an MCP client may send (request, notification,
+/// response or error), so the endpoint can refuse anything else with its own error before the
+/// service sees it. `Err` says what is wrong.
+pub fn check_client_message(body: &[u8]) -> Result<(), String> {
+    serde_json::from_slice::<rmcp::model::ClientJsonRpcMessage>(body)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
 /// A tower/axum service speaking MCP streamable HTTP for every session's surface. Mount it under
 /// `/v1/sbp/sessions/{id}/mcp` behind a middleware that authenticates the caller and inserts
 /// [`McpSession`] into the request extensions (see the crate docs for the axum snippet).

@@ -2,7 +2,10 @@
 //! code, the envelope's `detail` and the headers it carries (SPEC 12.1:
 //! `{"error":{"code":"SBP_...","message":...,"detail":...}}`).
 
-use axum::http::StatusCode;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_llm::LlmError;
 use sbp_protocol::{ErrorBody, ErrorCode};
@@ -10,14 +13,22 @@ use serde_json::{Value, json};
 
 use super::headers::{add_headers, session_headers};
 use crate::error::{Error, upstream_status};
+use crate::ratelimit::retry_after_secs;
 
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let status =
             StatusCode::from_u16(status(&self)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, axum::Json(body(&self))).into_response();
-        if let Error::InTurn { session, .. } = &self {
-            add_headers(resp.headers_mut(), &session_headers(session));
+        match &self {
+            Error::InTurn { session, .. } => {
+                add_headers(resp.headers_mut(), &session_headers(session));
+            }
+            Error::RateLimited { retry_after, .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, retry_after_secs(*retry_after).into());
+            }
+            _ => {}
         }
         resp
     }
@@ -34,6 +45,103 @@ pub fn routing(code: ErrorCode, message: &str) -> Response {
     (status, axum::Json(ErrorBody::new(code, message, None))).into_response()
 }
 
+/// A WebSocket route reached by a request that is not a WebSocket handshake: a plain `GET` (or one
+/// whose `Upgrade`/`Connection` headers are missing) is told to upgrade (426, `Upgrade: websocket`),
+/// an unsupported version is told the one spoken (RFC 6455 4.4), anything else is malformed.
+/// Why a request to the WebSocket route is not a handshake we can take.
+#[derive(Debug, Clone, Copy)]
+pub enum NotAWebSocket {
+    NoUpgrade,
+    Version,
+    NotGet,
+    Malformed,
+}
+
+pub fn not_a_websocket(refusal: NotAWebSocket) -> Response {
+    let (code, message) = match refusal {
+        NotAWebSocket::NoUpgrade => (
+            ErrorCode::UpgradeRequired,
+            "this endpoint is a WebSocket: send a WebSocket handshake (Upgrade: websocket)",
+        ),
+        NotAWebSocket::Version => (
+            ErrorCode::UpgradeRequired,
+            "unsupported WebSocket version: this endpoint speaks version 13",
+        ),
+        NotAWebSocket::NotGet => (
+            ErrorCode::MethodNotAllowed,
+            "a WebSocket handshake is a GET",
+        ),
+        NotAWebSocket::Malformed => (
+            ErrorCode::BadRequest,
+            "malformed WebSocket handshake (HTTP/1.1 and Sec-WebSocket-Key needed)",
+        ),
+    };
+    let mut resp = routing(code, message);
+    if code == ErrorCode::UpgradeRequired {
+        let headers = resp.headers_mut();
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        headers.insert(
+            header::SEC_WEBSOCKET_VERSION,
+            HeaderValue::from_static("13"),
+        );
+    }
+    resp
+}
+
+/// The last layer: an error response made below in anything but JSON (a rejection of axum's, the
+/// MCP library's plain-text answers) gets the envelope, keeping its status and headers and, as its
+/// message, its text. JSON errors (the envelope, MCP's JSON-RPC errors) pass untouched.
+pub async fn envelope(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) || is_json(resp.headers()) {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let reason = status.canonical_reason().unwrap_or("error");
+    let message = axum::body::to_bytes(body, 4096)
+        .await
+        .ok()
+        .and_then(|b| String::from_utf8(b.to_vec()).ok())
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| reason.to_owned());
+    let body = ErrorBody::new(code_for_status(status), message, None);
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(super::extract::is_json_media_type)
+}
+
+/// The code of an error status no engine error gave.
+fn code_for_status(status: StatusCode) -> ErrorCode {
+    match status.as_u16() {
+        401 => ErrorCode::Unauthorized,
+        403 => ErrorCode::Forbidden,
+        404 => ErrorCode::NotFound,
+        405 => ErrorCode::MethodNotAllowed,
+        406 => ErrorCode::NotAcceptable,
+        413 => ErrorCode::PayloadTooLarge,
+        415 => ErrorCode::UnsupportedMediaType,
+        426 => ErrorCode::UpgradeRequired,
+        429 => ErrorCode::RateLimited,
+        503 => ErrorCode::Unavailable,
+        500..=599 => ErrorCode::Internal,
+        _ => ErrorCode::BadRequest,
+    }
+}
+
 fn code(e: &Error) -> ErrorCode {
     match e {
         Error::Invalid(_) => ErrorCode::BadRequest,
@@ -43,6 +151,7 @@ fn code(e: &Error) -> ErrorCode {
         Error::SessionNotFound(_) => ErrorCode::SessionNotFound,
         Error::NotFound(_) => ErrorCode::NotFound,
         Error::TooLarge(_) => ErrorCode::PayloadTooLarge,
+        Error::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
         Error::Conflict(_) => ErrorCode::SessionConflict,
         Error::IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
         Error::TokenExpired { .. } => ErrorCode::TokenExpired,
@@ -54,6 +163,7 @@ fn code(e: &Error) -> ErrorCode {
         Error::Upstream(LlmError::Status { .. } | LlmError::Protocol(_)) => {
             ErrorCode::UpstreamError
         }
+        Error::RateLimited { .. } => ErrorCode::RateLimited,
         Error::Internal(_) => ErrorCode::Internal,
         Error::InTurn { cause, .. } => code(cause),
     }
@@ -76,6 +186,10 @@ fn detail(e: &Error) -> Option<Value> {
             ..
         } => Some(json!({ "claimed": claimed, "computed": computed })),
         Error::Upstream(LlmError::Status { body, .. }) => Some(json!({ "upstream": body })),
+        Error::RateLimited { limit, retry_after } => Some(json!({
+            "limit": limit.as_str(),
+            "retry_after": retry_after_secs(*retry_after),
+        })),
         Error::InTurn { session, cause } => {
             let mut detail = detail(cause).unwrap_or_else(|| json!({}));
             if let Some(obj) = detail.as_object_mut() {

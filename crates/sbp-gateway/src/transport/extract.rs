@@ -4,7 +4,7 @@
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_protocol::ChatRequest;
@@ -14,16 +14,67 @@ use crate::Gateway;
 use crate::engine::sessions::Caller;
 use crate::error::Error;
 
-/// A request body that must be a JSON object (an empty body is `{}`).
+/// A request body that must be a JSON object (an empty body is `{}`), sent as JSON (see
+/// [`json_body`]).
 pub struct JsonObject(pub Map<String, Value>);
 
 impl<S: Send + Sync> FromRequest<S> for JsonObject {
     type Rejection = Error;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = body_bytes(req, state).await?;
+        let bytes = json_body(req, state).await?;
         json_object(&bytes).map(Self)
     }
+}
+
+/// The body of a request to a JSON endpoint. A body must come with `Content-Type:
+/// application/json` (or an `application/*+json` type; a `charset` other than UTF-8 is refused):
+/// anything else is 415, an empty body with a non-JSON type included, so no HTML form and no
+/// `text/plain` request a cross-site page can send without a preflight is ever read as JSON. A
+/// request with no `Content-Type` at all is accepted only without a body (`curl -X POST`): a
+/// browser sends such a request only from script, with an `Origin` that `policy.rs` checks.
+async fn json_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Error> {
+    let declared = req.headers().get(header::CONTENT_TYPE).map(|v| {
+        v.to_str()
+            .is_ok_and(|t| is_json_media_type(t) && utf8_charset(t))
+    });
+    let refused = || {
+        Error::UnsupportedMediaType(
+            "this endpoint takes JSON: send the body with Content-Type: application/json".into(),
+        )
+    };
+    if declared == Some(false) {
+        return Err(refused());
+    }
+    let bytes = body_bytes(req, state).await?;
+    if declared.is_none() && !bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(refused());
+    }
+    Ok(bytes)
+}
+
+/// `application/json` or `application/*+json`, parameters aside.
+pub fn is_json_media_type(value: &str) -> bool {
+    let essence = value.split(';').next().unwrap_or("").trim();
+    let Some((kind, subtype)) = essence.split_once('/') else {
+        return false;
+    };
+    kind.eq_ignore_ascii_case("application")
+        && (subtype.eq_ignore_ascii_case("json") || subtype.to_ascii_lowercase().ends_with("+json"))
+}
+
+/// No `charset`, or UTF-8 (JSON is UTF-8, RFC 8259 8.1).
+fn utf8_charset(value: &str) -> bool {
+    value.split(';').skip(1).all(|param| {
+        let Some((name, v)) = param.split_once('=') else {
+            return true;
+        };
+        !name.trim().eq_ignore_ascii_case("charset")
+            || matches!(
+                v.trim().trim_matches('"').to_ascii_lowercase().as_str(),
+                "utf-8" | "utf8"
+            )
+    })
 }
 
 async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Error> {
@@ -62,7 +113,7 @@ impl<S: Send + Sync> FromRequest<S> for ChatBody {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let keyed = req.headers().contains_key("idempotency-key");
-        let body = json_object(&body_bytes(req, state).await?)?;
+        let body = json_object(&json_body(req, state).await?)?;
         let fingerprint = keyed.then(|| fingerprint(&body)).transpose()?;
         let request = ChatRequest::from_object(body).map_err(|e| Error::Invalid(e.0))?;
         Ok(Self {

@@ -7,20 +7,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::middleware::{Next, from_fn_with_state};
+use axum::http::{HeaderValue, Method, header};
+use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use sbp_mcp::{
     HostError, McpSession, NorthboundOptions, SurfaceToolHost, ToolOutput, ToolSpec,
-    northbound_service,
+    check_client_message, northbound_service,
 };
+use sbp_protocol::ErrorCode;
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::extract::{Operator, bearer, header};
+use super::errors;
+use super::extract::{Operator, bearer, is_json_media_type};
 use crate::Gateway;
 use crate::engine::sessions::Caller;
 use crate::engine::tools::{CallRefused, tool_message_content};
+use crate::error::Error;
 
 /// The MCP route, behind its own authentication.
 pub fn routes(gw: Gateway) -> Router<Gateway> {
@@ -28,15 +33,70 @@ pub fn routes(gw: Gateway) -> Router<Gateway> {
     let service = northbound_service(
         host,
         NorthboundOptions {
-            // Callers are authenticated by session token, so any Host header is fine.
+            // `Host` and `Origin` are checked for every route, this one included, by `policy.rs`
+            // with the gateway's names: one policy, not a second list here.
             allowed_hosts: None,
             stateful: false,
             cancellation: gw.shutdown_token(),
         },
     );
+    // From the outside in: the request's method and type, the caller, the body.
     Router::new()
         .route_service("/v1/sbp/sessions/{id}/mcp", service)
+        .route_layer(from_fn_with_state(gw.clone(), parse_body))
         .route_layer(from_fn_with_state(gw, authenticate))
+        .route_layer(from_fn(check_request))
+}
+
+/// The endpoint is stateless: one JSON-RPC message per `POST`. A `GET` (which would open a
+/// server-to-client SSE stream) and a `DELETE` (which would end an MCP session) get 405, as the
+/// streamable-HTTP transport allows a server without them; a body that is not JSON gets 415.
+async fn check_request(req: Request, next: Next) -> Response {
+    if req.method() != Method::POST {
+        let mut resp = errors::routing(
+            ErrorCode::MethodNotAllowed,
+            "this MCP endpoint takes one JSON-RPC message per POST (no SSE stream, no sessions)",
+        );
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return resp;
+    }
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_json_media_type);
+    if !json {
+        return Error::UnsupportedMediaType(
+            "an MCP request is a JSON-RPC message: send it with Content-Type: application/json"
+                .into(),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Reads the body within the gateway's limit and checks it is one JSON-RPC message, so a
+/// malformed request gets the envelope (400, 413) rather than the MCP library's plain text.
+async fn parse_body(State(gw): State<Gateway>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let limit = gw.config().max_body_bytes;
+    let bytes = match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return Error::TooLarge(format!("an MCP request may have at most {limit} bytes"))
+                .into_response();
+        }
+    };
+    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
+        return Error::invalid(format!("the request body is not valid JSON: {e}")).into_response();
+    }
+    if let Err(e) = check_client_message(&bytes) {
+        return Error::invalid(format!("the request body is not a JSON-RPC message: {e}"))
+            .into_response();
+    }
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 /// Checks the session token for the path's session and hands the session to the MCP handler.
@@ -47,7 +107,7 @@ async fn authenticate(
     next: Next,
 ) -> Response {
     let operator = req.extensions().get::<Operator>().is_some_and(|o| o.0);
-    let session_token = header(req.headers(), "x-session-token")
+    let session_token = super::extract::header(req.headers(), "x-session-token")
         .or_else(|| bearer(req.headers()).filter(|_| !operator));
     let caller = Caller {
         session_token,

@@ -5,21 +5,31 @@ mod errors;
 mod extract;
 mod headers;
 mod http;
+mod limits;
 mod mcp;
 mod page;
+mod policy;
 mod requests;
 mod roaming;
 mod to_wire;
 mod tools;
 mod ws;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, patch, post};
 
 use crate::Gateway;
 
-pub fn router(gateway: Gateway) -> Router {
+/// The gateway's routes behind, from the outside in: the envelope for any error made below in
+/// plain text, the request policy (`Host`, `Origin`, path), the rate limits, operator
+/// authentication. `bound` is the address the gateway listens on (a loopback one means its names
+/// are known).
+pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     let max_body = gateway.config().max_body_bytes;
     let mut app = Router::new()
         .route("/", get(page::index))
@@ -63,12 +73,14 @@ pub fn router(gateway: Gateway) -> Router {
         );
     }
     app = app.merge(mcp::routes(gateway.clone()));
+    let limits = Arc::new(limits::Limits::new(gateway.clone()));
+    let policy = Arc::new(policy::Policy::new(gateway.config(), bound));
     app.fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(
-            gateway.clone(),
-            extract::operator_auth,
-        ))
+        .layer(from_fn_with_state(gateway.clone(), extract::operator_auth))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(from_fn_with_state(limits, limits::enforce))
+        .layer(from_fn_with_state(policy, policy::enforce))
+        .layer(from_fn(errors::envelope))
         .with_state(gateway)
 }

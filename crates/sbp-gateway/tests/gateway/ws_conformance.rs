@@ -651,8 +651,8 @@ async fn a_request_that_is_not_an_upgrade_gets_the_error_envelope() {
     let (id, _) = gw.idle_session().await;
     let path = format!("/v1/sbp/ws/{id}");
     let (status, body) = gw.get(&path, &[]).await;
-    assert_eq!(status, 400, "{body}");
-    assert_eq!(body["error"]["code"], "SBP_BAD_REQUEST", "{body}");
+    assert_eq!(status, 426, "{body}");
+    assert_eq!(body["error"]["code"], "SBP_UPGRADE_REQUIRED", "{body}");
     let upgrade = [
         ("connection", "Upgrade"),
         ("upgrade", "websocket"),

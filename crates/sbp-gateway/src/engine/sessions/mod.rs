@@ -21,6 +21,7 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::metrics::Metrics;
+use crate::ratelimit::{Limit, Limiter};
 use tokens::TokenCache;
 
 /// Who is calling a session-scoped endpoint.
@@ -102,6 +103,9 @@ struct Shared {
     tokens: Arc<TokenCache>,
     replicas: Replicas,
     metrics: Arc<Metrics>,
+    /// Requests per session (`--rate-limit-session`), counted once the caller is authorised, so
+    /// no one without the session's credentials can use up its budget.
+    limiter: Option<Limiter<Uuid>>,
 }
 
 impl Sessions {
@@ -113,6 +117,7 @@ impl Sessions {
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
+                limiter: config.rate_limits.session.map(Limiter::new),
                 store,
                 config,
                 tokens: Arc::new(TokenCache::default()),
@@ -137,7 +142,22 @@ impl Sessions {
         let session = self.get(id).await?;
         self.inner.tokens.remember(id, &session.token_hash);
         self.authorize(&session, caller)?;
+        self.admit(id)?;
         Ok(session)
+    }
+
+    /// Counts one request against session `id`'s rate limit ([`Error::RateLimited`] when over).
+    pub fn admit(&self, id: Uuid) -> Result<(), Error> {
+        match &self.inner.limiter {
+            Some(limiter) => limiter.check(&id).map_err(|retry_after| {
+                self.inner.metrics.count_rate_limited(Limit::Session);
+                Error::RateLimited {
+                    limit: Limit::Session,
+                    retry_after,
+                }
+            }),
+            None => Ok(()),
+        }
     }
 
     /// [`Sessions::authorized`] for callers that need only the id: a session token whose hash is
@@ -147,6 +167,7 @@ impl Sessions {
         if let (false, Some(token)) = (self.open_to(caller), &caller.session_token)
             && self.inner.tokens.check(id, token) == Some(true)
         {
+            self.admit(id)?;
             return Ok(id);
         }
         Ok(self.authorized(raw_id, caller).await?.id)

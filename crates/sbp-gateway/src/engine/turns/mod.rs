@@ -510,6 +510,7 @@ impl Turns {
                     "the session token belongs to another session",
                 ));
             }
+            self.inner.sessions.admit(session.id)?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,
@@ -525,6 +526,7 @@ impl Turns {
                         .into(),
                 ));
             }
+            self.inner.sessions.admit(session.id)?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,

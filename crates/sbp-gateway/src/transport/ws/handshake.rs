@@ -3,13 +3,13 @@
 //! the closing handshake need it. A request that is not a valid upgrade gets the error envelope.
 
 use axum::extract::FromRequestParts;
-use axum::response::{IntoResponse as _, Response};
+use axum::response::Response;
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Version, header};
 use hyper::upgrade::OnUpgrade;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
-use crate::error::Error;
+use super::super::errors::NotAWebSocket;
 
 /// A valid upgrade request: its key and the connection to take over once answered.
 pub struct WsUpgrade {
@@ -21,40 +21,31 @@ impl<S: Send + Sync> FromRequestParts<S> for WsUpgrade {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
-        let refuse = |what: &str| {
-            Error::invalid(format!("WebSocket upgrade required: {what}")).into_response()
-        };
-        if parts.version != Version::HTTP_11 {
-            return Err(refuse("HTTP/1.1 needed"));
-        }
+        let refuse = super::super::errors::not_a_websocket;
         if parts.method != Method::GET {
-            return Err(refuse("method must be GET"));
+            return Err(refuse(NotAWebSocket::NotGet));
         }
-        if !has_token(&parts.headers, header::CONNECTION, "upgrade") {
-            return Err(refuse("'Connection: Upgrade' missing"));
+        if !has_token(&parts.headers, header::CONNECTION, "upgrade")
+            || !has_token(&parts.headers, header::UPGRADE, "websocket")
+        {
+            return Err(refuse(NotAWebSocket::NoUpgrade));
         }
-        if !has_token(&parts.headers, header::UPGRADE, "websocket") {
-            return Err(refuse("'Upgrade: websocket' missing"));
+        if parts.version != Version::HTTP_11 {
+            return Err(refuse(NotAWebSocket::Malformed));
         }
         if parts
             .headers
             .get(header::SEC_WEBSOCKET_VERSION)
             .is_none_or(|v| v.as_bytes() != b"13")
         {
-            // RFC 6455 §4.4: answer with the versions we speak.
-            let mut resp = refuse("Sec-WebSocket-Version must be 13");
-            *resp.status_mut() = StatusCode::UPGRADE_REQUIRED;
-            resp.headers_mut().insert(
-                header::SEC_WEBSOCKET_VERSION,
-                HeaderValue::from_static("13"),
-            );
-            return Err(resp);
+            // RFC 6455 §4.4: 426 naming the versions we speak.
+            return Err(refuse(NotAWebSocket::Version));
         }
         let Some(key) = parts.headers.get(header::SEC_WEBSOCKET_KEY).cloned() else {
-            return Err(refuse("Sec-WebSocket-Key missing"));
+            return Err(refuse(NotAWebSocket::Malformed));
         };
         let Some(on_upgrade) = parts.extensions.remove::<OnUpgrade>() else {
-            return Err(refuse("the connection cannot be upgraded"));
+            return Err(refuse(NotAWebSocket::Malformed));
         };
         Ok(Self { key, on_upgrade })
     }
