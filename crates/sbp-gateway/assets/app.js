@@ -386,6 +386,14 @@ function onAttached(socket, f) {
   attachedAt = Date.now();
   lastRx = attachedAt;
   closeAway();
+  if (f.last_seq_reset) {
+    // The gateway never issued our position (say, its database was restored): every turn it
+    // sends is new, whatever its seq.
+    received = 0;
+    acked = 0;
+    session.lastSeq = 0;
+    saveSession();
+  }
   const queued = f.queued_turns || 0;
   stats.queued = queued;
   drainLeft = queued;
@@ -399,8 +407,10 @@ function onAttached(socket, f) {
   flushAck();
 }
 
-// A seq-carrying turn has been shown (and remembered): ACK it, once this task is done, together
-// with any others shown in the same burst.
+// A seq-carrying turn has been shown (and remembered): ACK it shortly, together with any others
+// shown meanwhile, so a long drain costs a few ACK frames rather than one per turn (the gateway
+// closes connections that send frames faster than its frame rate).
+const ACK_DELAY_MS = 50;
 let ackQueued = false;
 function delivered(seq) {
   if (!seq || seq <= received) return;
@@ -409,10 +419,10 @@ function delivered(seq) {
   saveSession();
   if (!ackQueued) {
     ackQueued = true;
-    queueMicrotask(() => {
+    setTimeout(() => {
       ackQueued = false;
       flushAck();
-    });
+    }, ACK_DELAY_MS);
   }
 }
 

@@ -72,6 +72,9 @@ pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUp
 struct End {
     reason: &'static str,
     close: Close,
+    /// The tether seq of a frame whose write was abandoned part-way: if the close frame still
+    /// gets out, that frame went out whole before it.
+    abandoned_seq: Option<u64>,
 }
 
 impl End {
@@ -79,6 +82,7 @@ impl End {
         Self {
             reason,
             close: Close::Send(code, why),
+            abandoned_seq: None,
         }
     }
 
@@ -91,7 +95,11 @@ impl End {
             Close::Send(socket::CLOSE_INVALID_DATA, _) => "invalid UTF-8",
             Close::Send(..) => "WebSocket protocol violation",
         };
-        Self { reason, close }
+        Self {
+            reason,
+            close,
+            abandoned_seq: None,
+        }
     }
 }
 
@@ -101,6 +109,7 @@ impl From<WriteFailed> for End {
             WriteFailed::Gone => Self {
                 reason: "socket write failed",
                 close: Close::Gone,
+                abandoned_seq: None,
             },
             WriteFailed::Timeout => Self::closing(
                 SLOW_WRITE,
@@ -164,7 +173,8 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             }
             Ok(Incoming::Ended(close)) => {
                 count_flood(&gw, close);
-                return socket.finish(close).await;
+                socket.finish(close).await;
+                return;
             }
             Ok(Incoming::Binary) => {
                 let detail =
@@ -254,7 +264,17 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             Err(end) => end,
         };
         count_flood(&gw, end.close);
-        if matches!(end.reason, SLOW_WRITE | SLOW_BACKLOG) {
+        let slow = matches!(end.reason, SLOW_WRITE | SLOW_BACKLOG);
+        // Displaced while a write to it stalled: it must hear 4409, not "reconnect" (1008).
+        let end = if slow && !gw.surfaces().is_current(&delivery) {
+            End {
+                abandoned_seq: end.abandoned_seq,
+                ..displaced()
+            }
+        } else {
+            end
+        };
+        if slow {
             gw.metrics()
                 .ws_slow_consumers
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -266,7 +286,11 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             Box::pin(gw.surfaces().detach(&delivery, end.reason)).await;
         }
         drop(inbox);
-        socket.finish(end.close).await;
+        if socket.finish(end.close).await
+            && let Some(seq) = end.abandoned_seq
+        {
+            Box::pin(gw.surfaces().sent(&delivery, &[seq])).await;
+        }
     }
 }
 
@@ -292,7 +316,10 @@ async fn send_all(
     let mut sent = Vec::new();
     let mut result = Ok(());
     for (frame, seq) in frames {
-        if let Err(end) = send(socket, &frame).await {
+        if let Err(mut end) = send(socket, &frame).await {
+            if socket.abandoned() {
+                end.abandoned_seq = seq;
+            }
             result = Err(end);
             break;
         }
@@ -410,7 +437,8 @@ async fn connection_loop(
                 }
             }
             msg = inbox.msgs.recv(), if ctp.is_none() => {
-                let weight = msg.as_ref().map_or(0, ConnMsg::weight);
+                // Off the queue: the budget bounds what waits, the write timeout what is written.
+                inbox.backlog.release(msg.as_ref().map_or(0, ConnMsg::weight));
                 let frames = match msg {
                     None | Some(ConnMsg::Displaced) => return Err(displaced()),
                     Some(ConnMsg::Chunk(c)) => {
@@ -422,9 +450,7 @@ async fn connection_loop(
                         turn.frames
                     }
                 };
-                let written = Box::pin(send_all(gw, socket, d, frames)).await;
-                inbox.backlog.release(weight);
-                written?;
+                Box::pin(send_all(gw, socket, d, frames)).await?;
             }
             item = next_ctp(&mut ctp), if ctp.is_some() => match item {
                 // The inbox (and its Displaced) waits while a rewrite streams: check directly.

@@ -16,7 +16,7 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
-use super::wire::Wire;
+use super::wire::{Wire, WriteProgress};
 use crate::engine::connections::Backlog;
 
 /// RFC 6455 close codes the transport itself sends (the protocol's own are in
@@ -73,16 +73,23 @@ pub enum WriteFailed {
 pub struct Socket {
     ws: Stream,
     write_timeout: Duration,
+    progress: WriteProgress,
     /// Once attached: the connection's queued turn traffic, whose overflow abandons a write.
     backlog: Option<Arc<Backlog>>,
+    /// A write was abandoned with part of its frame still in tungstenite's buffer: the close
+    /// frame, if it gets out, goes after the rest of it.
+    abandoned: bool,
 }
 
 impl Socket {
     pub fn new(ws: Stream, write_timeout: Duration) -> Self {
+        let progress = ws.get_ref().progress();
         Self {
             ws,
             write_timeout,
+            progress,
             backlog: None,
+            abandoned: false,
         }
     }
 
@@ -124,35 +131,52 @@ impl Socket {
         }
     }
 
-    /// Writes one text frame within the write timeout.
+    /// Writes one text frame. It fails with `Timeout` only when no byte could be written for the
+    /// whole write timeout (a slow link still sends a large turn; a stalled reader is dropped).
     pub async fn send(&mut self, text: String) -> Result<(), WriteFailed> {
-        let write = tokio::time::timeout(self.write_timeout, self.ws.send(Message::text(text)));
-        let result = match &self.backlog {
-            None => write.await,
-            Some(backlog) => tokio::select! {
+        let started = Instant::now();
+        let timeout = self.write_timeout;
+        let progress = self.progress.clone();
+        let backlog = self.backlog.clone();
+        let write = self.ws.send(Message::text(text));
+        tokio::pin!(write);
+        let result = loop {
+            let stalled_since = progress.last().max(started);
+            tokio::select! {
                 // A write that completed counts, even if the budget overflowed meanwhile: its
                 // frame is out and must be reported sent.
                 biased;
-                r = write => r,
-                () = backlog.overflowed() => return Err(WriteFailed::Overflow),
-            },
+                r = &mut write => break r.map_err(|_| WriteFailed::Gone),
+                () = overflowed(backlog.as_deref()) => break Err(WriteFailed::Overflow),
+                () = tokio::time::sleep_until(stalled_since + timeout) => {
+                    if progress.last().max(started) + timeout <= Instant::now() {
+                        break Err(WriteFailed::Timeout);
+                    }
+                }
+            }
         };
-        match result {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(WriteFailed::Gone),
-            Err(_) => Err(WriteFailed::Timeout),
+        if matches!(result, Err(WriteFailed::Overflow | WriteFailed::Timeout)) {
+            self.abandoned = true;
         }
+        result
     }
 
-    /// Ends the connection as `close` says; bounded by [`CLOSE_LINGER`] in all.
-    pub async fn finish(mut self, close: Close) {
+    /// Whether a write was abandoned part-way (its frame may still complete before a close).
+    pub fn abandoned(&self) -> bool {
+        self.abandoned
+    }
+
+    /// Ends the connection as `close` says; bounded by [`CLOSE_LINGER`] in all. Returns whether
+    /// our close frame was written (after an abandoned write: that frame went out whole first).
+    pub async fn finish(mut self, close: Close) -> bool {
         let deadline = Instant::now() + CLOSE_LINGER;
         match close {
-            Close::Gone => {}
+            Close::Gone => false,
             // Writes the queued answer; tungstenite then ends the stream (the server closes TCP
             // first, RFC 6455 §7.1.1).
             Close::Answer => {
                 let _ = tokio::time::timeout_at(deadline, self.ws.flush()).await;
+                false
             }
             Close::Send(code, reason) => {
                 let frame = Message::Close(Some(CloseFrame {
@@ -161,11 +185,14 @@ impl Socket {
                 }));
                 match tokio::time::timeout_at(deadline, self.ws.send(frame)).await {
                     // Written: the client answers once it has read it.
-                    Ok(Ok(())) => self.linger(deadline).await,
+                    Ok(Ok(())) => {
+                        self.linger(deadline).await;
+                        true
+                    }
                     // The client already closed (a close frame of its own crossed ours).
-                    Ok(Err(WsError::ConnectionClosed)) => {}
+                    Ok(Err(WsError::ConnectionClosed)) => false,
                     // Not written: the client will never see it, so nothing to wait for.
-                    Ok(Err(_)) | Err(_) => {}
+                    Ok(Err(_)) | Err(_) => false,
                 }
             }
         }
@@ -186,5 +213,13 @@ impl Socket {
                 _ => return,
             }
         }
+    }
+}
+
+/// Resolves once `backlog` overflows; never without one.
+async fn overflowed(backlog: Option<&Backlog>) {
+    match backlog {
+        Some(b) => b.overflowed().await,
+        None => std::future::pending().await,
     }
 }

@@ -6,6 +6,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -146,6 +147,31 @@ pub struct Wire<T> {
     limit: Option<FrameLimit>,
     flooded: bool,
     read: u64,
+    /// When bytes were last written to the client: a write times out only without progress.
+    progress: WriteProgress,
+}
+
+/// When a connection last wrote bytes to its client, shared with the writer that watches it.
+#[derive(Debug, Clone)]
+pub struct WriteProgress(Arc<Mutex<Instant>>);
+
+impl Default for WriteProgress {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Instant::now())))
+    }
+}
+
+impl WriteProgress {
+    fn made(&self) {
+        if let Ok(mut at) = self.0.lock() {
+            *at = Instant::now();
+        }
+    }
+
+    /// The last write of at least one byte.
+    pub fn last(&self) -> Instant {
+        self.0.lock().map_or_else(|e| *e.into_inner(), |at| *at)
+    }
 }
 
 impl<T> Wire<T> {
@@ -156,7 +182,13 @@ impl<T> Wire<T> {
             limit: Some(limit),
             flooded: false,
             read: 0,
+            progress: WriteProgress::default(),
         }
+    }
+
+    /// A handle on this connection's write progress.
+    pub fn progress(&self) -> WriteProgress {
+        self.progress.clone()
     }
 
     /// The client sent frames faster than its limit allows (the read that saw it failed).
@@ -210,7 +242,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.progress.made();
+        }
+        polled
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -226,7 +263,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.progress.made();
+        }
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {
