@@ -29,6 +29,8 @@ pub struct GatewayConfig {
     pub ctp_drain_max: usize,
     pub max_frame_bytes: usize,
     pub max_body_bytes: usize,
+    /// Bounds on request messages, JSON shape and session transcripts.
+    pub limits: crate::limits::Limits,
     /// Operator API keys; when non-empty every HTTP endpoint but /healthz needs one as a Bearer token.
     pub api_keys: Vec<String>,
     /// SPEC 6.1 strict mode: a request with neither `sbp` nor a session token is passed through untracked.
@@ -81,6 +83,7 @@ impl Default for GatewayConfig {
             ctp_drain_max: 20,
             max_frame_bytes: 1 << 20,
             max_body_bytes: 8 << 20,
+            limits: crate::limits::Limits::default(),
             api_keys: Vec::new(),
             strict_sbp: false,
             enable_test_hooks: false,
