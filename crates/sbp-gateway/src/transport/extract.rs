@@ -90,7 +90,7 @@ fn chat_object(bytes: &[u8], limits: &Limits) -> Result<Map<String, Value>, Erro
 
 /// `messages`: when an array, its length and each entry's size are checked before any is parsed.
 fn messages(raw: &RawValue, limits: &Limits) -> Result<Value, Error> {
-    if !raw.get().starts_with('[') {
+    if !raw.get().trim_start().starts_with('[') {
         return serde_json::from_str(raw.get()).map_err(|e| not_json(&e));
     }
     let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?;
@@ -237,4 +237,72 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
     }
     req.extensions_mut().insert(Operator(valid));
     next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Limit;
+
+    fn limits(max_request_messages: usize, max_message_bytes: usize) -> Limits {
+        Limits {
+            max_request_messages,
+            max_message_bytes,
+            ..Limits::default()
+        }
+    }
+
+    fn limit_of(r: Result<Map<String, Value>, Error>) -> Option<Limit> {
+        match r {
+            Err(Error::OverLimit { limit, .. }) => Some(limit),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn messages_are_counted_and_measured_however_the_body_is_spaced() {
+        let body = br#" {
+            "model" : "m",
+            "messages" :
+              [ {"role": "user", "content": "a"} ,
+                {"role": "user", "content": "b"}, {"role": "user", "content": "c"} ] ,
+            "messages_extra": [1, 2, 3, 4]
+        } "#;
+        let map = chat_object(body, &limits(3, 100)).expect("within the limits");
+        assert_eq!(map["messages"].as_array().map(Vec::len), Some(3));
+        assert_eq!(map["messages_extra"], serde_json::json!([1, 2, 3, 4]));
+        assert_eq!(
+            limit_of(chat_object(body, &limits(2, 100))),
+            Some(Limit::RequestMessages)
+        );
+        assert_eq!(
+            limit_of(chat_object(body, &limits(3, 20))),
+            Some(Limit::MessageBytes)
+        );
+    }
+
+    #[test]
+    fn bodies_parse_like_a_map() {
+        let dup = br#"{"model": "a", "model": "b", "messages": "x"}"#;
+        let map = chat_object(dup, &limits(1, 1)).expect("parses");
+        assert_eq!(map["model"], "b", "the last duplicate wins, as in a Map");
+        assert_eq!(
+            map["messages"], "x",
+            "not an array: left to the request's checks"
+        );
+        assert_eq!(
+            chat_object(b"  ", &limits(1, 1)).expect("empty"),
+            Map::new()
+        );
+        for (bad, text) in [
+            (&b"[1]"[..], "must be a JSON object"),
+            (b"{\"a\": }", "not valid JSON"),
+            (b"{\"messages\": [1,}", "not valid JSON"),
+        ] {
+            match chat_object(bad, &limits(5, 100)) {
+                Err(Error::Invalid(m)) => assert!(m.contains(text), "{m}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
 }
