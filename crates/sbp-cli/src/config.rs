@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use sbp_gateway::ratelimit::parse_limit;
-use sbp_gateway::{CtpRule, PublicUrl, RateLimits};
+use sbp_gateway::{CtpRule, Limits, PublicUrl, RateLimits};
 use sbp_store::redis_tether::TetherMode;
 use serde::Deserialize;
 
@@ -181,6 +181,33 @@ pub struct ServeArgs {
     /// Largest HTTP request body in bytes. [default: 8388608]
     #[arg(long, env = "SBP_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Most messages one completion request may carry (413 beyond). [default: 10000]
+    #[arg(long, env = "SBP_MAX_REQUEST_MESSAGES")]
+    pub max_request_messages: Option<usize>,
+    /// Largest message in bytes of JSON, in a request, a push or an imported bundle (413, or 422
+    /// in a bundle). [default: 4194304]
+    #[arg(long, env = "SBP_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
+    /// Most messages a session's transcript may hold: a turn that would go past it is refused
+    /// with 422 SBP_SESSION_FULL (continue in a fork with `keep_last`). [default: 100000]
+    #[arg(long, env = "SBP_MAX_SESSION_MESSAGES")]
+    pub max_session_messages: Option<u64>,
+    /// Largest transcript in bytes (its messages as stored JSON); past it, as
+    /// --max-session-messages. [default: 33554432]
+    #[arg(long, env = "SBP_MAX_SESSION_BYTES")]
+    pub max_session_bytes: Option<u64>,
+    /// Deepest nesting of objects and arrays in a request body, 8 to 128 (413 beyond).
+    /// [default: 64]
+    #[arg(long, env = "SBP_MAX_JSON_DEPTH")]
+    pub max_json_depth: Option<usize>,
+    /// Most JSON objects in one request body (413 beyond): each costs ~0.6 KB parsed, whatever its
+    /// size in the body. [default: 32768]
+    #[arg(long, env = "SBP_MAX_JSON_OBJECTS")]
+    pub max_json_objects: Option<usize>,
+    /// Most JSON values (strings and keys, numbers, literals, arrays, objects) in one request body
+    /// (413 beyond). [default: 262144]
+    #[arg(long, env = "SBP_MAX_JSON_VALUES")]
+    pub max_json_values: Option<usize>,
     /// Operator API key (repeatable; env: comma-separated). When set, every HTTP endpoint but
     /// /healthz needs `Authorization: Bearer <key>`.
     #[arg(
@@ -275,6 +302,13 @@ struct FileConfig {
     ws_frame_rate: Option<u32>,
     ws_frame_burst: Option<u32>,
     max_body_bytes: Option<usize>,
+    max_request_messages: Option<usize>,
+    max_message_bytes: Option<usize>,
+    max_session_messages: Option<u64>,
+    max_session_bytes: Option<u64>,
+    max_json_depth: Option<usize>,
+    max_json_objects: Option<usize>,
+    max_json_values: Option<usize>,
     api_keys: Option<Vec<String>>,
     strict_sbp: Option<bool>,
     enable_test_hooks: Option<bool>,
@@ -361,6 +395,7 @@ pub struct Settings {
     pub ws_frame_rate: u32,
     pub ws_frame_burst: u32,
     pub max_body_bytes: usize,
+    pub limits: Limits,
     pub api_keys: Vec<String>,
     pub strict_sbp: bool,
     pub enable_test_hooks: bool,
@@ -491,6 +526,38 @@ impl Settings {
         if ws_frame_rate == 0 || ws_frame_burst == 0 {
             bail!("--ws-frame-rate and --ws-frame-burst must be at least 1");
         }
+        let d = Limits::default();
+        let limits = Limits {
+            max_request_messages: args
+                .max_request_messages
+                .or(file.max_request_messages)
+                .unwrap_or(d.max_request_messages),
+            max_message_bytes: args
+                .max_message_bytes
+                .or(file.max_message_bytes)
+                .unwrap_or(d.max_message_bytes),
+            max_session_messages: args
+                .max_session_messages
+                .or(file.max_session_messages)
+                .unwrap_or(d.max_session_messages),
+            max_session_bytes: args
+                .max_session_bytes
+                .or(file.max_session_bytes)
+                .unwrap_or(d.max_session_bytes),
+            max_json_depth: args
+                .max_json_depth
+                .or(file.max_json_depth)
+                .unwrap_or(d.max_json_depth),
+            max_json_objects: args
+                .max_json_objects
+                .or(file.max_json_objects)
+                .unwrap_or(d.max_json_objects),
+            max_json_values: args
+                .max_json_values
+                .or(file.max_json_values)
+                .unwrap_or(d.max_json_values),
+        };
+        check_limits(&limits)?;
         let list = |flag: Vec<String>, file: Option<Vec<String>>| -> Vec<String> {
             let mut v: Vec<String> = flag
                 .into_iter()
@@ -670,6 +737,7 @@ impl Settings {
             ws_frame_rate,
             ws_frame_burst,
             max_body_bytes,
+            limits,
             api_keys,
             strict_sbp: args.strict_sbp || file.strict_sbp.unwrap_or(false),
             enable_test_hooks: args.enable_test_hooks || file.enable_test_hooks.unwrap_or(false),
@@ -680,6 +748,28 @@ impl Settings {
             log_format,
         })
     }
+}
+
+/// Limits that leave a gateway able to work: a chat request nests at least 8 levels deep (an image
+/// part's URL), and serde_json refuses more than 128; the others must allow something.
+fn check_limits(l: &Limits) -> anyhow::Result<()> {
+    if !(8..=128).contains(&l.max_json_depth) {
+        bail!("--max-json-depth must be from 8 to 128");
+    }
+    if l.max_request_messages == 0
+        || l.max_message_bytes == 0
+        || l.max_session_messages < 2
+        || l.max_session_bytes == 0
+        || l.max_json_objects == 0
+        || l.max_json_values == 0
+    {
+        bail!(
+            "--max-request-messages, --max-message-bytes, --max-session-bytes, \
+             --max-json-objects and --max-json-values must be at least 1, \
+             --max-session-messages at least 2"
+        );
+    }
+    Ok(())
 }
 
 fn parse_database(url: &str) -> anyhow::Result<Database> {
@@ -804,6 +894,8 @@ pub fn load_secret(configured: Option<&str>, data_dir: &Path) -> anyhow::Result<
     }
     let path = data_dir.join("secret");
     if path.exists() {
+        private_dir(data_dir)?;
+        narrow(&path, 0o600).with_context(|| format!("restricting {}", path.display()))?;
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
         let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
@@ -814,13 +906,47 @@ pub fn load_secret(configured: Option<&str>, data_dir: &Path) -> anyhow::Result<
         }
         return Ok(bytes);
     }
-    std::fs::create_dir_all(data_dir)
-        .with_context(|| format!("creating {}", data_dir.display()))?;
+    private_dir(data_dir)?;
     let mut bytes = vec![0u8; 48];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut bytes);
     let text = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&bytes);
     write_private(&path, text.as_bytes()).with_context(|| format!("writing {}", path.display()))?;
     Ok(bytes)
+}
+
+/// The data directory, created owner-only (0700), or narrowed to that (logged) when it exists
+/// with access for others: it holds the database and the signing secret.
+pub fn private_dir(dir: &Path) -> anyhow::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    narrow(dir, 0o700).with_context(|| format!("restricting {}", dir.display()))
+}
+
+/// Sets `path`'s mode to `mode` when it grants group or others any access (logged); the owner's
+/// bits are left alone otherwise.
+fn narrow(path: &Path, mode: u32) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let was = std::fs::metadata(path)?.permissions().mode() & 0o777;
+        if was & 0o077 != 0 {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+            tracing::warn!(
+                path = %path.display(),
+                was = format!("{was:o}"),
+                now = format!("{mode:o}"),
+                "narrowed the permissions of the gateway's data"
+            );
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (path, mode);
+    Ok(())
 }
 
 fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -1016,6 +1142,18 @@ mod tests {
                 sqlite_synchronous: Some("sometimes".into()),
                 ..Default::default()
             },
+            ServeArgs {
+                max_json_depth: Some(200),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_session_messages: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_request_messages: Some(0),
+                ..Default::default()
+            },
         ] {
             assert!(Settings::resolve(args).is_err());
         }
@@ -1125,5 +1263,41 @@ mod tests {
         ] {
             assert!(Settings::resolve(args).is_err());
         }
+    }
+
+    #[test]
+    fn limits_from_flags_and_toml() {
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert_eq!(d.limits, Limits::default());
+        assert!(d.limits.max_session_messages >= 100_000);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "max_session_messages = 500\nmax_session_bytes = 9000\nmax_json_depth = 16\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            max_session_messages: Some(700),
+            max_request_messages: Some(50),
+            max_message_bytes: Some(2048),
+            max_json_objects: Some(99),
+            max_json_values: Some(999),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(
+            s.limits,
+            Limits {
+                max_request_messages: 50,
+                max_message_bytes: 2048,
+                max_session_messages: 700,
+                max_session_bytes: 9000,
+                max_json_depth: 16,
+                max_json_objects: 99,
+                max_json_values: 999,
+            }
+        );
     }
 }

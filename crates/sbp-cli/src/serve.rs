@@ -14,12 +14,15 @@ use sbp_store::postgres::{PostgresOptions, PostgresStore, redacted_url};
 use sbp_store::redis_tether::{RedisTetherOptions, TetheredStore, redacted_redis_url};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 
-use crate::config::{Database, Settings, load_secret};
+use crate::config::{Database, Settings, load_secret, private_dir};
 
 /// How long a southbound MCP server may take to start and list its tools.
 const MCP_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 pub async fn run(s: Settings) -> anyhow::Result<()> {
+    if matches!(&s.database, Database::Sqlite(path) if path.starts_with(&s.data_dir)) {
+        private_dir(&s.data_dir)?;
+    }
     let secret = load_secret(s.jwt_secret.as_deref(), &s.data_dir)?;
     let (store, storage_label) = match &s.database {
         Database::Sqlite(path) => {
@@ -131,6 +134,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         ws_frame_rate: s.ws_frame_rate,
         ws_frame_burst: s.ws_frame_burst,
         max_body_bytes: s.max_body_bytes,
+        limits: s.limits,
         api_keys: s.api_keys.clone(),
         strict_sbp: s.strict_sbp,
         enable_test_hooks: s.enable_test_hooks,

@@ -20,6 +20,9 @@ mod conformance;
 #[path = "binary/browser.rs"]
 mod browser;
 
+#[path = "binary/private_and_bounded.rs"]
+mod private_and_bounded;
+
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::Duration;

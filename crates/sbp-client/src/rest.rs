@@ -460,9 +460,15 @@ impl SessionClient {
 
     /// `POST /v1/sbp/sessions/{id}/fork`: an independent copy at the latest checkpoint.
     pub async fn fork(&self, label: Option<&str>) -> Result<Created<ForkInfo>, Error> {
-        let body = ForkRequest {
+        self.fork_with(ForkRequest {
             label: label.map(str::to_owned),
-        };
+            keep_last: None,
+        })
+        .await
+    }
+
+    /// [`SessionClient::fork`] with every option, e.g. `keep_last` to continue a full session.
+    pub async fn fork_with(&self, body: ForkRequest) -> Result<Created<ForkInfo>, Error> {
         let info: ForkInfo = self.post(&["fork"], &body).await?;
         Ok(Created {
             session: self

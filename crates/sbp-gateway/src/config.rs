@@ -41,6 +41,8 @@ pub struct GatewayConfig {
     /// Frames a WebSocket client may send at once above the sustained rate.
     pub ws_frame_burst: u32,
     pub max_body_bytes: usize,
+    /// Bounds on request messages, JSON shape and session transcripts.
+    pub limits: crate::limits::Limits,
     /// Operator API keys; when non-empty every HTTP endpoint but /healthz needs one as a Bearer token.
     pub api_keys: Vec<String>,
     /// SPEC 6.1 strict mode: a request with neither `sbp` nor a session token is passed through untracked.
@@ -118,6 +120,7 @@ impl Default for GatewayConfig {
             ws_frame_rate: 100,
             ws_frame_burst: 1000,
             max_body_bytes: 8 << 20,
+            limits: crate::limits::Limits::default(),
             api_keys: Vec::new(),
             strict_sbp: false,
             enable_test_hooks: false,

@@ -7,15 +7,40 @@ use sbp_llm::LlmError;
 use sbp_store::StoreError;
 use uuid::Uuid;
 
-use crate::ratelimit::{Limit, retry_after_secs};
+use crate::ratelimit::{Limit as RateLimit, retry_after_secs};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
     /// The request is malformed; the text names the field.
     #[error("{0}")]
     Invalid(String),
-    /// A path id that is not a UUID.
-    #[error("'{0}' is not a valid UUID")]
+    /// A field of the request does not fit its schema (a chat message as OpenAI checks it).
+    #[error("{message}")]
+    InvalidField {
+        /// Its path, as OpenAI's `param` (`messages[3].role`).
+        param: String,
+        message: String,
+    },
+    /// An input over one of the configured limits, refused before anything was stored.
+    #[error("{message}")]
+    OverLimit {
+        limit: SizeLimit,
+        max: u64,
+        message: String,
+    },
+    /// The session's transcript is at a configured limit: no turn can be added to it.
+    #[error("{message}")]
+    SessionFull {
+        session_id: Uuid,
+        limit: SizeLimit,
+        max: u64,
+        message: String,
+    },
+    /// A bundle to import whose content is not of the right type or range; nothing was written.
+    #[error("invalid bundle: `{path}` {reason}")]
+    InvalidBundle { path: String, reason: String },
+    /// A path id that is not a UUID in the canonical form.
+    #[error("'{0}' is not a valid UUID (lower-case, hyphenated)")]
     InvalidUuid(String),
     /// A credential is required and none was given.
     #[error("{0}")]
@@ -60,7 +85,10 @@ pub enum Error {
     /// A rate limit refused the request: `limit` says which, `retry_after` when a request would
     /// be let through again.
     #[error("{}", rate_limited_message(*.limit, *.retry_after))]
-    RateLimited { limit: Limit, retry_after: Duration },
+    RateLimited {
+        limit: RateLimit,
+        retry_after: Duration,
+    },
     /// A failure of the gateway itself (already logged where it happened).
     #[error("internal error while {0}")]
     Internal(String),
@@ -71,6 +99,33 @@ pub enum Error {
         session: TurnSession,
         cause: Box<Error>,
     },
+}
+
+/// The configured limits an input can exceed, by their configuration name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SizeLimit {
+    RequestMessages,
+    MessageBytes,
+    SessionMessages,
+    SessionBytes,
+    JsonDepth,
+    JsonObjects,
+    JsonValues,
+}
+
+impl SizeLimit {
+    /// The name of its setting (`max_request_messages`; the flag is `--max-request-messages`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RequestMessages => "max_request_messages",
+            Self::MessageBytes => "max_message_bytes",
+            Self::SessionMessages => "max_session_messages",
+            Self::SessionBytes => "max_session_bytes",
+            Self::JsonDepth => "max_json_depth",
+            Self::JsonObjects => "max_json_objects",
+            Self::JsonValues => "max_json_values",
+        }
+    }
 }
 
 /// The session a turn ran in, as its caller must learn it.
@@ -94,6 +149,18 @@ impl Error {
 
     pub fn session_not_found(id: impl std::fmt::Display) -> Self {
         Self::SessionNotFound(format!("Session '{id}' not found"))
+    }
+
+    pub fn over_limit(
+        limit: SizeLimit,
+        max: impl TryInto<u64>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::OverLimit {
+            limit,
+            max: max.try_into().unwrap_or(u64::MAX),
+            message: message.into(),
+        }
     }
 
     pub fn forbidden(message: impl Into<String>) -> Self {
@@ -141,17 +208,18 @@ fn upstream_message(e: &LlmError) -> String {
     }
 }
 
-fn rate_limited_message(limit: Limit, retry_after: Duration) -> String {
+fn rate_limited_message(limit: RateLimit, retry_after: Duration) -> String {
     let what = match limit {
-        Limit::Address => "too many requests from this address",
-        Limit::Session => "too many requests for this session",
-        Limit::OperatorKey => "too many requests with this operator key",
-        Limit::AuthFailures => "too many failed authentications from this address",
+        RateLimit::Address => "too many requests from this address",
+        RateLimit::Session => "too many requests for this session",
+        RateLimit::OperatorKey => "too many requests with this operator key",
+        RateLimit::AuthFailures => "too many failed authentications from this address",
     };
     format!("{what}; retry in {} s", retry_after_secs(retry_after))
 }
 
-/// Parses a path id.
+/// Parses an id a caller sent (a path, `sbp.session_id`): only the canonical lower-case hyphenated
+/// form is an id (`sbp_protocol::id`).
 pub fn parse_uuid(raw: &str) -> Result<Uuid, Error> {
-    Uuid::parse_str(raw).map_err(|_| Error::InvalidUuid(raw.to_owned()))
+    sbp_protocol::id::parse_canonical(raw).ok_or_else(|| Error::InvalidUuid(raw.to_owned()))
 }

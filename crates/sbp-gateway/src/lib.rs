@@ -6,6 +6,7 @@ pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod limits;
 pub mod metrics;
 pub mod ratelimit;
 pub mod transport;
@@ -15,6 +16,7 @@ pub use engine::Gateway;
 pub use engine::replicas::BusLink;
 pub use engine::tools::ServerTools;
 pub use error::Error;
+pub use limits::Limits;
 pub use ratelimit::{Rate, RateLimits};
 
 use std::future::Future;

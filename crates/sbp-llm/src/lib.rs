@@ -111,7 +111,8 @@ pub(crate) fn test_request(v: Value) -> ChatRequest {
     let Value::Object(mut body) = v else {
         panic!("not an object: {v}");
     };
-    let messages = match body.insert("messages".into(), serde_json::json!([{"role": "user"}])) {
+    let placeholder = serde_json::json!([{"role": "user", "content": "x"}]);
+    let messages = match body.insert("messages".into(), placeholder) {
         Some(Value::Array(list)) => list.into_iter().map(ChatMessage::from_value).collect(),
         _ => Vec::new(),
     };

@@ -1,10 +1,11 @@
 //! The roaming bundle: its content address (`bundle_cid`), the writer an export uses
-//! ([`Envelope`], [`write_messages`]) and a lenient typed reader for import.
+//! ([`Envelope`], [`write_messages`]) and a typed reader for import.
 //!
 //! `bundle_cid` is the hex SHA-256 of the canonical JSON (see [`crate::canonical`]) of the bundle
 //! without its digest field. The seeds name that field `bundle_cid`; the Python reference server
 //! names it `hash`. Both are excluded from the digest and both are accepted on verification.
 
+use chrono::{DateTime, Utc};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
@@ -357,7 +358,7 @@ pub struct ParsedBundle {
     pub messages: Vec<BundleMessage>,
     /// `None` when absent, `{}` or without a string `schema_id` (the import then skips memory).
     pub memory: Option<BundleMemory>,
-    pub state_snapshot: Option<Value>,
+    pub state_snapshot: Option<BundleSnapshot>,
     /// `metadata.export_id`.
     pub export_id: Option<String>,
     /// `metadata.message_count`.
@@ -369,12 +370,15 @@ pub struct ParsedBundle {
 /// The bundle's `session` object.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BundleSession {
+    /// A UUID in canonical form ([`crate::id`]).
     pub id: Option<String>,
     /// `agent_external_id`, else `agent_id` (the reference server's name).
     pub agent_id: Option<String>,
     pub status: Option<String>,
     pub last_task: Option<String>,
+    /// A timestamp [`crate::time::parse`] reads.
     pub created_at: Option<String>,
+    /// At most [`MAX_COUNT`].
     pub step_count: Option<u64>,
     pub model: Option<String>,
 }
@@ -387,11 +391,11 @@ pub struct BundleMessage {
     pub body: Value,
     pub model_used: Option<String>,
     pub cost_usd: Option<f64>,
-    pub created_at: Option<String>,
+    pub created_at: Option<DateTime<Utc>>,
 }
 
-/// A bundle's `state_snapshot`, read leniently: ours carry `step_count` / `message_count`, the
-/// reference server's `step` and a copy of the `messages`.
+/// A bundle's `state_snapshot`: ours carry `step_count` / `message_count`, the reference server's
+/// `step` and a copy of the `messages`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BundleSnapshot {
     pub step_count: u64,
@@ -406,19 +410,22 @@ pub struct BundleSnapshot {
 }
 
 impl BundleSnapshot {
-    /// `None` unless `snap` is an object.
-    pub fn read(snap: &Value) -> Option<Self> {
-        let s = snap.as_object()?;
-        let step_count = s
-            .get("step_count")
-            .or_else(|| s.get("step"))
-            .and_then(Value::as_u64)
-            .unwrap_or(0);
-        let message_count = s.get("message_count").and_then(Value::as_u64).or_else(|| {
-            s.get("messages")
+    /// Reads the object `s` (at `state_snapshot`): its counts are integers of at most
+    /// [`MAX_COUNT`], its text fields strings; an unknown `kind` is none.
+    pub fn read(s: &Map<String, Value>) -> Result<Self, BundleError> {
+        let at = |key: &str| format!("state_snapshot.{key}");
+        let step_count = match opt_count(s, "step_count", &at("step_count"))? {
+            Some(n) => n,
+            None => opt_count(s, "step", &at("step"))?.unwrap_or(0),
+        };
+        let message_count = match opt_count(s, "message_count", &at("message_count"))? {
+            Some(n) => Some(n),
+            None => s
+                .get("messages")
                 .and_then(Value::as_array)
-                .map(|m| m.len() as u64)
-        });
+                .map(|m| m.len() as u64),
+        };
+        opt_time(s, "created_at", &at("created_at"))?;
         let state = match s.get("state") {
             Some(v @ Value::Object(_)) => v.clone(),
             _ => {
@@ -427,14 +434,72 @@ impl BundleSnapshot {
                 Value::Object(rest)
             }
         };
-        Some(Self {
+        Ok(Self {
             step_count,
             message_count,
-            kind: opt_str(s, "kind").and_then(|k| crate::SnapshotKind::parse(&k)),
-            model: opt_str(s, "model"),
-            current_task: opt_str(s, "current_task"),
+            kind: opt_string(s, "kind", &at("kind"))?.and_then(|k| crate::SnapshotKind::parse(&k)),
+            model: opt_string(s, "model", &at("model"))?,
+            current_task: opt_string(s, "current_task", &at("current_task"))?,
             state,
         })
+    }
+}
+
+/// The largest count a bundle may carry (`step_count`, `message_count`): 2^53, the largest
+/// integer every JSON reader holds exactly (JavaScript's), and far enough below the stores'
+/// 64-bit integers that a session imported with it can still count on.
+pub const MAX_COUNT: u64 = 1 << 53;
+
+/// An optional string field: absent or `null` is `None`, anything else but a string an error.
+fn opt_string(
+    map: &Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<String>, BundleError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(BundleError::new(path, "must be a string or null")),
+    }
+}
+
+/// An optional count: a non-negative integer of at most [`MAX_COUNT`].
+fn opt_count(map: &Map<String, Value>, key: &str, path: &str) -> Result<Option<u64>, BundleError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= MAX_COUNT => Ok(Some(n)),
+            _ => Err(BundleError::new(
+                path,
+                format!("must be an integer from 0 to {MAX_COUNT} (2^53)"),
+            )),
+        },
+    }
+}
+
+/// An optional timestamp ([`crate::time::parse`]).
+fn opt_time(
+    map: &Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<DateTime<Utc>>, BundleError> {
+    match opt_string(map, key, path)? {
+        None => Ok(None),
+        Some(s) => crate::time::parse(&s)
+            .map(Some)
+            .ok_or_else(|| BundleError::new(path, "must be an RFC 3339 timestamp")),
+    }
+}
+
+/// An optional id: a UUID in canonical form ([`crate::id`]).
+fn opt_id(map: &Map<String, Value>, key: &str, path: &str) -> Result<Option<String>, BundleError> {
+    match opt_string(map, key, path)? {
+        None => Ok(None),
+        Some(s) if crate::id::parse_canonical(&s).is_some() => Ok(Some(s)),
+        Some(_) => Err(BundleError::new(
+            path,
+            "must be a UUID (lower-case, hyphenated)",
+        )),
     }
 }
 
@@ -446,13 +511,11 @@ pub struct BundleMemory {
     pub payload: Value,
 }
 
-fn opt_str(map: &Map<String, Value>, key: &str) -> Option<String> {
-    map.get(key).and_then(Value::as_str).map(str::to_owned)
-}
-
-/// Reads a bundle leniently: the structure the import needs is checked, unknown keys are ignored and
-/// optional scalars of the wrong type read as `None`. Takes the bundle by value and moves the
-/// messages out of it: a bundle can hold megabytes of them.
+/// Reads a bundle, checking the type and range of everything an import keeps (ids are UUIDs,
+/// timestamps parse, counts are at most [`MAX_COUNT`], each message fits OpenAI's chat schema):
+/// an error names the path. Unknown keys are ignored, `null` is absent, and a memory that names no
+/// schema is none (SPEC: import without it). Takes the bundle by value and moves the messages out
+/// of it: a bundle can hold megabytes of them.
 pub fn parse_bundle(value: Value) -> Result<ParsedBundle, BundleError> {
     let Value::Object(mut top) = value else {
         return Err(BundleError::new("$", "must be an object"));
@@ -477,15 +540,24 @@ pub fn parse_envelope(
     messages: Vec<BundleMessage>,
 ) -> Result<ParsedBundle, BundleError> {
     let session = match top.get("session") {
-        Some(Value::Object(s)) => BundleSession {
-            id: opt_str(s, "id"),
-            agent_id: opt_str(s, "agent_external_id").or_else(|| opt_str(s, "agent_id")),
-            status: opt_str(s, "status"),
-            last_task: opt_str(s, "last_task"),
-            created_at: opt_str(s, "created_at"),
-            step_count: s.get("step_count").and_then(Value::as_u64),
-            model: opt_str(s, "model"),
-        },
+        Some(Value::Object(s)) => {
+            let at = |key: &str| format!("session.{key}");
+            let agent_id = match opt_string(s, "agent_external_id", &at("agent_external_id"))? {
+                Some(a) => Some(a),
+                None => opt_string(s, "agent_id", &at("agent_id"))?,
+            };
+            opt_time(s, "created_at", &at("created_at"))?;
+            opt_count(s, "message_count", &at("message_count"))?;
+            BundleSession {
+                id: opt_id(s, "id", &at("id"))?,
+                agent_id,
+                status: opt_string(s, "status", &at("status"))?,
+                last_task: opt_string(s, "last_task", &at("last_task"))?,
+                created_at: opt_string(s, "created_at", &at("created_at"))?,
+                step_count: opt_count(s, "step_count", &at("step_count"))?,
+                model: opt_string(s, "model", &at("model"))?,
+            }
+        }
         Some(_) => return Err(BundleError::new("session", "must be an object")),
         None => return Err(BundleError::new("session", "is missing")),
     };
@@ -503,7 +575,7 @@ pub fn parse_envelope(
 
     let state_snapshot = match top.remove("state_snapshot") {
         None | Some(Value::Null) => None,
-        Some(v @ Value::Object(_)) => Some(v),
+        Some(Value::Object(s)) => Some(BundleSnapshot::read(&s)?),
         Some(_) => {
             return Err(BundleError::new(
                 "state_snapshot",
@@ -512,22 +584,30 @@ pub fn parse_envelope(
         }
     };
 
-    let metadata = top.get("metadata").and_then(Value::as_object);
+    let empty = Map::new();
+    let metadata = match top.get("metadata") {
+        None | Some(Value::Null) => &empty,
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(BundleError::new("metadata", "must be an object")),
+    };
+    let total_cost_usd = match metadata.get("total_cost_usd") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_f64().ok_or_else(|| {
+            BundleError::new("metadata.total_cost_usd", "must be a number or null")
+        })?),
+    };
+    opt_time(&top, "exported_at", "exported_at")?;
     Ok(ParsedBundle {
-        sbp_version: opt_str(&top, "sbp_version"),
-        exported_at: opt_str(&top, "exported_at"),
-        label: opt_str(&top, "label"),
+        sbp_version: opt_string(&top, "sbp_version", "sbp_version")?,
+        exported_at: opt_string(&top, "exported_at", "exported_at")?,
+        label: opt_string(&top, "label", "label")?,
         session,
         messages,
         memory,
         state_snapshot,
-        export_id: metadata.and_then(|m| opt_str(m, "export_id")),
-        message_count: metadata
-            .and_then(|m| m.get("message_count"))
-            .and_then(Value::as_u64),
-        total_cost_usd: metadata
-            .and_then(|m| m.get("total_cost_usd"))
-            .and_then(Value::as_f64),
+        export_id: opt_id(metadata, "export_id", "metadata.export_id")?,
+        message_count: opt_count(metadata, "message_count", "metadata.message_count")?,
+        total_cost_usd,
     })
 }
 
@@ -543,32 +623,26 @@ pub fn parse_message(index: usize, value: Value) -> Result<BundleMessage, Bundle
     let Value::Object(mut map) = value else {
         return Err(BundleError::new(path(""), "must be an object"));
     };
-    let role = match map.get("role") {
-        Some(Value::String(r)) if !r.is_empty() => r.clone(),
-        Some(_) => return Err(BundleError::new(path("role"), "must be a non-empty string")),
-        None => return Err(BundleError::new(path("role"), "is missing")),
+    let model_used = opt_string(&map, "model_used", &path("model_used"))?;
+    let cost_usd = match map.get("cost_usd") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_f64()
+                .ok_or_else(|| BundleError::new(path("cost_usd"), "must be a number or null"))?,
+        ),
     };
-    match map.get("content") {
-        None | Some(Value::String(_) | Value::Null | Value::Array(_)) => {}
-        Some(_) => {
-            return Err(BundleError::new(
-                path("content"),
-                "must be a string, null or an array",
-            ));
-        }
+    let created_at = opt_time(&map, "created_at", &path("created_at"))?;
+    for key in ["model_used", "cost_usd", "created_at"] {
+        map.remove(key);
     }
-    let model_used = match map.remove("model_used") {
-        Some(Value::String(s)) => Some(s),
-        _ => None,
-    };
-    let cost_usd = map.remove("cost_usd").as_ref().and_then(Value::as_f64);
-    let created_at = match map.remove("created_at") {
-        Some(Value::String(s)) => Some(s),
-        _ => None,
-    };
+    // What is left is the chat message the import stores: it must be one a strict upstream takes.
+    let body = Value::Object(map);
+    crate::schema::check_message(&path(""), &body)
+        .map_err(|e| BundleError::new(e.param, e.reason))?;
+    let role = body["role"].as_str().unwrap_or_default().to_owned();
     Ok(BundleMessage {
         role,
-        body: Value::Object(map),
+        body,
         model_used,
         cost_usd,
         created_at,
@@ -768,7 +842,8 @@ mod tests {
             json!({"role": "assistant", "content": "Fake reply #1 to: Plan a trip to Tokyo — 東京 ✈"})
         );
         assert_eq!(parsed.memory, None);
-        assert_eq!(parsed.state_snapshot.as_ref().unwrap()["step"], json!(2));
+        let snapshot = parsed.state_snapshot.as_ref().unwrap();
+        assert_eq!((snapshot.step_count, snapshot.message_count), (2, Some(4)));
         assert_eq!(
             parsed.export_id.as_deref(),
             Some("b3c22de3-7743-4946-aaf7-9174af15b659")
@@ -869,7 +944,7 @@ mod tests {
 
     #[test]
     fn delimited_messages_parse_like_the_whole() {
-        let mut bundle = rich_bundle();
+        let mut bundle = obj(rich_importable());
         let (_, bytes) = seal(&mut bundle);
         let text = std::str::from_utf8(&bytes).unwrap();
         let Delimited {
@@ -960,9 +1035,22 @@ mod tests {
         }
     }
 
+    const SESSION_ID: &str = "0192f0c4-8a6e-7c3b-9d2e-5f1a2b3c4d5e";
+    const EXPORT_ID: &str = "0192f0c4-8a6e-7c3b-9d2e-5f1a2b3c4d5f";
+
+    /// [`rich_bundle`] with ids an import accepts (its own, "s1" and "e1", only hash).
+    fn rich_importable() -> Value {
+        let mut bundle = Value::Object(rich_bundle());
+        bundle["session"]["id"] = json!(SESSION_ID);
+        bundle["metadata"]["export_id"] = json!(EXPORT_ID);
+        bundle
+    }
+
     #[test]
     fn rich_bundle_parses() {
-        let parsed = parse_bundle(Value::Object(rich_bundle())).unwrap();
+        let parsed = parse_bundle(rich_importable()).unwrap();
+        assert_eq!(parsed.session.id.as_deref(), Some(SESSION_ID));
+        assert_eq!(parsed.export_id.as_deref(), Some(EXPORT_ID));
         assert_eq!(parsed.label.as_deref(), Some("Tokyo — 東京 ✈ 😀"));
         assert_eq!(parsed.session.agent_id.as_deref(), Some("agent-1"));
         assert_eq!(parsed.session.step_count, Some(12));
@@ -970,8 +1058,11 @@ mod tests {
         let assistant = &parsed.messages[1];
         assert_eq!(assistant.cost_usd, Some(1e-5));
         assert_eq!(
-            assistant.created_at.as_deref(),
-            Some("2026-11-22T09:01:00+00:00")
+            assistant
+                .created_at
+                .map(|t| crate::time::iso(&t))
+                .as_deref(),
+            Some("2026-11-22T09:01:00.000Z")
         );
         assert!(assistant.body.get("tool_calls").is_some());
         assert!(assistant.body.get("cost_usd").is_none());
@@ -986,26 +1077,37 @@ mod tests {
     fn parse_errors_name_the_path() {
         let base = json!({"session": {}, "messages": [{"role": "user", "content": "hi"}]});
         assert!(parse_bundle(base.clone()).is_ok());
+        let hi = json!({"role": "user", "content": "hi"});
+        let with = |key: &str, field: &str, v: Value| {
+            let mut b = json!({"session": {}, "messages": [hi], "metadata": {}});
+            match key {
+                "" => b[field] = v,
+                _ => b[key][field] = v,
+            }
+            b
+        };
+        let snapshot = |field: &str, v: Value| {
+            let mut s = json!({"kind": "checkpoint"});
+            s[field] = v;
+            json!({"session": {}, "messages": [], "state_snapshot": s})
+        };
         let cases = [
             (json!([]), "$"),
             (json!({"messages": []}), "session"),
             (json!({"session": [], "messages": []}), "session"),
             (json!({"session": {}}), "messages"),
             (json!({"session": {}, "messages": {}}), "messages"),
+            (json!({"session": {}, "messages": [hi, 3]}), "messages[1]"),
             (
-                json!({"session": {}, "messages": [{"role": "user"}, 3]}),
-                "messages[1]",
-            ),
-            (
-                json!({"session": {}, "messages": [{"role": "user"}, {"content": "x"}]}),
+                json!({"session": {}, "messages": [hi, {"content": "x"}]}),
                 "messages[1].role",
             ),
             (
-                json!({"session": {}, "messages": [{"role": ""}]}),
+                json!({"session": {}, "messages": [{"role": "", "content": "x"}]}),
                 "messages[0].role",
             ),
             (
-                json!({"session": {}, "messages": [{"role": 1}]}),
+                json!({"session": {}, "messages": [{"role": "usr", "content": "x"}]}),
                 "messages[0].role",
             ),
             (
@@ -1013,14 +1115,111 @@ mod tests {
                 "messages[0].content",
             ),
             (
+                json!({"session": {}, "messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!({"session": {}, "messages": [{"role": "user", "content": "x", "created_at": "soon"}]}),
+                "messages[0].created_at",
+            ),
+            (
+                json!({"session": {}, "messages": [{"role": "user", "content": "x", "cost_usd": "1"}]}),
+                "messages[0].cost_usd",
+            ),
+            (
+                json!({"session": {}, "messages": [{"role": "user", "content": "x", "model_used": 1}]}),
+                "messages[0].model_used",
+            ),
+            (
                 json!({"session": {}, "messages": [], "state_snapshot": "x"}),
                 "state_snapshot",
             ),
+            (with("session", "id", json!("s1")), "session.id"),
+            (
+                with(
+                    "session",
+                    "id",
+                    json!("0192F0C4-8A6E-7C3B-9D2E-5F1A2B3C4D5E"),
+                ),
+                "session.id",
+            ),
+            (
+                with("session", "step_count", json!(-1)),
+                "session.step_count",
+            ),
+            (
+                with("session", "step_count", json!(1.5)),
+                "session.step_count",
+            ),
+            (
+                with("session", "step_count", json!("3")),
+                "session.step_count",
+            ),
+            (
+                with("session", "step_count", json!(9_223_372_036_854_775_808u64)),
+                "session.step_count",
+            ),
+            (
+                with("session", "step_count", json!(9_223_372_036_854_775_807u64)),
+                "session.step_count",
+            ),
+            (
+                with("session", "step_count", json!(MAX_COUNT + 1)),
+                "session.step_count",
+            ),
+            (
+                with("session", "message_count", json!(-2)),
+                "session.message_count",
+            ),
+            (
+                with("session", "created_at", json!("2026-13-01")),
+                "session.created_at",
+            ),
+            (with("session", "agent_id", json!(7)), "session.agent_id"),
+            (with("session", "last_task", json!({})), "session.last_task"),
+            (with("", "exported_at", json!("now")), "exported_at"),
+            (with("", "label", json!(1)), "label"),
+            (with("", "metadata", json!([])), "metadata"),
+            (
+                with("metadata", "export_id", json!("e1")),
+                "metadata.export_id",
+            ),
+            (
+                with("metadata", "message_count", json!(1e30)),
+                "metadata.message_count",
+            ),
+            (
+                with("metadata", "total_cost_usd", json!("x")),
+                "metadata.total_cost_usd",
+            ),
+            (snapshot("step", json!(u64::MAX)), "state_snapshot.step"),
+            (
+                snapshot("step_count", json!(-1)),
+                "state_snapshot.step_count",
+            ),
+            (
+                snapshot("message_count", json!(0.5)),
+                "state_snapshot.message_count",
+            ),
+            (
+                snapshot("created_at", json!("x")),
+                "state_snapshot.created_at",
+            ),
+            (snapshot("model", json!(3)), "state_snapshot.model"),
         ];
         for (value, path) in cases {
             let err = parse_bundle(value.clone()).unwrap_err();
             assert_eq!(err.path, path, "{value}");
             assert!(err.to_string().contains(path));
+        }
+        // The largest count is read, and so is null for each optional field.
+        let most = parse_bundle(with("session", "step_count", json!(MAX_COUNT))).unwrap();
+        assert_eq!(most.session.step_count, Some(MAX_COUNT));
+        for (key, field) in [("session", "id"), ("session", "step_count"), ("", "label")] {
+            assert!(
+                parse_bundle(with(key, field, Value::Null)).is_ok(),
+                "{field}"
+            );
         }
     }
 
@@ -1055,14 +1254,13 @@ mod tests {
     fn snapshots_of_both_shapes_are_read() {
         let ours = json!({"snapshot_id": "x", "kind": "post_action", "step": 3, "step_count": 3,
             "message_count": 6, "model": "m", "current_task": "t", "state": {"turn_id": "u"}});
-        let s = BundleSnapshot::read(&ours).expect("an object");
+        let s = BundleSnapshot::read(&obj(ours)).expect("valid");
         assert_eq!((s.step_count, s.message_count), (3, Some(6)));
         assert_eq!(s.kind, Some(crate::SnapshotKind::PostAction));
         assert_eq!(s.state, json!({"turn_id": "u"}));
         let reference = json!({"step": 2, "messages": [{"role": "user"}], "note": "n"});
-        let s = BundleSnapshot::read(&reference).expect("an object");
+        let s = BundleSnapshot::read(&obj(reference)).expect("valid");
         assert_eq!((s.step_count, s.message_count, s.kind), (2, Some(1), None));
         assert_eq!(s.state, json!({"step": 2, "note": "n"}));
-        assert_eq!(BundleSnapshot::read(&json!("x")), None);
     }
 }

@@ -10,6 +10,7 @@ use serde::{Serialize, Serializer};
 use serde_json::{Map, Value, json};
 
 use crate::SbpRequestOptions;
+use crate::schema::{InvalidField, check_message};
 
 /// A `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -33,53 +34,64 @@ pub struct ChatRequest {
     pub rest: Map<String, Value>,
 }
 
-/// Why a request body is not a chat-completions request; the text names the field.
+/// Why a request body is not a chat-completions request: the field (OpenAI's `param`, e.g.
+/// `messages[3].role`) and a text that names it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct InvalidChatRequest(pub String);
+#[error("{message}")]
+pub struct InvalidChatRequest {
+    pub param: Option<String>,
+    pub message: String,
+}
 
-fn invalid(msg: impl Into<String>) -> InvalidChatRequest {
-    InvalidChatRequest(msg.into())
+fn invalid(param: &str, msg: impl Into<String>) -> InvalidChatRequest {
+    InvalidChatRequest {
+        param: Some(param.to_owned()),
+        message: msg.into(),
+    }
+}
+
+impl From<InvalidField> for InvalidChatRequest {
+    fn from(e: InvalidField) -> Self {
+        Self {
+            message: e.to_string(),
+            param: Some(e.param),
+        }
+    }
 }
 
 impl ChatRequest {
     /// Parses a request body (a JSON object), moving its values rather than copying them.
     pub fn from_object(mut body: Map<String, Value>) -> Result<Self, InvalidChatRequest> {
         let sbp = match body.remove("sbp") {
-            Some(v) => SbpRequestOptions::from_value(&v).map_err(InvalidChatRequest)?,
+            Some(v) => SbpRequestOptions::from_value(&v).map_err(|m| invalid("sbp", m))?,
             None => None,
         };
         let messages = match body.remove("messages") {
             Some(Value::Array(list)) if list.is_empty() => {
-                return Err(invalid("`messages` must not be empty"));
+                return Err(invalid("messages", "`messages` must not be empty"));
             }
             Some(Value::Array(list)) => list,
-            _ => return Err(invalid("`messages` must be an array")),
+            _ => return Err(invalid("messages", "`messages` must be an array")),
         };
-        let messages = messages
-            .into_iter()
-            .enumerate()
-            .map(|(i, m)| match m.get("role") {
-                Some(Value::String(_)) => Ok(ChatMessage(m)),
-                _ => Err(invalid(format!(
-                    "messages[{i}] must be an object with a string `role`"
-                ))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        // Each message as OpenAI checks it: one that a strict upstream refuses must never be stored.
+        for (i, m) in messages.iter().enumerate() {
+            check_message(&format!("messages[{i}]"), m)?;
+        }
+        let messages = messages.into_iter().map(ChatMessage).collect();
         let stream = match body.remove("stream") {
             None | Some(Value::Null) => None,
             Some(Value::Bool(b)) => Some(b),
-            Some(_) => return Err(invalid("`stream` must be a boolean")),
+            Some(_) => return Err(invalid("stream", "`stream` must be a boolean")),
         };
         let model = match body.remove("model") {
             None | Some(Value::Null) => None,
             Some(Value::String(m)) if !m.is_empty() => Some(m),
-            Some(_) => return Err(invalid("`model` must be a non-empty string")),
+            Some(_) => return Err(invalid("model", "`model` must be a non-empty string")),
         };
         let tools = match body.remove("tools") {
             None | Some(Value::Null) => None,
             Some(Value::Array(list)) => Some(list.into_iter().map(ToolDecl).collect()),
-            Some(_) => return Err(invalid("`tools` must be an array")),
+            Some(_) => return Err(invalid("tools", "`tools` must be an array")),
         };
         let tool_choice = body.remove("tool_choice").filter(|v| !v.is_null());
         Ok(Self {
@@ -156,8 +168,8 @@ impl ChatRequest {
     }
 }
 
-/// One chat message, as sent (or as stored): an object with a string `role` when parsed from a
-/// request.
+/// One chat message, as sent (or as stored): when parsed from a request, an object that passed
+/// [`check_message`].
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ChatMessage(Value);
 
@@ -409,37 +421,52 @@ mod tests {
 
     #[test]
     fn each_bad_field_is_named() {
-        for (body, want) in [
-            (json!({}), "`messages` must be an array"),
-            (json!({"messages": []}), "`messages` must not be empty"),
+        let hi = json!({"role": "user", "content": "hi"});
+        for (body, param, want) in [
+            (json!({}), "messages", "`messages` must be an array"),
             (
-                json!({"messages": [{"role": "user"}, {"content": "x"}]}),
-                "messages[1] must be an object with a string `role`",
+                json!({"messages": []}),
+                "messages",
+                "`messages` must not be empty",
             ),
             (
-                json!({"messages": [{"role": "user"}], "stream": "yes"}),
+                json!({"messages": [hi, {"content": "x"}]}),
+                "messages[1].role",
+                "`messages[1].role` is required",
+            ),
+            (
+                json!({"messages": [hi, {"role": "tool", "content": "x"}]}),
+                "messages[1].tool_call_id",
+                "`messages[1].tool_call_id` is required (a string)",
+            ),
+            (
+                json!({"messages": [hi], "stream": "yes"}),
+                "stream",
                 "`stream` must be a boolean",
             ),
             (
-                json!({"messages": [{"role": "user"}], "model": ""}),
+                json!({"messages": [hi], "model": ""}),
+                "model",
                 "`model` must be a non-empty string",
             ),
             (
-                json!({"messages": [{"role": "user"}], "tools": {}}),
+                json!({"messages": [hi], "tools": {}}),
+                "tools",
                 "`tools` must be an array",
             ),
             (
-                json!({"messages": [{"role": "user"}], "sbp": "x"}),
+                json!({"messages": [hi], "sbp": "x"}),
+                "sbp",
                 "`sbp` must be an object",
             ),
         ] {
-            assert_eq!(parse(body).map(|_| ()), Err(invalid(want)));
+            assert_eq!(parse(body).map(|_| ()), Err(invalid(param, want)));
         }
     }
 
     #[test]
     fn tools_and_calls_are_read_in_one_place() {
-        let mut req = parse(json!({"messages": [{"role": "user"}],
+        let mut req = parse(json!({"messages": [{"role": "user", "content": "x"}],
             "tools": [{"type": "function", "function": {"name": "surface_gps"}}, {"name": "bare"}, {}]}))
         .expect("valid");
         assert_eq!(req.declared_functions(), vec!["surface_gps", "bare"]);
@@ -460,11 +487,13 @@ mod tests {
 
     #[test]
     fn output_tokens_are_capped_under_the_clients_own_key() {
-        let mut req = parse(json!({"messages": [{"role": "user"}]})).expect("valid");
+        let mut req =
+            parse(json!({"messages": [{"role": "user", "content": "x"}]})).expect("valid");
         req.cap_output_tokens(40);
         assert_eq!(req.rest["max_tokens"], json!(40));
-        let mut req = parse(json!({"messages": [{"role": "user"}], "max_completion_tokens": 10}))
-            .expect("valid");
+        let mut req = parse(json!({"messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 10}))
+        .expect("valid");
         req.cap_output_tokens(40);
         assert_eq!(req.rest["max_completion_tokens"], json!(10));
         assert!(!req.rest.contains_key("max_tokens"));

@@ -30,6 +30,10 @@ pub enum ErrorCode {
     UpstreamTimeout,
     UpstreamError,
     Unavailable,
+    /// The session's transcript is at its configured size limit.
+    SessionFull,
+    /// An imported bundle's content is not of the right type or range.
+    BundleInvalid,
 }
 
 impl ErrorCode {
@@ -58,6 +62,8 @@ impl ErrorCode {
             Self::UpstreamTimeout => "SBP_UPSTREAM_TIMEOUT",
             Self::UpstreamError => "SBP_UPSTREAM_ERROR",
             Self::Unavailable => "SBP_UNAVAILABLE",
+            Self::SessionFull => "SBP_SESSION_FULL",
+            Self::BundleInvalid => "SBP_BUNDLE_INVALID",
         }
     }
 
@@ -69,7 +75,9 @@ impl ErrorCode {
             Self::TokenInvalid
             | Self::TokenIntegrity
             | Self::InvalidUuid
-            | Self::IdempotencyKeyReused => 422,
+            | Self::IdempotencyKeyReused
+            | Self::SessionFull
+            | Self::BundleInvalid => 422,
             Self::SessionConflict => 409,
             Self::Internal => 500,
             Self::BadRequest => 400,
@@ -97,6 +105,9 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     pub code: String,
     pub message: String,
+    /// The request field at fault, as OpenAI's errors name it (`messages[3].role`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<Value>,
 }
@@ -107,9 +118,16 @@ impl ErrorBody {
             error: ErrorDetail {
                 code: code.as_str().to_owned(),
                 message: message.into(),
+                param: None,
                 detail,
             },
         }
+    }
+
+    /// The envelope naming the request field at fault.
+    pub fn with_param(mut self, param: Option<String>) -> Self {
+        self.error.param = param;
+        self
     }
 }
 

@@ -28,6 +28,8 @@ pub struct SessionRecord {
     /// Completed LLM turns.
     pub step_count: u64,
     pub message_count: u64,
+    /// The size of the transcript: the bytes of its messages' bodies as JSON text.
+    pub message_bytes: u64,
     pub last_task: Option<String>,
     pub model: Option<String>,
     /// True once a surface has attached: undelivered turns go to the tether from then on.

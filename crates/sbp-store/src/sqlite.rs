@@ -155,11 +155,50 @@ fn open_reader(path: &Path) -> StoreResult<Connection> {
     Ok(conn)
 }
 
-fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
-    if let Some(dir) = opts.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
+/// Creates missing parent directories (owner only, 0700) and the database file (owner only, 0600)
+/// before SQLite opens it: SQLite gives the `-wal` and `-shm` files the database file's mode. An
+/// existing database, WAL or shared-memory file that others may read is narrowed to 0600 (logged).
+fn private_files(path: &Path) -> StoreResult<()> {
+    let fail = |what: &Path, e: std::io::Error| {
+        StoreError::Backend(format!("prepare {}: {e}", what.display()))
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        let mut builder = std::fs::DirBuilder::new();
+        builder.recursive(true);
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+        builder.create(dir).map_err(|e| fail(dir, e))?;
     }
+    let mut create = std::fs::OpenOptions::new();
+    create.write(true).create(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut create, 0o600);
+    create.open(path).map_err(|e| fail(path, e))?;
+    #[cfg(unix)]
+    for suffix in ["", "-wal", "-shm"] {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let file = PathBuf::from(file);
+        let Ok(meta) = std::fs::metadata(&file) else {
+            continue;
+        };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| fail(&file, e))?;
+            tracing::warn!(
+                path = %file.display(),
+                was = format!("{mode:o}"),
+                "database file was readable by others; narrowed to 0600"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
+    private_files(&opts.path)?;
     let mut conn = Connection::open(&opts.path).map_err(db_err)?;
     configure(&conn)?;
     let mode: String = conn

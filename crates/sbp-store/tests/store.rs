@@ -20,6 +20,7 @@ macro_rules! for_each_case {
             begin_turn_is_atomic,
             finish_turn_counts_and_snapshots,
             progress_of_a_running_turn,
+            message_bytes_follow_the_transcript,
             checkpoints_every_n,
             tether_seq_never_reused,
             tether_only_if_enabled,
@@ -129,7 +130,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 4);
+        assert_eq!(version, 5);
     }
 }
 

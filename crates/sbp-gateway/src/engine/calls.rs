@@ -63,7 +63,7 @@ impl PendingCalls {
         call_id: &str,
         outcome: ToolOutcome,
     ) -> bool {
-        let Ok(id) = Uuid::parse_str(call_id) else {
+        let Some(id) = sbp_protocol::id::parse_canonical(call_id) else {
             return false;
         };
         let pending = {

@@ -36,7 +36,16 @@ impl IntoResponse for Error {
 
 /// The envelope of an error response (also sent as an SSE event when a stream fails).
 pub fn body(e: &Error) -> ErrorBody {
-    ErrorBody::new(code(e), e.to_string(), detail(e))
+    ErrorBody::new(code(e), e.to_string(), detail(e)).with_param(param(e))
+}
+
+/// The request field at fault, as OpenAI's `param`.
+fn param(e: &Error) -> Option<String> {
+    match e {
+        Error::InvalidField { param, .. } => Some(param.clone()),
+        Error::InTurn { cause, .. } => param(cause),
+        _ => None,
+    }
 }
 
 /// A routing error (no such endpoint, method not allowed): not the engine's.
@@ -144,7 +153,10 @@ fn code_for_status(status: StatusCode) -> ErrorCode {
 
 fn code(e: &Error) -> ErrorCode {
     match e {
-        Error::Invalid(_) => ErrorCode::BadRequest,
+        Error::Invalid(_) | Error::InvalidField { .. } => ErrorCode::BadRequest,
+        Error::OverLimit { .. } => ErrorCode::PayloadTooLarge,
+        Error::SessionFull { .. } => ErrorCode::SessionFull,
+        Error::InvalidBundle { .. } => ErrorCode::BundleInvalid,
         Error::InvalidUuid(_) => ErrorCode::InvalidUuid,
         Error::Unauthorized(_) => ErrorCode::Unauthorized,
         Error::Forbidden(_) => ErrorCode::Forbidden,
@@ -190,6 +202,19 @@ fn detail(e: &Error) -> Option<Value> {
             "limit": limit.as_str(),
             "retry_after": retry_after_secs(*retry_after),
         })),
+        Error::OverLimit { limit, max, .. } => Some(json!({ "limit": limit.name(), "max": max })),
+        Error::SessionFull {
+            session_id,
+            limit,
+            max,
+            ..
+        } => Some(json!({
+            "session_id": session_id,
+            "limit": limit.name(),
+            "max": max,
+            "continue_with": format!("POST /v1/sbp/sessions/{session_id}/fork {{\"keep_last\": N}}"),
+        })),
+        Error::InvalidBundle { path, .. } => Some(json!({ "path": path })),
         Error::InTurn { session, cause } => {
             let mut detail = detail(cause).unwrap_or_else(|| json!({}));
             if let Some(obj) = detail.as_object_mut() {

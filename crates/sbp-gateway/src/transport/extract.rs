@@ -1,5 +1,9 @@
 //! Extractors: JSON bodies parsed into objects (and chat-completions requests) with errors in the
 //! SBP envelope, the caller's credentials, and operator API-key authentication.
+//!
+//! Every body's shape (nesting, number of objects) is checked on its bytes before it is parsed,
+//! and a completion's messages are counted and measured before each is parsed, so what a body
+//! costs in memory is bounded by the limits, not by how its bytes are spent.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
@@ -8,21 +12,24 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_protocol::ChatRequest;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::Gateway;
 use crate::engine::sessions::Caller;
 use crate::error::Error;
+use crate::limits::Limits;
 
 /// A request body that must be a JSON object (an empty body is `{}`), sent as JSON (see
 /// [`json_body`]).
 pub struct JsonObject(pub Map<String, Value>);
 
-impl<S: Send + Sync> FromRequest<S> for JsonObject {
+impl FromRequest<Gateway> for JsonObject {
     type Rejection = Error;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = json_body(req, state).await?;
+    async fn from_request(req: Request, gw: &Gateway) -> Result<Self, Self::Rejection> {
+        let bytes = json_body(req, gw).await?;
+        gw.config().limits.check_shape(&bytes)?;
         json_object(&bytes).map(Self)
     }
 }
@@ -93,10 +100,87 @@ fn json_object(bytes: &[u8]) -> Result<Map<String, Value>, Error> {
     }
     match serde_json::from_slice::<Value>(bytes) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(Error::invalid("request body must be a JSON object")),
-        Err(e) => Err(Error::invalid(format!(
-            "request body is not valid JSON: {e}"
-        ))),
+        Ok(_) => Err(not_an_object()),
+        Err(e) => Err(not_json(&e)),
+    }
+}
+
+fn not_an_object() -> Error {
+    Error::invalid("request body must be a JSON object")
+}
+
+fn not_json(e: &serde_json::Error) -> Error {
+    Error::invalid(format!("request body is not valid JSON: {e}"))
+}
+
+/// A completion body as an object, its `messages` counted and each measured before it is parsed:
+/// the entries are first delimited (borrowed slices of the body, nothing built), then parsed.
+fn chat_object(bytes: &[u8], limits: &Limits) -> Result<Map<String, Value>, Error> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Map::new());
+    }
+    // Later duplicates replace earlier ones, as when parsing into a `Map`.
+    let entries: Vec<(String, &RawValue)> = match serde_json::from_slice::<Entries<'_>>(bytes) {
+        Ok(Entries(entries)) => entries,
+        Err(e) if e.classify() == serde_json::error::Category::Data => {
+            return Err(not_an_object());
+        }
+        Err(e) => return Err(not_json(&e)),
+    };
+    let mut map = Map::new();
+    for (key, raw) in entries {
+        let value = if key == "messages" {
+            messages(raw, limits)?
+        } else {
+            serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?
+        };
+        map.insert(key, value);
+    }
+    Ok(map)
+}
+
+/// `messages`: when an array, its length and each entry's size are checked before any is parsed.
+fn messages(raw: &RawValue, limits: &Limits) -> Result<Value, Error> {
+    if !raw.get().trim_start().starts_with('[') {
+        return serde_json::from_str(raw.get()).map_err(|e| not_json(&e));
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?;
+    limits.check_request_messages(items.len())?;
+    for (i, item) in items.iter().enumerate() {
+        limits.check_message_bytes(&format!("messages[{i}]"), item.get().len())?;
+    }
+    items
+        .into_iter()
+        .map(|item| serde_json::from_str(item.get()).map_err(|e| not_json(&e)))
+        .collect::<Result<Vec<Value>, Error>>()
+        .map(Value::Array)
+}
+
+/// A JSON object's entries as borrowed slices of the text, in order.
+struct Entries<'a>(Vec<(String, &'a RawValue)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Entries<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = Entries<'a>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    entries.push((key, map.next_value::<&'de RawValue>()?));
+                }
+                Ok(Entries(entries))
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
     }
 }
 
@@ -108,14 +192,23 @@ pub struct ChatBody {
     pub fingerprint: Option<String>,
 }
 
-impl<S: Send + Sync> FromRequest<S> for ChatBody {
+impl FromRequest<Gateway> for ChatBody {
     type Rejection = Error;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, gw: &Gateway) -> Result<Self, Self::Rejection> {
         let keyed = req.headers().contains_key("idempotency-key");
-        let body = json_object(&json_body(req, state).await?)?;
+        let limits = gw.config().limits;
+        let bytes = json_body(req, gw).await?;
+        limits.check_shape(&bytes)?;
+        let body = chat_object(&bytes, &limits)?;
         let fingerprint = keyed.then(|| fingerprint(&body)).transpose()?;
-        let request = ChatRequest::from_object(body).map_err(|e| Error::Invalid(e.0))?;
+        let request = ChatRequest::from_object(body).map_err(|e| match e.param {
+            Some(param) => Error::InvalidField {
+                param,
+                message: e.message,
+            },
+            None => Error::Invalid(e.message),
+        })?;
         Ok(Self {
             request,
             fingerprint,
@@ -198,4 +291,72 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
     }
     req.extensions_mut().insert(Operator(valid));
     next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SizeLimit;
+
+    fn limits(max_request_messages: usize, max_message_bytes: usize) -> Limits {
+        Limits {
+            max_request_messages,
+            max_message_bytes,
+            ..Limits::default()
+        }
+    }
+
+    fn limit_of(r: Result<Map<String, Value>, Error>) -> Option<SizeLimit> {
+        match r {
+            Err(Error::OverLimit { limit, .. }) => Some(limit),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn messages_are_counted_and_measured_however_the_body_is_spaced() {
+        let body = br#" {
+            "model" : "m",
+            "messages" :
+              [ {"role": "user", "content": "a"} ,
+                {"role": "user", "content": "b"}, {"role": "user", "content": "c"} ] ,
+            "messages_extra": [1, 2, 3, 4]
+        } "#;
+        let map = chat_object(body, &limits(3, 100)).expect("within the limits");
+        assert_eq!(map["messages"].as_array().map(Vec::len), Some(3));
+        assert_eq!(map["messages_extra"], serde_json::json!([1, 2, 3, 4]));
+        assert_eq!(
+            limit_of(chat_object(body, &limits(2, 100))),
+            Some(SizeLimit::RequestMessages)
+        );
+        assert_eq!(
+            limit_of(chat_object(body, &limits(3, 20))),
+            Some(SizeLimit::MessageBytes)
+        );
+    }
+
+    #[test]
+    fn bodies_parse_like_a_map() {
+        let dup = br#"{"model": "a", "model": "b", "messages": "x"}"#;
+        let map = chat_object(dup, &limits(1, 1)).expect("parses");
+        assert_eq!(map["model"], "b", "the last duplicate wins, as in a Map");
+        assert_eq!(
+            map["messages"], "x",
+            "not an array: left to the request's checks"
+        );
+        assert_eq!(
+            chat_object(b"  ", &limits(1, 1)).expect("empty"),
+            Map::new()
+        );
+        for (bad, text) in [
+            (&b"[1]"[..], "must be a JSON object"),
+            (b"{\"a\": }", "not valid JSON"),
+            (b"{\"messages\": [1,}", "not valid JSON"),
+        ] {
+            match chat_object(bad, &limits(5, 100)) {
+                Err(Error::Invalid(m)) => assert!(m.contains(text), "{m}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
 }

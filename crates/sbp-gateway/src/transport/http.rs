@@ -231,24 +231,40 @@ pub async fn list_snapshots(
 }
 
 /// A pushed turn, parsed here rather than as a `rest::PushTurn`: `role` defaults to `assistant` and
-/// is checked against the four roles, a `model_used` that is not a string is ignored, and each
-/// field has its own message.
+/// is checked against the roles a pushed message can have, a `model_used` that is not a string is
+/// ignored, and each field has its own message.
+///
+/// It is stored as the chat message `{"role", "content"}`, so it must be one a strict upstream
+/// takes in any later turn: a `tool` message must answer a call of the assistant message before
+/// it (with its `tool_call_id`), which a push, appended on its own, cannot do.
 fn push_from(v: &Map<String, Value>) -> Result<PushTurn, Error> {
+    let field = |param: &str, message: &str| Error::InvalidField {
+        param: param.to_owned(),
+        message: message.to_owned(),
+    };
     let content = v
         .get("content")
         .and_then(Value::as_str)
-        .ok_or_else(|| Error::invalid("`content` must be a string"))?
+        .ok_or_else(|| field("content", "`content` must be a string"))?
         .to_owned();
     let role = match v.get("role") {
         None | Some(Value::Null) => "assistant".to_owned(),
         Some(Value::String(r))
-            if matches!(r.as_str(), "assistant" | "user" | "tool" | "system") =>
+            if matches!(r.as_str(), "assistant" | "user" | "system" | "developer") =>
         {
             r.clone()
         }
+        Some(Value::String(r)) if r == "tool" => {
+            return Err(field(
+                "role",
+                "`role` cannot be tool in a pushed turn: a tool message must answer an assistant \
+                 tool call, so send it in a completion request",
+            ));
+        }
         Some(_) => {
-            return Err(Error::invalid(
-                "`role` must be assistant, user, tool or system",
+            return Err(field(
+                "role",
+                "`role` must be assistant, user, system or developer",
             ));
         }
     };

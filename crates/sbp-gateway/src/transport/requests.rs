@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use crate::engine::roaming::{
-    ExportRequest, HandoffRequest, ImportRequest, MAX_AGENT_ID_CHARS, MAX_HANDOFF_MESSAGE_CHARS,
-    MAX_LABEL_CHARS, MAX_REASON_CHARS, MIN_EXPORT_TTL_SECS,
+    ExportRequest, ForkRequest, HandoffRequest, ImportRequest, MAX_AGENT_ID_CHARS,
+    MAX_HANDOFF_MESSAGE_CHARS, MAX_LABEL_CHARS, MAX_REASON_CHARS, MIN_EXPORT_TTL_SECS,
 };
 use crate::engine::tools::{BackendToolCall, MAX_BACKEND_TIMEOUT_MS};
 use crate::error::Error;
@@ -108,6 +108,28 @@ impl ImportRequest {
             bundle,
             target_agent_id,
             allow_reuse,
+        })
+    }
+}
+
+impl ForkRequest {
+    /// `label`, and `keep_last` (an integer >= 1).
+    pub fn from_body(body: &Map<String, Value>) -> Result<Self, Error> {
+        let keep_last = match body.get("keep_last") {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if n >= 1 => Some(n),
+                _ => {
+                    return Err(Error::InvalidField {
+                        param: "keep_last".to_owned(),
+                        message: "`keep_last` must be an integer >= 1".to_owned(),
+                    });
+                }
+            },
+        };
+        Ok(Self {
+            label: optional_label(body)?,
+            keep_last,
         })
     }
 }

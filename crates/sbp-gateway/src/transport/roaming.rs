@@ -15,10 +15,9 @@ use serde_json::Value;
 
 use super::extract::JsonObject;
 use super::headers::created;
-use super::requests::optional_label;
 use super::to_wire;
 use crate::Gateway;
-use crate::engine::roaming::{ExportRequest, HandoffRequest, ImportRequest};
+use crate::engine::roaming::{ExportRequest, ForkRequest, HandoffRequest, ImportRequest};
 use crate::engine::sessions::Caller;
 use crate::error::Error;
 
@@ -74,8 +73,8 @@ pub async fn fork(
     JsonObject(body): JsonObject,
 ) -> ApiResult {
     let origin = gw.sessions().authorized(&id, &caller).await?;
-    let label = optional_label(&body)?;
-    let out = gw.roaming().fork(&origin, label).await?;
+    let req = ForkRequest::from_body(&body)?;
+    let out = gw.roaming().fork(&origin, req).await?;
     Ok(created(
         &to_wire::fork(&out),
         &out.session,

@@ -4,6 +4,7 @@ mod support;
 
 mod anthropic;
 mod architecture;
+mod bounded_input;
 mod http_edge;
 mod http_l1;
 mod lifecycle;

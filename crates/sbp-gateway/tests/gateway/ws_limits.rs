@@ -231,7 +231,17 @@ async fn metric(gw: &TestGateway, name: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turn_larger_than_four_frames_reaches_the_surface() {
-    let gw = TestGateway::start().await;
+    let gw = TestGateway::with(Options {
+        config: GatewayConfig {
+            limits: sbp_gateway::Limits {
+                max_message_bytes: 8 << 20,
+                ..sbp_gateway::Limits::default()
+            },
+            ..sbp_test_support::config()
+        },
+        ..Options::default()
+    })
+    .await;
     let (id, token) = gw.idle_session().await;
     let (mut ws, _) = gw.attach(&id, &token, json!({})).await;
     // Frames from the gateway are not bound by the inbound frame limit; a big turn (a backend may

@@ -239,6 +239,10 @@ pub struct ForkRequest {
     /// At most 120 characters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// Keep only the leading system messages and the last this many (>= 1): how a session at its
+    /// size limit continues.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_last: Option<u64>,
 }
 
 /// The 201 answer to [`ForkRequest`]: the new session.

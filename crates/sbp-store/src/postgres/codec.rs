@@ -127,7 +127,7 @@ fn col_idem_state(row: &Row, idx: usize) -> Result<IdempotencyState, StoreError>
 macro_rules! session_cols {
     () => {
         "id, agent_id, token_hash, status, step_count, message_count, \
-     last_task, model, tether_enabled, created_at, updated_at, metadata"
+     last_task, model, tether_enabled, created_at, updated_at, metadata, message_bytes"
     };
 }
 pub(crate) use session_cols;
@@ -146,6 +146,7 @@ pub(crate) fn session_row(row: &Row) -> Result<SessionRecord, StoreError> {
         created_at: get(row, 9)?,
         updated_at: get(row, 10)?,
         metadata: col_json(row, 11)?,
+        message_bytes: col_u64(row, 12)?,
     })
 }
 

@@ -292,6 +292,12 @@ pub(crate) async fn insert_messages(
     Ok(())
 }
 
+/// The total size of encoded bodies, what `sessions.message_bytes` counts.
+pub(crate) fn bodies_bytes(bodies: &[String]) -> StoreResult<i64> {
+    i64::try_from(bodies.iter().map(String::len).sum::<usize>())
+        .map_err(|_| StoreError::Backend("messages too large".to_owned()))
+}
+
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
     i64::try_from(messages.len()).map_err(|_| StoreError::Backend("too many messages".to_owned()))
 }
@@ -564,7 +570,7 @@ fn to_u64(v: i64) -> StoreResult<u64> {
 const BEGIN_TURN: &str = concat!(
     "WITH s AS (UPDATE sessions SET message_count = message_count + $2, \
      status = COALESCE($3, status), last_task = COALESCE($4, last_task), \
-     model = COALESCE($5, model), updated_at = $6 \
+     model = COALESCE($5, model), updated_at = $6, message_bytes = message_bytes + $22 \
      WHERE id = $1 AND ($7::text[] IS NULL OR status = ANY($7)) \
      RETURNING ",
     session_cols!(),
@@ -600,7 +606,7 @@ const FINISH_TURN: &str = concat!(
      WHERE $7::uuid IS NOT NULL AND id = $7 AND session_id = $1 AND state = 'running' \
      RETURNING 1), \
      s AS (UPDATE sessions SET message_count = message_count + $2, \
-     step_count = step_count + $3, updated_at = $4, \
+     step_count = step_count + $3, updated_at = $4, message_bytes = message_bytes + $27, \
      tether_seq = tether_seq + CASE WHEN $5 AND (tether_enabled OR NOT $6) THEN 1 ELSE 0 END \
      WHERE id = $1 AND ($7::uuid IS NULL OR EXISTS (SELECT 1 FROM t)) \
      RETURNING ",
@@ -630,15 +636,17 @@ const FINISH_TURN: &str = concat!(
 );
 
 /// Columns of [`FINISH_TURN`]'s rows: the session's, the tether seq, then the snapshot's.
-const FINISH_TETHER_COL: usize = 12;
-const FINISH_SNAPSHOT_COL: usize = 13;
+const FINISH_TETHER_COL: usize = 13;
+const FINISH_SNAPSHOT_COL: usize = 14;
 /// Column of [`BEGIN_TURN`]'s row where the snapshot's start.
-const BEGIN_SNAPSHOT_COL: usize = 12;
+const BEGIN_SNAPSHOT_COL: usize = 13;
 
 /// The columns of messages to append, as the arrays the statements unnest.
 struct MessageArrays<'a> {
     roles: Vec<Cow<'a, str>>,
     bodies: Vec<String>,
+    /// The bodies' total size, what `sessions.message_bytes` counts.
+    bytes: i64,
     models: Vec<Option<Cow<'a, str>>>,
     costs: Vec<Option<f64>>,
     created: Vec<Timestamp>,
@@ -646,12 +654,14 @@ struct MessageArrays<'a> {
 
 impl<'a> MessageArrays<'a> {
     fn new(messages: &'a [NewMessage]) -> StoreResult<Self> {
+        let bodies: Vec<String> = messages
+            .iter()
+            .map(|m| json(&m.body))
+            .collect::<StoreResult<_>>()?;
         Ok(Self {
             roles: messages.iter().map(|m| text(&m.role)).collect(),
-            bodies: messages
-                .iter()
-                .map(|m| json(&m.body))
-                .collect::<StoreResult<_>>()?,
+            bytes: bodies_bytes(&bodies)?,
+            bodies,
             models: messages.iter().map(|m| opt_text(&m.model_used)).collect(),
             costs: messages.iter().map(|m| m.cost_usd).collect(),
             created: messages.iter().map(|m| m.created_at).collect(),
@@ -751,6 +761,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
                 &pre.map(|s| s.created_at),
                 &pre_state,
                 &opt_text(&b.owner),
+                &arrays.bytes,
             ],
         )
         .await
@@ -909,6 +920,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
                 &tether.and_then(|t| opt_text(&t.model_used)),
                 &tether.map(|t| t.created_at),
                 &tether.map(|t| t.chunk_id),
+                &arrays.bytes,
             ],
         )
         .await
@@ -1018,8 +1030,8 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
         prep(
             tx,
             concat!(
-                "UPDATE sessions SET message_count = message_count + $2, updated_at = $3 \
-                 WHERE id = $1 RETURNING ",
+                "UPDATE sessions SET message_count = message_count + $2, updated_at = $3, \
+                 message_bytes = message_bytes + $4 WHERE id = $1 RETURNING ",
                 session_cols!()
             )
         ),
@@ -1033,8 +1045,14 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
     // The session row first, like `finish_turn`: once its lock is held, a finish of this turn has
     // either committed (and the check below sees it) or waits for this write.
     let appended = len_i64(&p.messages)?;
+    let bodies = p
+        .messages
+        .iter()
+        .map(|m| json(&m.body))
+        .collect::<StoreResult<Vec<_>>>()?;
+    let bytes = bodies_bytes(&bodies)?;
     let Some(row) = tx
-        .query_opt(&update, &[&p.session_id, &appended, &p.now])
+        .query_opt(&update, &[&p.session_id, &appended, &p.now, &bytes])
         .await
         .map_err(db_err)?
     else {
@@ -1053,7 +1071,14 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
             None => Err(not_running()),
         }
     };
-    let messages = insert_messages(tx, &messages, p.session_id, start, &p.messages, None);
+    let messages = insert_messages(
+        tx,
+        &messages,
+        p.session_id,
+        start,
+        &p.messages,
+        Some(bodies),
+    );
     // One after another, so they are numbered in order (a tool round writes one or two).
     let snapshots = async {
         let mut written = Vec::with_capacity(p.snapshots.len());

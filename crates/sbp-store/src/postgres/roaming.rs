@@ -11,8 +11,8 @@ use super::codec::{
     session_row, text,
 };
 use super::ops::{
-    INSERT_MESSAGES, INSERT_SNAPSHOT, Tx, allowed_from, insert_messages, insert_snapshot, len_i64,
-    prep, refused_transition,
+    INSERT_MESSAGES, INSERT_SNAPSHOT, Tx, allowed_from, bodies_bytes, insert_messages,
+    insert_snapshot, len_i64, prep, refused_transition,
 };
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
@@ -269,8 +269,8 @@ pub(crate) async fn adopt_session(
             tx,
             concat!(
                 "INSERT INTO sessions (id, agent_id, token_hash, status, step_count, \
-                 message_count, last_task, model, created_at, updated_at, metadata) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING ",
+                 message_count, last_task, model, created_at, updated_at, metadata, message_bytes) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING ",
                 session_cols!()
             )
         ),
@@ -278,6 +278,15 @@ pub(crate) async fn adopt_session(
         prep(tx, INSERT_SNAPSHOT),
     )?;
     let (steps, count) = (int(a.step_count)?, len_i64(&a.messages)?);
+    let bodies = match bodies {
+        Some(b) => b,
+        None => a
+            .messages
+            .iter()
+            .map(|m| json(&m.body))
+            .collect::<StoreResult<Vec<_>>>()?,
+    };
+    let bytes = bodies_bytes(&bodies)?;
     let metadata = json(&a.session.metadata)?;
     // The session first (the rest refers to it); everything after it is sent at once.
     let session = async {
@@ -296,13 +305,14 @@ pub(crate) async fn adopt_session(
                     &a.session.created_at,
                     &a.now,
                     &metadata,
+                    &bytes,
                 ],
             )
             .await
             .map_err(db_err)?;
         session_row(&row)
     };
-    let messages = insert_messages(tx, &messages, new_id, 0, &a.messages, bodies);
+    let messages = insert_messages(tx, &messages, new_id, 0, &a.messages, Some(bodies));
     let snapshot = async {
         match &a.snapshot {
             Some(r) => insert_snapshot(

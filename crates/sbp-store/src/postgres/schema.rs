@@ -180,6 +180,15 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE idempotency ADD COLUMN tether_seq bigint;
     "#,
+    // v5: the size of each transcript (the bytes of its messages' bodies as stored), kept beside
+    // `message_count` for the per-session byte limit, as SQLite v5; existing sessions are measured
+    // once here. A column with a constant default is added without rewriting the table.
+    r#"
+    ALTER TABLE sessions ADD COLUMN message_bytes bigint NOT NULL DEFAULT 0;
+    UPDATE sessions SET message_bytes = m.bytes
+        FROM (SELECT session_id, SUM(octet_length(body)) AS bytes FROM messages GROUP BY session_id) m
+        WHERE m.session_id = sessions.id;
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
@@ -242,7 +251,7 @@ mod tests {
 
     use super::*;
     use crate::postgres::{PostgresOptions, PostgresStore};
-    use crate::{IdempotencyState, IdempotencyStore, TurnState, TurnStore};
+    use crate::{IdempotencyState, IdempotencyStore, SessionStore, TurnState, TurnStore};
 
     /// The database tests/store.rs uses (what scripts/test.sh exports, or its default).
     fn url() -> String {
@@ -323,6 +332,19 @@ mod tests {
         )
         .await
         .expect("key");
+        let bodies = [
+            r#"{"content":"héllo 東京","role":"user"}"#,
+            r#"{"content":"x","role":"user"}"#,
+        ];
+        for (seq, body) in (0i64..).zip(bodies) {
+            old.execute(
+                "INSERT INTO messages (session_id, seq, role, body, created_at) \
+                 VALUES ($1, $2, 'user', $3, $4)",
+                &[&session, &seq, &body, &started],
+            )
+            .await
+            .expect("message");
+        }
 
         let opts = PostgresOptions {
             max_connections: 2,
@@ -334,6 +356,16 @@ mod tests {
             .expect("open migrates");
         let rec = store.get_turn(turn).await.expect("turn").expect("kept");
         assert_eq!((rec.state, rec.owner), (TurnState::Running, None));
+        let migrated = store
+            .get_session(session)
+            .await
+            .expect("session")
+            .expect("kept");
+        assert_eq!(
+            migrated.message_bytes,
+            bodies.iter().map(|b| b.len() as u64).sum::<u64>(),
+            "v5 measures the existing transcript in bytes"
+        );
         let now = Utc::now();
         store
             .replica_heartbeat("replica-1", now)

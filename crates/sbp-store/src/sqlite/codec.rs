@@ -104,7 +104,7 @@ fn col_idem_state(row: &Row<'_>, idx: usize) -> rusqlite::Result<IdempotencyStat
 }
 
 pub(crate) const SESSION_COLS: &str = "id, agent_id, token_hash, status, step_count, message_count, \
-     last_task, model, tether_enabled, created_at, updated_at, metadata";
+     last_task, model, tether_enabled, created_at, updated_at, metadata, message_bytes";
 
 pub(crate) fn session_row(row: &Row<'_>) -> rusqlite::Result<SessionRecord> {
     Ok(SessionRecord {
@@ -120,6 +120,7 @@ pub(crate) fn session_row(row: &Row<'_>) -> rusqlite::Result<SessionRecord> {
         created_at: col_ts(row, 9)?,
         updated_at: col_ts(row, 10)?,
         metadata: col_json(row, 11)?,
+        message_bytes: col_u64(row, 12)?,
     })
 }
 

@@ -160,17 +160,8 @@ pub(crate) fn count_sessions_by_status(
 
 // ---- messages ----
 
-/// Inserts `messages` at seqs `start..`; the caller has already moved `message_count` past them.
-pub(crate) fn insert_messages(
-    conn: &Connection,
-    sid: &str,
-    start: i64,
-    messages: &[NewMessage],
-) -> StoreResult<()> {
-    insert_encoded_messages(conn, sid, start, messages, None)
-}
-
-/// [`insert_messages`] with the bodies already encoded as JSON text (`bodies[i]` is the body of
+/// Inserts `messages` at seqs `start..` (the caller has already moved `message_count` past them),
+/// with the bodies already encoded as JSON text when given (`bodies[i]` is the body of
 /// `messages[i]`), e.g. by the caller in parallel before the write.
 pub(crate) fn insert_encoded_messages(
     conn: &Connection,
@@ -262,6 +253,22 @@ const ROWS_PER_INSERT: usize = 64;
 
 fn too_many() -> StoreError {
     StoreError::Backend("too many messages".to_owned())
+}
+
+/// The messages' bodies encoded as they are stored, and their total size in bytes (what
+/// `sessions.message_bytes` counts).
+pub(crate) fn encode_bodies(messages: &[NewMessage]) -> StoreResult<(Vec<String>, i64)> {
+    let bodies = messages
+        .iter()
+        .map(|m| json(&m.body))
+        .collect::<StoreResult<Vec<_>>>()?;
+    let bytes = bodies_bytes(&bodies)?;
+    Ok((bodies, bytes))
+}
+
+pub(crate) fn bodies_bytes(bodies: &[String]) -> StoreResult<i64> {
+    i64::try_from(bodies.iter().map(String::len).sum::<usize>())
+        .map_err(|_| StoreError::Backend("messages too large".to_owned()))
 }
 
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
@@ -573,12 +580,13 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     })
     .map_err(db_err)?;
     let appended = len_i64(&b.new_messages)?;
+    let (bodies, bytes) = encode_bodies(&b.new_messages)?;
     let (session, start) = updated_session(
         conn,
         &format!(
             "UPDATE sessions SET message_count = message_count + ?2, status = COALESCE(?3, status), \
-             last_task = COALESCE(?4, last_task), model = COALESCE(?5, model), updated_at = ?6 \
-             WHERE id = ?1 RETURNING {SESSION_COLS}"
+             last_task = COALESCE(?4, last_task), model = COALESCE(?5, model), updated_at = ?6, \
+             message_bytes = message_bytes + ?7 WHERE id = ?1 RETURNING {SESSION_COLS}"
         ),
         params![
             sid,
@@ -586,11 +594,12 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             b.status.map(SessionStatus::as_str),
             b.last_task,
             b.model,
-            now
+            now,
+            bytes
         ],
         appended,
     )?;
-    insert_messages(conn, &sid, start, &b.new_messages)?;
+    insert_encoded_messages(conn, &sid, start, &b.new_messages, Some(&bodies))?;
     // After the messages, so the snapshot covers the prompt it is about to act on.
     let pre_action_snapshot = match &b.pre_action {
         Some(snap) => Some(insert_snapshot(conn, b.session_id, snap)?),
@@ -608,13 +617,15 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
     // One update moves the counts past the new messages and the step, so the snapshots below read
     // the final values; a missing session is `NotFound` before anything else is checked.
     let appended = len_i64(&f.messages)?;
+    let (bodies, bytes) = encode_bodies(&f.messages)?;
     let (session, start) = updated_session(
         conn,
         &format!(
             "UPDATE sessions SET message_count = message_count + ?2, step_count = step_count + ?3, \
-             updated_at = ?4 WHERE id = ?1 RETURNING {SESSION_COLS}"
+             updated_at = ?4, message_bytes = message_bytes + ?5 WHERE id = ?1 \
+             RETURNING {SESSION_COLS}"
         ),
-        params![sid, appended, i64::from(f.count_step), now],
+        params![sid, appended, i64::from(f.count_step), now, bytes],
         appended,
     )?;
     if let Some(turn) = f.turn_id {
@@ -633,7 +644,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             return Err(conflict(ConflictKind::TurnNotRunning));
         }
     }
-    insert_messages(conn, &sid, start, &f.messages)?;
+    insert_encoded_messages(conn, &sid, start, &f.messages, Some(&bodies))?;
     let post_action_snapshot = match &f.post_action {
         Some(snap) => Some(insert_snapshot(conn, f.session_id, snap)?),
         None => None,
@@ -727,16 +738,17 @@ pub(crate) fn record_progress(
         return Err(conflict(ConflictKind::TurnNotRunning));
     }
     let appended = len_i64(&p.messages)?;
+    let (bodies, bytes) = encode_bodies(&p.messages)?;
     let (session, start) = updated_session(
         conn,
         &format!(
-            "UPDATE sessions SET message_count = message_count + ?2, updated_at = ?3 \
-             WHERE id = ?1 RETURNING {SESSION_COLS}"
+            "UPDATE sessions SET message_count = message_count + ?2, updated_at = ?3, \
+             message_bytes = message_bytes + ?4 WHERE id = ?1 RETURNING {SESSION_COLS}"
         ),
-        params![sid, appended, ts(&p.now)],
+        params![sid, appended, ts(&p.now), bytes],
         appended,
     )?;
-    insert_messages(conn, &sid, start, &p.messages)?;
+    insert_encoded_messages(conn, &sid, start, &p.messages, Some(&bodies))?;
     let snapshots = p
         .snapshots
         .iter()

@@ -10,7 +10,8 @@ use super::codec::{
     session_row, ts, uuid,
 };
 use super::ops::{
-    check_transition, current_status, insert_encoded_messages, insert_session, len_i64,
+    bodies_bytes, check_transition, current_status, encode_bodies, insert_encoded_messages,
+    insert_session, len_i64,
 };
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
@@ -254,12 +255,21 @@ pub(crate) fn adopt_session(
             .map_err(db_err)?;
     }
     insert_session(conn, &a.session)?;
-    insert_encoded_messages(conn, &sid, 0, &a.messages, bodies)?;
+    let encoded;
+    let bodies = match bodies {
+        Some(b) => b,
+        None => {
+            encoded = encode_bodies(&a.messages)?.0;
+            &encoded
+        }
+    };
+    insert_encoded_messages(conn, &sid, 0, &a.messages, Some(bodies))?;
     let (steps, messages) = (int(a.step_count)?, len_i64(&a.messages)?);
+    let bytes = bodies_bytes(bodies)?;
     let session = conn
         .prepare_cached(&format!(
             "UPDATE sessions SET status = ?2, step_count = ?3, message_count = ?4, last_task = ?5, \
-             model = ?6, updated_at = ?7 WHERE id = ?1 RETURNING {SESSION_COLS}"
+             model = ?6, updated_at = ?7, message_bytes = ?8 WHERE id = ?1 RETURNING {SESSION_COLS}"
         ))
         .and_then(|mut st| {
             st.query_row(
@@ -271,6 +281,7 @@ pub(crate) fn adopt_session(
                     a.last_task,
                     a.model,
                     ts(&a.now),
+                    bytes,
                 ],
                 session_row,
             )

@@ -159,6 +159,15 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE idempotency ADD COLUMN tether_seq INTEGER;
     "#,
+    // v5: the size of each transcript (the bytes of its messages' bodies as stored), kept beside
+    // `message_count` for the per-session byte limit; existing sessions are measured once here.
+    r#"
+    ALTER TABLE sessions ADD COLUMN message_bytes INTEGER NOT NULL DEFAULT 0;
+    UPDATE sessions SET message_bytes = (
+        SELECT COALESCE(SUM(length(CAST(body AS BLOB))), 0) FROM messages
+        WHERE messages.session_id = sessions.id
+    );
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -199,7 +208,13 @@ mod tests {
     use super::*;
     use crate::sqlite::codec::{ts, uuid};
     use crate::sqlite::{SqliteOptions, SqliteStore};
-    use crate::{IdempotencyState, IdempotencyStore, TurnState, TurnStore};
+    use crate::{IdempotencyState, IdempotencyStore, SessionStore, TurnState, TurnStore};
+
+    /// Message bodies of an old database, with multi-byte characters.
+    const BODIES: [&str; 2] = [
+        r#"{"content":"héllo 東京","role":"user"}"#,
+        r#"{"content":"x","role":"user"}"#,
+    ];
 
     /// A database an older build left at v2 (before turn ownership), with a turn running and its
     /// key claimed, migrates in place: the turn keeps its row, has no owner, and is then an orphan
@@ -236,11 +251,29 @@ mod tests {
                 params![uuid(&session), uuid(&turn), ts(&started)],
             )
             .expect("key");
+            for (seq, body) in BODIES.iter().enumerate() {
+                conn.execute(
+                    "INSERT INTO messages (session_id, seq, role, body, created_at) \
+                     VALUES (?1, ?2, 'user', ?3, ?4)",
+                    params![uuid(&session), seq as i64, body, ts(&started)],
+                )
+                .expect("message");
+            }
         }
 
         let store = SqliteStore::open(SqliteOptions::new(&path))
             .await
             .expect("open migrates");
+        let migrated = store
+            .get_session(session)
+            .await
+            .expect("session")
+            .expect("kept");
+        assert_eq!(
+            migrated.message_bytes,
+            BODIES.iter().map(|b| b.len() as u64).sum::<u64>(),
+            "v5 measures the existing transcript in bytes, not characters"
+        );
         let old = store.get_turn(turn).await.expect("turn").expect("kept");
         assert_eq!((old.state, old.owner), (TurnState::Running, None));
         let now = Utc::now();

@@ -145,6 +145,7 @@ pub async fn create_get_find_by_token(store: Arc<dyn Store>) {
         status: SessionStatus::Idle,
         step_count: 0,
         message_count: 0,
+        message_bytes: 0,
         last_task: None,
         model: None,
         tether_enabled: false,
@@ -547,6 +548,57 @@ pub async fn finish_turn_counts_and_snapshots(store: Arc<dyn Store>) {
     assert_eq!(
         store.finish_turn(finish(Uuid::new_v4(), None)).await,
         Err(StoreError::NotFound)
+    );
+}
+
+/// The size of a message as `message_bytes` counts it: its body as compact JSON text.
+fn body_bytes(messages: &[NewMessage]) -> u64 {
+    messages
+        .iter()
+        .map(|m| serde_json::to_string(&m.body).expect("encodes").len() as u64)
+        .sum()
+}
+
+/// `message_bytes` follows every write that appends messages (the per-session byte limit reads
+/// it), and a refused write adds nothing.
+pub async fn message_bytes_follow_the_transcript(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-bytes").await;
+    let first = vec![msg("user", "héllo — 東京"), msg("user", "again")];
+    let b = begin(s.id, first.clone());
+    let out = store.begin_turn(b.clone()).await.expect("begin");
+    let mut expected = body_bytes(&first);
+    assert_eq!(out.session.message_bytes, expected);
+
+    let round = vec![msg("assistant", "calling"), msg("tool", "{\"lat\":1}")];
+    let progress = TurnProgress {
+        session_id: s.id,
+        turn_id: b.turn_id,
+        messages: round.clone(),
+        snapshots: Vec::new(),
+        now: t(15),
+    };
+    let out = store.record_progress(progress).await.expect("progress");
+    expected += body_bytes(&round);
+    assert_eq!(out.session.message_bytes, expected);
+
+    let f = finish(s.id, Some(b.turn_id));
+    let reply = f.messages.clone();
+    let out = store.finish_turn(f.clone()).await.expect("finish");
+    expected += body_bytes(&reply);
+    assert_eq!(out.session.message_bytes, expected);
+    assert!(is_conflict(&store.finish_turn(f).await));
+    assert_eq!(session(&store, s.id).await.message_bytes, expected);
+
+    let stored: u64 = store
+        .history(s.id)
+        .await
+        .expect("history")
+        .iter()
+        .map(|m| serde_json::to_string(&m.body).expect("encodes").len() as u64)
+        .sum();
+    assert_eq!(
+        stored, expected,
+        "the counter is the sum of the stored bodies"
     );
 }
 

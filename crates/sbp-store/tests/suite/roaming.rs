@@ -124,8 +124,14 @@ pub async fn adopt_session_with_history(store: Arc<dyn Store>) {
     let (source, e) = exported(&store).await;
     let a = adopt(source, Some(e.id));
     let new_id = a.session.id;
+    let bytes: u64 = a
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(&m.body).expect("encodes").len() as u64)
+        .sum();
     let rec = store.adopt_session(a).await.expect("adopt");
     assert_eq!(rec.id, new_id);
+    assert_eq!(rec.message_bytes, bytes);
     assert_eq!(
         (rec.status, rec.step_count, rec.message_count),
         (SessionStatus::Idle, 1, 3)
@@ -343,8 +349,17 @@ pub async fn adopt_long_history_in_order(store: Arc<dyn Store>) {
         })
         .collect();
     let id = a.session.id;
+    let bytes: u64 = a
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(&m.body).expect("encodes").len() as u64)
+        .sum();
     let rec = store.adopt_session(a).await.expect("adopt");
     assert_eq!(rec.message_count, 1500);
+    assert_eq!(
+        rec.message_bytes, bytes,
+        "pieces encoded ahead are counted too"
+    );
     let history = store.history(id).await.expect("history");
     assert_eq!(history.len(), 1500);
     for (i, m) in history.iter().enumerate() {

@@ -19,12 +19,13 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::{
-    ImportRequest, Imported, KNOWN_MEMORY_SCHEMAS, Roaming, SPLIT_HISTORY_AT, cid_error, integrity,
-    new_session, system_message, token_error,
+    ImportRequest, Imported, KNOWN_MEMORY_SCHEMAS, MAX_AGENT_ID_CHARS, MAX_LABEL_CHARS, Roaming,
+    SPLIT_HISTORY_AT, cid_error, integrity, new_session, system_message, token_error,
 };
 use crate::auth;
 use crate::engine::sessions::new_agent_id;
 use crate::error::Error;
+use crate::limits::{Size, stored_bytes};
 use sbp_protocol::time::iso;
 
 impl Roaming {
@@ -154,7 +155,12 @@ impl Roaming {
         };
         let joined = |e: tokio::task::JoinError| Error::internal("reading a bundle", e);
         if hashed.map_err(joined)? {
-            let parts = delimited.map_err(joined)?.map_err(malformed)?;
+            let parts = delimited
+                .map_err(joined)?
+                .map_err(|reason| Error::InvalidBundle {
+                    path: "$".to_owned(),
+                    reason,
+                })?;
             return self
                 .parse_messages(stored, parts.envelope, parts.messages)
                 .await;
@@ -211,10 +217,71 @@ impl Roaming {
             let piece = piece
                 .await
                 .map_err(|e| Error::internal("parsing a bundle", e))?
-                .map_err(|e| malformed(e.to_string()))?;
+                .map_err(malformed)?;
             messages.extend(piece);
         }
-        bundle::parse_envelope(envelope, messages).map_err(|e| malformed(e.to_string()))
+        bundle::parse_envelope(envelope, messages).map_err(malformed)
+    }
+
+    /// Refuses a bundle whose content is beyond what this gateway stores: a message or a
+    /// transcript past the configured limits (with the note the import adds), an agent id or a
+    /// label longer than a session or lineage takes.
+    fn check_importable(&self, parsed: &ParsedBundle) -> Result<(), Error> {
+        let limits = &self.inner.config.limits;
+        let refuse = |path: String, reason: String| Error::InvalidBundle { path, reason };
+        let mut total = Size::default();
+        for (i, m) in parsed.messages.iter().enumerate() {
+            let bytes = stored_bytes(&m.body);
+            if bytes > limits.max_message_bytes as u64 {
+                return Err(refuse(
+                    format!("messages[{i}]"),
+                    format!(
+                        "is {bytes} bytes of JSON; a message takes at most {} \
+                         (max_message_bytes)",
+                        limits.max_message_bytes
+                    ),
+                ));
+            }
+            total.messages += 1;
+            total.bytes += bytes;
+        }
+        // The import appends its provenance note.
+        if total.messages + 1 > limits.max_session_messages {
+            return Err(refuse(
+                "messages".to_owned(),
+                format!(
+                    "holds {} messages; a session takes at most {} with the import's note \
+                     (max_session_messages)",
+                    total.messages, limits.max_session_messages
+                ),
+            ));
+        }
+        if total.bytes > limits.max_session_bytes {
+            return Err(refuse(
+                "messages".to_owned(),
+                format!(
+                    "holds {} bytes of messages; a session takes at most {} (max_session_bytes)",
+                    total.bytes, limits.max_session_bytes
+                ),
+            ));
+        }
+        if let Some(agent) = &parsed.session.agent_id
+            && agent.chars().count() > MAX_AGENT_ID_CHARS
+        {
+            return Err(refuse(
+                "session.agent_external_id".to_owned(),
+                format!("must be at most {MAX_AGENT_ID_CHARS} characters"),
+            ));
+        }
+        if let Some(label) = &parsed.label
+            && label.chars().count() > MAX_LABEL_CHARS
+        {
+            return Err(refuse(
+                "label".to_owned(),
+                format!("must be at most {MAX_LABEL_CHARS} characters"),
+            ));
+        }
+        Ok(())
     }
 
     async fn adopt_import(
@@ -223,6 +290,7 @@ impl Roaming {
         parsed: ParsedBundle,
         now: Timestamp,
     ) -> Result<Imported, Error> {
+        self.check_importable(&parsed)?;
         let ParsedBundle {
             session: origin,
             messages: bundle_messages,
@@ -262,7 +330,7 @@ impl Roaming {
             now,
         ));
         let (memory, memory_skipped) = restorable_memory(memory);
-        let snapshot = restored_snapshot(state_snapshot.as_ref(), restored, now);
+        let snapshot = restored_snapshot(state_snapshot, restored, now);
         let step_count = origin
             .step_count
             .or_else(|| snapshot.as_ref().map(|s| s.step_count))
@@ -369,37 +437,35 @@ fn received(mut bundle: Value) -> Result<(NewBundle, ParsedBundle), Error> {
     Ok((NewBundle { cid, bytes }, parse(bundle)?))
 }
 
-fn malformed(reason: String) -> Error {
-    Error::invalid(format!("malformed bundle: {reason}"))
+fn malformed(e: bundle::BundleError) -> Error {
+    Error::InvalidBundle {
+        path: e.path,
+        reason: e.reason,
+    }
 }
 
 fn parse(bundle: Value) -> Result<ParsedBundle, Error> {
-    bundle::parse_bundle(bundle).map_err(|e| malformed(e.to_string()))
+    bundle::parse_bundle(bundle).map_err(malformed)
 }
 
 fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
-    let created_at = m
-        .created_at
-        .as_deref()
-        .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
-        .map_or(now, |t| t.with_timezone(&Utc));
     NewMessage {
         role: m.role,
         body: m.body,
         model_used: m.model_used,
         cost_usd: m.cost_usd,
-        created_at,
+        created_at: m.created_at.unwrap_or(now),
     }
 }
 
 /// The bundle's `state_snapshot` as a snapshot of the new session, whose first `restored` messages
 /// are the bundle's.
 fn restored_snapshot(
-    snap: Option<&Value>,
+    snap: Option<BundleSnapshot>,
     restored: u64,
     now: Timestamp,
 ) -> Option<RestoredSnapshot> {
-    let s = BundleSnapshot::read(snap?)?;
+    let s = snap?;
     Some(RestoredSnapshot {
         snapshot: NewSnapshot {
             id: Uuid::now_v7(),

@@ -26,7 +26,8 @@ use super::sessions::Sessions;
 use super::tasks::Tasks;
 use crate::auth;
 use crate::config::GatewayConfig;
-use crate::error::Error;
+use crate::error::{Error, SizeLimit};
+use crate::limits::Size;
 use crate::metrics::Metrics;
 use sbp_protocol::time::unix_iso;
 
@@ -86,6 +87,13 @@ pub struct HandedOff {
     pub session: SessionRecord,
     pub session_token: String,
     pub export: ExportRecord,
+}
+
+pub struct ForkRequest {
+    pub label: Option<String>,
+    /// Keep only the last this many messages (after the leading system messages): how a session
+    /// at its size limit continues.
+    pub keep_last: Option<u64>,
 }
 
 pub struct Forked {
@@ -245,6 +253,7 @@ impl Roaming {
         let label = Some(format!("handoff to {}", req.to_agent_id))
             .filter(|l| l.chars().count() <= MAX_LABEL_CHARS);
         let copied: Vec<NewMessage> = state.messages().map(copied_message).collect();
+        self.check_copy(source, &copied)?;
         let history_len = copied.len() as u64;
         let snapshot = state.snapshot.as_ref().map(|s| copied_snapshot(s, 1, now));
         let memory = state.memory.clone().map(|m| (m.schema_id, m.payload));
@@ -331,12 +340,10 @@ impl Roaming {
     }
 
     /// `POST .../fork`: an independent copy of the session at its latest consistent point: all of it,
-    /// or, while a turn is in flight, the last completed turn.
-    pub async fn fork(
-        &self,
-        origin: &SessionRecord,
-        label: Option<String>,
-    ) -> Result<Forked, Error> {
+    /// or, while a turn is in flight, the last completed turn. With `keep_last`, only the leading
+    /// system messages and the last messages of that copy ([`trimmed`]).
+    pub async fn fork(&self, origin: &SessionRecord, req: ForkRequest) -> Result<Forked, Error> {
+        let ForkRequest { label, keep_last } = req;
         if origin.status.is_terminal() {
             return Err(Error::conflict(format!(
                 "a {} session cannot be forked",
@@ -358,12 +365,26 @@ impl Roaming {
         let now = Utc::now();
         let new_id = Uuid::now_v7();
         let session_token = auth::new_session_token();
-        let messages: Vec<NewMessage> = state.messages().take(point).map(copied_message).collect();
+        let copy: Vec<&MessageRecord> = state.messages().take(point).collect();
+        let (kept, dropped) = match keep_last {
+            Some(n) => trimmed(&copy, n),
+            None => ((0..copy.len()).collect(), (0, 0)),
+        };
+        let messages: Vec<NewMessage> = kept.iter().map(|&i| copied_message(copy[i])).collect();
+        self.check_copy(origin, &messages)?;
+        // A snapshot counts messages from the start: it survives a trim only when it lies after
+        // the cut, counted in the shorter transcript.
+        let (lead, cut) = dropped;
         let snapshot = state
             .snapshot
             .as_ref()
             .filter(|s| s.message_count <= point_msg)
-            .map(|s| copied_snapshot(s, 0, now));
+            .filter(|s| cut == lead || s.message_count >= cut as u64)
+            .map(|s| {
+                let mut copied = copied_snapshot(s, 0, now);
+                copied.message_count -= (cut - lead) as u64;
+                copied
+            });
         let fork_id = Uuid::now_v7();
         let link = LinkRecord {
             id: fork_id,
@@ -409,6 +430,34 @@ impl Roaming {
             label,
             fork_point_msg: point_msg,
             fork_point_step: point_step,
+        })
+    }
+
+    /// Refuses a copy of `origin` (a fork, a handoff) that would be past the session limits.
+    fn check_copy(&self, origin: &SessionRecord, messages: &[NewMessage]) -> Result<(), Error> {
+        let limits = &self.inner.config.limits;
+        let size = Size::of(messages.iter().map(|m| &m.body));
+        if limits.check_room(origin.id, Size::default(), size).is_ok() {
+            return Ok(());
+        }
+        let (limit, max) = if size.messages > limits.max_session_messages {
+            (SizeLimit::SessionMessages, limits.max_session_messages)
+        } else {
+            (SizeLimit::SessionBytes, limits.max_session_bytes)
+        };
+        Err(Error::SessionFull {
+            session_id: origin.id,
+            limit,
+            max,
+            message: format!(
+                "a copy of session {} would hold {} messages ({} bytes), past the {max} a \
+                 session takes ({}); fork it with {{\"keep_last\": N}} to keep only its last N \
+                 messages",
+                origin.id,
+                size.messages,
+                size.bytes,
+                limit.name()
+            ),
         })
     }
 
@@ -497,6 +546,22 @@ fn system_message(content: String, now: Timestamp) -> NewMessage {
         cost_usd: None,
         created_at: now,
     }
+}
+
+/// The messages of a fork that keeps the last `n`: the leading system messages (the instructions),
+/// then the last `n` of the rest, the cut moved later past any `tool` message so that no tool
+/// result is kept without the call it answers. Returns the kept indexes and `(lead, cut)`: the
+/// leading system messages are `0..lead`, the kept tail starts at `cut` (`lead == cut`: nothing
+/// dropped).
+fn trimmed(messages: &[&MessageRecord], n: u64) -> (Vec<usize>, (usize, usize)) {
+    let lead = messages.iter().take_while(|m| m.role == "system").count();
+    let rest = messages.len() - lead;
+    let keep = usize::try_from(n).unwrap_or(usize::MAX).min(rest);
+    let mut cut = messages.len() - keep;
+    while cut < messages.len() && messages[cut].role == "tool" {
+        cut += 1;
+    }
+    ((0..lead).chain(cut..messages.len()).collect(), (lead, cut))
 }
 
 /// `s` copied into a new session whose transcript has `in_front` more messages before the copied ones.

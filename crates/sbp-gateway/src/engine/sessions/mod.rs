@@ -20,6 +20,7 @@ use super::replicas::Replicas;
 use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
+use crate::limits::{Size, stored_bytes};
 use crate::metrics::Metrics;
 use crate::ratelimit::{Limit, Limiter};
 use tokens::TokenCache;
@@ -387,6 +388,21 @@ impl Sessions {
         let now = Utc::now();
         let chunk_id = Uuid::now_v7();
         let body = json!({"role": push.role, "content": push.content});
+        let limits = &self.inner.config.limits;
+        let size = stored_bytes(&body);
+        limits.check_message_bytes(
+            "the pushed turn",
+            usize::try_from(size).unwrap_or(usize::MAX),
+        )?;
+        let have = Size {
+            messages: session.message_count,
+            bytes: session.message_bytes,
+        };
+        let add = Size {
+            messages: 1,
+            bytes: size,
+        };
+        limits.check_room(session.id, have, add)?;
         let outcome = self
             .inner
             .store

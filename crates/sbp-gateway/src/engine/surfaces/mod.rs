@@ -135,8 +135,11 @@ impl Surfaces {
                 frame.session_id
             )));
         }
-        let id = Uuid::parse_str(path_id)
-            .map_err(|_| AttachError::NotFound(format!("No session with ID {path_id}")))?;
+        let id = sbp_protocol::id::parse_canonical(path_id).ok_or_else(|| {
+            AttachError::NotFound(format!(
+                "No session with ID {path_id} (ids are lower-case hyphenated UUIDs)"
+            ))
+        })?;
         self.check_token(id, &frame.session_token).await?;
         let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
         let (conn_id, inbox) = self

@@ -34,6 +34,7 @@ use super::tools::Tools;
 use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, TurnSession, parse_uuid};
+use crate::limits::Size;
 use crate::metrics::Metrics;
 use sbp_protocol::time::iso;
 
@@ -239,7 +240,7 @@ impl Turns {
         let incoming = std::mem::take(&mut request.messages);
         let opening = match resolved {
             Resolved::ResumeAvailable(s) => return self.resume_available(&s).await,
-            Resolved::New { agent_id } => self.open_new(agent_id, &keyed, incoming, now),
+            Resolved::New { agent_id } => self.open_new(agent_id, &keyed, incoming, now)?,
             Resolved::Existing(s) => self.open_existing(&s, &keyed, incoming).await?,
         };
         let plan = Plan {
@@ -260,8 +261,9 @@ impl Turns {
         keyed: &Keyed,
         incoming: Vec<ChatMessage>,
         now: Timestamp,
-    ) -> Opening {
+    ) -> Result<Opening, Error> {
         let id = Uuid::now_v7();
+        self.check_room(id, Size::default(), &incoming)?;
         let token = match keyed {
             Keyed::Fresh { key, .. } => {
                 auth::idempotent_session_token(&self.inner.config.secret, &id, key)
@@ -275,13 +277,21 @@ impl Turns {
             created_at: now,
             metadata: json!({}),
         };
-        Opening {
+        Ok(Opening {
             session_id: id,
             create: Some(create),
             created_token: Some(token),
             history: Vec::new(),
             new_messages: incoming,
-        }
+        })
+    }
+
+    /// Refuses a turn whose new messages and reply (one message) would take the transcript past
+    /// the session limits. Its tool rounds may still go past them: the next turn is refused.
+    fn check_room(&self, id: Uuid, have: Size, new: &[ChatMessage]) -> Result<(), Error> {
+        let mut add = Size::of(new.iter().map(ChatMessage::as_value));
+        add.messages += 1;
+        self.inner.config.limits.check_room(id, have, add)
     }
 
     /// A session this request continues: its history, and which of the request's messages are
@@ -292,11 +302,18 @@ impl Turns {
         keyed: &Keyed,
         mut incoming: Vec<ChatMessage>,
     ) -> Result<Opening, Error> {
+        let have = Size {
+            messages: s.message_count,
+            bytes: s.message_bytes,
+        };
+        // A full session is refused before its whole transcript is read.
+        self.check_room(s.id, have, &[])?;
         let history = self.inner.store.history(s.id).await?;
         let new_messages = match keyed {
             Keyed::Retry { .. } => Vec::new(),
             _ => incoming.split_off(transcript::new_start(&history, &incoming)),
         };
+        self.check_room(s.id, have, &new_messages)?;
         // A retried request that created its session gets that session's token again.
         let created_token = match keyed {
             Keyed::Retry { key, record } if record.created_session => Some(
