@@ -2,7 +2,7 @@
 //! code, the envelope's `detail` and the headers it carries (SPEC 12.1:
 //! `{"error":{"code":"SBP_...","message":...,"detail":...}}`).
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use sbp_llm::LlmError;
 use sbp_protocol::{ErrorBody, ErrorCode};
@@ -18,6 +18,10 @@ impl IntoResponse for Error {
         let mut resp = (status, axum::Json(body(&self))).into_response();
         if let Error::InTurn { session, .. } = &self {
             add_headers(resp.headers_mut(), &session_headers(session));
+        }
+        if is_unavailable(&self) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }
@@ -43,6 +47,8 @@ fn code(e: &Error) -> ErrorCode {
         Error::SessionNotFound(_) => ErrorCode::SessionNotFound,
         Error::NotFound(_) => ErrorCode::NotFound,
         Error::TooLarge(_) => ErrorCode::PayloadTooLarge,
+        Error::RequestTimeout(_) => ErrorCode::RequestTimeout,
+        Error::Unavailable(_) => ErrorCode::Unavailable,
         Error::Conflict(_) => ErrorCode::SessionConflict,
         Error::IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
         Error::TokenExpired { .. } => ErrorCode::TokenExpired,
@@ -56,6 +62,14 @@ fn code(e: &Error) -> ErrorCode {
         }
         Error::Internal(_) => ErrorCode::Internal,
         Error::InTurn { cause, .. } => code(cause),
+    }
+}
+
+fn is_unavailable(e: &Error) -> bool {
+    match e {
+        Error::Unavailable(_) => true,
+        Error::InTurn { cause, .. } => is_unavailable(cause),
+        _ => false,
     }
 }
 

@@ -4,6 +4,7 @@ mod support;
 
 mod anthropic;
 mod architecture;
+mod edge;
 mod http_l1;
 mod lifecycle;
 mod mcp;
