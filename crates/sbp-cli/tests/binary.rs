@@ -20,6 +20,9 @@ mod conformance;
 #[path = "binary/browser.rs"]
 mod browser;
 
+#[path = "binary/edge.rs"]
+mod edge;
+
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::time::Duration;

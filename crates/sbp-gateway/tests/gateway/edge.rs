@@ -11,7 +11,7 @@ use sbp_test_support::{RawHttp, eventually, head};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::support::{Options, TestGateway, TestGatewayExt as _, WAIT, Ws};
+use crate::support::{Options, TestGateway, TestGatewayExt as _, Upstream, WAIT, Ws};
 
 async fn gateway(edge: EdgeConfig, max_body_bytes: Option<usize>) -> TestGateway {
     let defaults = sbp_test_support::config();
@@ -288,4 +288,70 @@ async fn a_websocket_surface_outlives_the_header_and_keep_alive_timeouts() {
     assert_eq!(pushed["delivery"], "live", "{pushed}");
     let (text, _) = surface.live_turn().await;
     assert_eq!(text, "still there?");
+}
+
+#[tokio::test]
+async fn past_the_shutdown_grace_a_hung_turn_fails_and_its_key_is_retried_after_a_restart() {
+    let grace = Duration::from_secs(1);
+    let gw = TestGateway::with(Options {
+        upstream: Upstream::Fake,
+        config: GatewayConfig {
+            shutdown_grace: grace,
+            ..sbp_test_support::config()
+        },
+        ..Options::default()
+    })
+    .await;
+    let request = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "[[fake:hang=1]] are you there?"}
+    ]});
+    let key = ("Idempotency-Key", "hung-at-shutdown");
+    let hung = gw.spawn_post("/v1/chat/completions", request.clone(), &[key]);
+    gw.fake().wait_for_requests(1).await;
+
+    // A body trickled a byte a second is in flight too: `100 Continue` shows its handler is
+    // reading it.
+    let mut trickler = RawHttp::connect(&gw.url).await;
+    let body = vec![b' '; 1000];
+    let head = head(
+        "POST",
+        "/v1/sessions",
+        &[JSON, ("Expect", "100-continue")],
+        Some(body.len()),
+    );
+    trickler.write(head.as_bytes()).await.expect("head sent");
+    assert_eq!(trickler.response().await.status, 100);
+    let trickling =
+        tokio::spawn(async move { trickler.trickle(&body, Duration::from_secs(1)).await });
+
+    let start = Instant::now();
+    let dir = gw.stop().await;
+    let took = start.elapsed();
+    // The grace, then a moment for the failure to be answered and the rest closed.
+    assert!(took < grace + Duration::from_secs(6), "stopped in {took:?}");
+
+    let (status, headers, failed) = hung.await.expect("the hung caller");
+    assert_eq!(status, 503, "{failed}");
+    assert_eq!(failed["error"]["code"], "SBP_UNAVAILABLE", "{failed}");
+    let session = headers["x-session-id"]
+        .to_str()
+        .expect("session id")
+        .to_owned();
+    let cut = trickling.await.expect("the trickler");
+    assert!(
+        cut.as_ref().is_none_or(|r| r.status != 201),
+        "a body still trickling at the end of the grace is not served: {cut:?}"
+    );
+
+    // After a restart (here with the built-in model: the upstream is not the point), the same
+    // request with the same key runs again in the same session.
+    let gw = TestGateway::with(Options {
+        dir: Some(dir),
+        ..Options::default()
+    })
+    .await;
+    let (status, headers, retried) = gw.chat(request, &[key]).await;
+    assert_eq!(status, 200, "{retried}");
+    assert_eq!(headers["x-session-id"].to_str().expect("id"), session);
+    assert_eq!(retried["sbp"]["session_id"], session.as_str());
 }
