@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use sbp_gateway::{CtpRule, EdgeConfig};
+use sbp_gateway::{CtpRule, EdgeConfig, TlsFiles};
 use sbp_store::redis_tether::TetherMode;
 use serde::Deserialize;
 
@@ -164,6 +164,16 @@ pub struct ServeArgs {
     /// for no limit (behind a reverse proxy every client has the proxy's address). [default: 1000]
     #[arg(long, env = "SBP_MAX_CONNECTIONS_PER_IP")]
     pub max_connections_per_ip: Option<usize>,
+    /// Serve HTTPS and WSS with this PEM certificate chain (with --tls-key). Reloaded when the
+    /// file changes and on SIGHUP. [default: plain HTTP]
+    #[arg(long, env = "SBP_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "SBP_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds between checks of the TLS files for a change. [default: 10]
+    #[arg(long, env = "SBP_TLS_RELOAD_INTERVAL")]
+    pub tls_reload_interval: Option<f64>,
     /// Seconds SIGTERM/SIGINT waits for requests and turns in flight; then running turns are
     /// failed (their Idempotency-Keys can be retried) and the process exits. [default: 30]
     #[arg(long, env = "SBP_SHUTDOWN_GRACE")]
@@ -239,6 +249,9 @@ struct FileConfig {
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
     shutdown_grace: Option<f64>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_reload_interval: Option<f64>,
     strict_sbp: Option<bool>,
     enable_test_hooks: Option<bool>,
     insecure_no_session_auth: Option<bool>,
@@ -409,6 +422,9 @@ impl Settings {
             keep_alive_timeout: args.keep_alive_timeout.or(file.keep_alive_timeout),
             max_connections: args.max_connections.or(file.max_connections),
             max_connections_per_ip: args.max_connections_per_ip.or(file.max_connections_per_ip),
+            tls_cert: args.tls_cert.or(file.tls_cert),
+            tls_key: args.tls_key.or(file.tls_key),
+            tls_reload_interval: args.tls_reload_interval.or(file.tls_reload_interval),
         })?;
         let shutdown_grace = seconds(
             "shutdown-grace",
@@ -591,9 +607,12 @@ struct EdgeArgs {
     keep_alive_timeout: Option<f64>,
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_reload_interval: Option<f64>,
 }
 
-/// The connection layer's timeouts and caps.
+/// The connection layer's timeouts, caps and TLS files.
 fn parse_edge(a: EdgeArgs) -> anyhow::Result<EdgeConfig> {
     let defaults = EdgeConfig::default();
     let max_connections = a.max_connections.unwrap_or(defaults.max_connections);
@@ -620,7 +639,16 @@ fn parse_edge(a: EdgeArgs) -> anyhow::Result<EdgeConfig> {
         max_connections_per_ip: a
             .max_connections_per_ip
             .unwrap_or(defaults.max_connections_per_ip),
-        ..defaults
+        tls: match (a.tls_cert, a.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        },
+        tls_reload_interval: seconds(
+            "tls-reload-interval",
+            a.tls_reload_interval,
+            defaults.tls_reload_interval.as_secs_f64(),
+        )?,
     })
 }
 
@@ -907,7 +935,20 @@ mod tests {
         assert_eq!(s.edge.max_connections, 60, "the flag wins over the file");
         assert_eq!(s.edge.max_connections_per_ip, 0);
         assert_eq!(s.shutdown_grace, Duration::from_secs(5));
+        assert!(s.edge.tls.is_none());
+        let s = Settings::resolve(ServeArgs {
+            tls_cert: Some("c.pem".into()),
+            tls_key: Some("k.pem".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        let tls = s.edge.tls.expect("TLS files");
+        assert_eq!((tls.cert, tls.key), ("c.pem".into(), "k.pem".into()));
         for args in [
+            ServeArgs {
+                tls_cert: Some("c.pem".into()),
+                ..Default::default()
+            },
             ServeArgs {
                 max_connections: Some(0),
                 ..Default::default()

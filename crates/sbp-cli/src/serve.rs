@@ -113,6 +113,9 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
             )
         }
     };
+    if let Some(files) = &s.edge.tls {
+        sbp_gateway::check_tls(files).map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
+    }
     let edge = fit_connections(s.edge.clone(), raise_fd_limit());
     let defaults = GatewayConfig::default();
     let config = GatewayConfig {
@@ -200,6 +203,10 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", s.listen))?;
     let addr = listener.local_addr()?;
+    let scheme = match &s.edge.tls {
+        Some(_) => "https",
+        None => "http",
+    };
     let hint = if s.llm_base_url.is_none() {
         "; for a real LLM add --llm-base-url http://127.0.0.1:11434/v1 (Ollama; vLLM :8000/v1, llama.cpp :8080/v1) or https://api.openai.com/v1 with --llm-api-key"
     } else {
@@ -210,7 +217,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         _ => String::new(),
     };
     println!(
-        "sbp gateway listening on http://{addr} (storage {storage_label}{replica_label}; {upstream_label}{hint})"
+        "sbp gateway listening on {scheme}://{addr} (storage {storage_label}{replica_label}; {upstream_label}{hint})"
     );
     std::io::stdout().flush()?;
     sbp_gateway::serve(listener, gateway, shutdown_signal()).await?;

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod transport;
 
 pub use config::{CtpRule, EdgeConfig, GatewayConfig, TlsFiles, run_replica_id};
+pub use edge::{TlsError, check_tls};
 pub use engine::Gateway;
 pub use engine::replicas::BusLink;
 pub use engine::tools::ServerTools;

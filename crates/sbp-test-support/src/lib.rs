@@ -5,7 +5,8 @@
 //!   test services ([`test_database_url`], [`test_redis_url`], [`delete_prefix`]) and
 //!   [`run_then_clean_up`];
 //! - feature `clients`: HTTP helpers (`send`, `response`, `sse_data`, `client`), a raw HTTP/1.1
-//!   socket for misbehaving clients (`RawHttp`), and a surface's WebSocket (`Ws`, `WsEvent`);
+//!   socket for misbehaving clients (`RawHttp`), a surface's WebSocket (`Ws`, `WsEvent`, over
+//!   `wss://` too), and a self-signed certificate with clients that trust it (`TestCert`);
 //! - feature `gateway`: `TestGateway`, the real gateway in-process on `127.0.0.1:0` over a SQLite
 //!   file in a temp dir, built with the gateway crate's root API only.
 //!
@@ -23,6 +24,8 @@ mod http;
 #[cfg(feature = "clients")]
 mod raw;
 #[cfg(feature = "clients")]
+mod tls;
+#[cfg(feature = "clients")]
 mod ws;
 
 pub use services::{
@@ -36,6 +39,8 @@ pub use gateway::{Options, TestGateway, Upstream, config, db_path};
 pub use http::{client, response, send, sse_data};
 #[cfg(feature = "clients")]
 pub use raw::{RawHttp, RawResponse, head};
+#[cfg(feature = "clients")]
+pub use tls::TestCert;
 #[cfg(feature = "clients")]
 pub use ws::{Ws, WsEvent};
 

@@ -1,17 +1,17 @@
 //! The real binary's connection layer: idle sockets past a low open-files limit leave `/healthz`
-//! answering (the limit is raised at start and the connection cap fitted under it), and SIGTERM
+//! answering (the limit is raised at start and the connection cap fitted under it); SIGTERM
 //! with a hung upstream and a trickled body ends within the shutdown grace, the hung turn's
-//! Idempotency-Key retryable after a restart.
+//! Idempotency-Key retryable after a restart; HTTPS and WSS, the certificate reloaded on SIGHUP.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use sbp_fake_llm::FakeLlm;
-use sbp_test_support::{RawHttp, head};
+use sbp_test_support::{RawHttp, TestCert, head};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::support::{Sbp, WAIT, msg, send};
+use crate::support::{Proc, Sbp, WAIT, Ws, eventually, msg, sbp_serve_in, send};
 
 /// `sbp serve` on 127.0.0.1:0 over `dir` under `ulimit -n fds` (soft and hard), SBP_* cleared.
 fn serve_with_fd_limit(fds: u32, dir: &std::path::Path, extra: &[&str]) -> Command {
@@ -144,4 +144,77 @@ async fn sigterm_ends_within_the_grace_and_the_hung_turns_key_is_retried_after_a
     .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(headers["x-session-id"].to_str().expect("id"), session);
+}
+
+#[tokio::test]
+async fn the_binary_serves_https_and_wss_and_reloads_its_certificate_on_sighup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tls_dir = tempfile::tempdir().expect("tempdir");
+    let (cert, key) = (
+        tls_dir.path().join("cert.pem"),
+        tls_dir.path().join("key.pem"),
+    );
+    let (cert_arg, key_arg) = (cert.display().to_string(), key.display().to_string());
+
+    // Files that cannot be used stop the start with a clear message.
+    let mut refused = Proc::spawn(sbp_serve_in(
+        dir.path(),
+        &["--tls-cert", &cert_arg, "--tls-key", &key_arg],
+    ));
+    let status = refused.wait_exit(WAIT).await;
+    assert!(!status.success(), "{status}");
+    let (_, err) = refused.output();
+    assert!(err.contains("--tls-cert/--tls-key"), "{err}");
+
+    let old = TestCert::new();
+    old.write(&cert, &key);
+    // An hour between file checks: only SIGHUP can reload within the test.
+    let gw = Sbp::start(
+        dir.path(),
+        &[
+            "--tls-cert",
+            &cert_arg,
+            "--tls-key",
+            &key_arg,
+            "--tls-reload-interval",
+            "3600",
+        ],
+    )
+    .await;
+    assert!(gw.url.starts_with("https://"), "{}", gw.banner);
+    let addr = gw.url.trim_start_matches("https://").to_owned();
+    let https = old.https_client();
+    let (status, _, created) = send(
+        https
+            .post(format!("{}/v1/sessions", gw.url))
+            .json(&json!({})),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["session_id"].as_str().expect("id");
+    let token = created["session_token"].as_str().expect("token");
+    let (mut surface, _) = Ws::attach_tls(&gw.ws_url, id, token, &old).await;
+
+    let new = TestCert::new();
+    new.write(&cert, &key);
+    assert!(!new.handshake(&addr).await, "not reloaded before SIGHUP");
+    gw.proc.sighup();
+    eventually(WAIT, "the new certificate served after SIGHUP", || async {
+        new.handshake(&addr).await.then_some(())
+    })
+    .await;
+    assert!(!old.handshake(&addr).await);
+
+    // The surface connected before the reload keeps its connection.
+    let (status, _, pushed) = send(
+        new.https_client()
+            .post(format!("{}/v1/sbp/sessions/{id}/turns", gw.url))
+            .header("x-session-token", token)
+            .json(&json!({"content": "after the renewal"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{pushed}");
+    assert_eq!(pushed["delivery"], "live", "{pushed}");
+    let (text, _) = surface.live_turn().await;
+    assert_eq!(text, "after the renewal");
 }

@@ -9,10 +9,14 @@
 //! - `conn.rs`: one connection's phase and deadline, and the socket wrapper that feeds it.
 //! - `limits.rs`: admission under the caps.
 //! - `requests.rs`: each request on its way to the router (early 413, body deadline, health-only).
+//! - `tls.rs`: HTTPS and WSS with a certificate reloaded when its files change or on SIGHUP.
 
 mod conn;
 mod limits;
 mod requests;
+mod tls;
+
+pub use tls::{TlsError, check as check_tls};
 
 use std::future::Future;
 use std::io;
@@ -21,6 +25,7 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -28,9 +33,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::Gateway;
 use crate::config::EdgeConfig;
-use conn::{Closed, Conn, Timeouts, Tracked};
+use conn::{Conn, Timeouts, Tracked};
 use limits::{Admission, Limits, Slot};
 use requests::EdgeService;
+use tls::Tls;
 
 /// A connection admitted beyond the caps gets at most this long to send its `/healthz` request.
 const HEALTH_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -49,7 +55,19 @@ pub async fn serve(
 ) -> io::Result<()> {
     let cfg = gateway.config().edge.clone();
     let grace = gateway.config().shutdown_grace;
-    let edge = Arc::new(Edge::new(&gateway, &cfg));
+    let tls = match &cfg.tls {
+        Some(files) => {
+            Some(Arc::new(Tls::new(files).map_err(|e| {
+                io::Error::new(io::ErrorKind::InvalidInput, e)
+            })?))
+        }
+        None => None,
+    };
+    let edge = Arc::new(Edge::new(&gateway, &cfg, tls.clone()));
+    let reloads = tls.map(|tls| {
+        let (every, stop) = (cfg.tls_reload_interval, edge.graceful.clone());
+        tokio::spawn(async move { tls.watch(every, stop).await })
+    });
     let stop = gateway.shutdown_token();
     tokio::pin!(shutdown);
     let mut accept_errors = AcceptErrors::default();
@@ -70,6 +88,9 @@ pub async fn serve(
     drop(listener);
     let deadline = Instant::now() + grace;
     edge.stop(&gateway, deadline).await;
+    if let Some(reloads) = reloads {
+        let _ = reloads.await;
+    }
     gateway.shutdown_by(deadline).await;
     Ok(())
 }
@@ -79,6 +100,7 @@ struct Edge {
     gateway: Gateway,
     app: axum::Router,
     builder: Builder<TokioExecutor>,
+    tls: Option<Arc<Tls>>,
     limits: Arc<Limits>,
     timeouts: Timeouts,
     max_body: usize,
@@ -91,7 +113,7 @@ struct Edge {
 }
 
 impl Edge {
-    fn new(gateway: &Gateway, cfg: &EdgeConfig) -> Self {
+    fn new(gateway: &Gateway, cfg: &EdgeConfig, tls: Option<Arc<Tls>>) -> Self {
         let mut builder = Builder::new(TokioExecutor::new());
         // Header and idle deadlines are the edge's own (`conn.rs`): hyper's header timer would
         // also run while a keep-alive connection is idle.
@@ -108,6 +130,7 @@ impl Edge {
             gateway: gateway.clone(),
             app: crate::transport::router(gateway.clone()),
             builder,
+            tls,
             limits: Limits::new(cfg.max_connections, cfg.max_connections_per_ip),
             timeouts: Timeouts {
                 header: cfg.header_read_timeout,
@@ -164,25 +187,16 @@ impl Edge {
             },
             false => self.timeouts,
         };
-        let service = EdgeService {
-            app: self.app.clone(),
-            conn: conn.clone(),
-            max_body: self.max_body,
-            body_timeout: self.body_timeout,
-        };
-        let io = TokioIo::new(Tracked::new(tcp, conn.clone(), slot));
         let serving = async {
-            let served = self.builder.serve_connection_with_upgrades(io, service);
-            tokio::pin!(served);
-            let result = tokio::select! {
-                r = served.as_mut() => r,
-                _ = self.graceful.cancelled() => {
-                    served.as_mut().graceful_shutdown();
-                    served.await
-                }
-            };
-            if let Err(err) = result {
-                tracing::debug!(peer = %conn.peer, %err, "connection ended with an error");
+            let io = Tracked::new(tcp, conn.clone(), slot);
+            match &self.tls {
+                None => self.http(io, &conn).await,
+                Some(tls) => match tls.acceptor().accept(io).await {
+                    Ok(io) => self.http(io, &conn).await,
+                    Err(err) => {
+                        tracing::debug!(peer = %conn.peer, %err, "TLS handshake failed");
+                    }
+                },
             }
         };
         tokio::select! {
@@ -193,9 +207,35 @@ impl Edge {
                     .connections_timed_out
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::debug!(peer = %conn.peer, reason = ?closed, "connection closed by the edge");
-                let _: Closed = closed;
             }
             _ = self.kill.cancelled() => {}
+        }
+    }
+
+    /// Serves HTTP on `io` until the connection ends (or, upgraded, is handed to its WebSocket).
+    async fn http<I>(&self, io: I, conn: &Arc<Conn>)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let service = EdgeService {
+            app: self.app.clone(),
+            conn: conn.clone(),
+            max_body: self.max_body,
+            body_timeout: self.body_timeout,
+        };
+        let served = self
+            .builder
+            .serve_connection_with_upgrades(TokioIo::new(io), service);
+        tokio::pin!(served);
+        let result = tokio::select! {
+            r = served.as_mut() => r,
+            _ = self.graceful.cancelled() => {
+                served.as_mut().graceful_shutdown();
+                served.await
+            }
+        };
+        if let Err(err) = result {
+            tracing::debug!(peer = %conn.peer, %err, "connection ended with an error");
         }
     }
 

@@ -10,6 +10,7 @@ mod lifecycle;
 mod mcp;
 mod roaming;
 mod surfaces;
+mod tls;
 mod tools;
 mod ws_handshake;
 mod ws_tether;
