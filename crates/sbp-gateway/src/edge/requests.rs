@@ -40,9 +40,12 @@ impl hyper::service::Service<Request<Incoming>> for EdgeService {
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let this = self.clone();
         let started = Started::new(this.conn.clone());
+        // A WebSocket over HTTP/2 is an extended CONNECT answered 200, not an upgrade.
+        let connect = req.method() == Method::CONNECT;
         Box::pin(async move {
             let resp = this.respond(req).await;
-            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let status = resp.status();
+            if status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success()) {
                 this.conn.upgraded();
             }
             Ok(resp.map(|body| Tracked {
