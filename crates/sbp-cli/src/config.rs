@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use sbp_gateway::ratelimit::parse_limit;
-use sbp_gateway::{CtpRule, Limits, PublicUrl, RateLimits};
+use sbp_gateway::{CtpRule, EdgeConfig, Limits, PublicUrl, RateLimits, TlsFiles};
 use sbp_store::redis_tether::TetherMode;
 use serde::Deserialize;
 
@@ -208,6 +208,40 @@ pub struct ServeArgs {
     /// (413 beyond). [default: 262144]
     #[arg(long, env = "SBP_MAX_JSON_VALUES")]
     pub max_json_values: Option<usize>,
+    /// Seconds a connection may take to send a request's headers, counted from its first byte
+    /// (or from its accept when it sends nothing); a TLS handshake counts. [default: 10]
+    #[arg(long, env = "SBP_HEADER_READ_TIMEOUT")]
+    pub header_read_timeout: Option<f64>,
+    /// Seconds a request's whole body may take to arrive (a deadline: a body trickled a byte at a
+    /// time is cut too); 408 after it. [default: 60]
+    #[arg(long, env = "SBP_BODY_TIMEOUT")]
+    pub body_timeout: Option<f64>,
+    /// Seconds an idle keep-alive connection stays open between two requests. [default: 60]
+    #[arg(long, env = "SBP_KEEP_ALIVE_TIMEOUT")]
+    pub keep_alive_timeout: Option<f64>,
+    /// Connections served at once, WebSocket surfaces included; beyond it a few more are accepted
+    /// for /healthz only and the rest closed at once. Lowered at start to fit the open-files limit.
+    /// [default: 10000]
+    #[arg(long, env = "SBP_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Connections one client IP (an IPv6 /64) may hold at once, WebSocket surfaces included; 0
+    /// for no limit (behind a reverse proxy every client has the proxy's address). [default: 1000]
+    #[arg(long, env = "SBP_MAX_CONNECTIONS_PER_IP")]
+    pub max_connections_per_ip: Option<usize>,
+    /// Serve HTTPS and WSS with this PEM certificate chain (with --tls-key). Reloaded when the
+    /// file changes and on SIGHUP. [default: plain HTTP]
+    #[arg(long, env = "SBP_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "SBP_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds between checks of the TLS files for a change. [default: 10]
+    #[arg(long, env = "SBP_TLS_RELOAD_INTERVAL")]
+    pub tls_reload_interval: Option<f64>,
+    /// Seconds SIGTERM/SIGINT waits for requests and turns in flight; then running turns are
+    /// failed (their Idempotency-Keys can be retried) and the process exits. [default: 30]
+    #[arg(long, env = "SBP_SHUTDOWN_GRACE")]
+    pub shutdown_grace: Option<f64>,
     /// Operator API key (repeatable; env: comma-separated). When set, every HTTP endpoint but
     /// /healthz needs `Authorization: Bearer <key>`.
     #[arg(
@@ -310,6 +344,15 @@ struct FileConfig {
     max_json_objects: Option<usize>,
     max_json_values: Option<usize>,
     api_keys: Option<Vec<String>>,
+    header_read_timeout: Option<f64>,
+    body_timeout: Option<f64>,
+    keep_alive_timeout: Option<f64>,
+    max_connections: Option<usize>,
+    max_connections_per_ip: Option<usize>,
+    shutdown_grace: Option<f64>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_reload_interval: Option<f64>,
     strict_sbp: Option<bool>,
     enable_test_hooks: Option<bool>,
     insecure_no_session_auth: Option<bool>,
@@ -397,6 +440,9 @@ pub struct Settings {
     pub max_body_bytes: usize,
     pub limits: Limits,
     pub api_keys: Vec<String>,
+    /// Timeouts and connection caps (TLS is added by `sbp serve` itself).
+    pub edge: EdgeConfig,
+    pub shutdown_grace: Duration,
     pub strict_sbp: bool,
     pub enable_test_hooks: bool,
     pub insecure_no_session_auth: bool,
@@ -558,6 +604,21 @@ impl Settings {
                 .unwrap_or(d.max_json_values),
         };
         check_limits(&limits)?;
+        let edge = parse_edge(EdgeArgs {
+            header_read_timeout: args.header_read_timeout.or(file.header_read_timeout),
+            body_timeout: args.body_timeout.or(file.body_timeout),
+            keep_alive_timeout: args.keep_alive_timeout.or(file.keep_alive_timeout),
+            max_connections: args.max_connections.or(file.max_connections),
+            max_connections_per_ip: args.max_connections_per_ip.or(file.max_connections_per_ip),
+            tls_cert: args.tls_cert.or(file.tls_cert),
+            tls_key: args.tls_key.or(file.tls_key),
+            tls_reload_interval: args.tls_reload_interval.or(file.tls_reload_interval),
+        })?;
+        let shutdown_grace = seconds(
+            "shutdown-grace",
+            args.shutdown_grace.or(file.shutdown_grace),
+            30.0,
+        )?;
         let list = |flag: Vec<String>, file: Option<Vec<String>>| -> Vec<String> {
             let mut v: Vec<String> = flag
                 .into_iter()
@@ -739,6 +800,8 @@ impl Settings {
             max_body_bytes,
             limits,
             api_keys,
+            edge,
+            shutdown_grace,
             strict_sbp: args.strict_sbp || file.strict_sbp.unwrap_or(false),
             enable_test_hooks: args.enable_test_hooks || file.enable_test_hooks.unwrap_or(false),
             insecure_no_session_auth: args.insecure_no_session_auth
@@ -813,6 +876,57 @@ fn parse_tether(
         bail!("--tether-prefix must be non-empty, without spaces or '*'");
     }
     Ok(Some(TetherSettings { url, mode, prefix }))
+}
+
+struct EdgeArgs {
+    header_read_timeout: Option<f64>,
+    body_timeout: Option<f64>,
+    keep_alive_timeout: Option<f64>,
+    max_connections: Option<usize>,
+    max_connections_per_ip: Option<usize>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_reload_interval: Option<f64>,
+}
+
+/// The connection layer's timeouts, caps and TLS files.
+fn parse_edge(a: EdgeArgs) -> anyhow::Result<EdgeConfig> {
+    let defaults = EdgeConfig::default();
+    let max_connections = a.max_connections.unwrap_or(defaults.max_connections);
+    if max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    Ok(EdgeConfig {
+        header_read_timeout: seconds(
+            "header-read-timeout",
+            a.header_read_timeout,
+            defaults.header_read_timeout.as_secs_f64(),
+        )?,
+        body_timeout: seconds(
+            "body-timeout",
+            a.body_timeout,
+            defaults.body_timeout.as_secs_f64(),
+        )?,
+        keep_alive_timeout: seconds(
+            "keep-alive-timeout",
+            a.keep_alive_timeout,
+            defaults.keep_alive_timeout.as_secs_f64(),
+        )?,
+        max_connections,
+        max_connections_per_ip: a
+            .max_connections_per_ip
+            .unwrap_or(defaults.max_connections_per_ip),
+        tls: match (a.tls_cert, a.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        },
+        tls_reload_interval: seconds(
+            "tls-reload-interval",
+            a.tls_reload_interval,
+            defaults.tls_reload_interval.as_secs_f64(),
+        )?,
+    })
 }
 
 struct BusArgs {
@@ -1116,6 +1230,78 @@ mod tests {
             },
             ServeArgs {
                 tether_mode: Some("mirror".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(Settings::resolve(args).is_err());
+        }
+    }
+
+    #[test]
+    fn connection_limits_from_toml_and_flags() {
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert_eq!(
+            (
+                d.edge.header_read_timeout,
+                d.edge.body_timeout,
+                d.edge.keep_alive_timeout,
+                d.edge.max_connections,
+                d.edge.max_connections_per_ip,
+                d.shutdown_grace
+            ),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+                10_000,
+                1_000,
+                Duration::from_secs(30)
+            )
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            "header_read_timeout = 2.5\nmax_connections = 50\nmax_connections_per_ip = 0\n\
+             shutdown_grace = 5\n",
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            keep_alive_timeout: Some(7.0),
+            max_connections: Some(60),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.edge.header_read_timeout, Duration::from_millis(2500));
+        assert_eq!(s.edge.keep_alive_timeout, Duration::from_secs(7));
+        assert_eq!(s.edge.max_connections, 60, "the flag wins over the file");
+        assert_eq!(s.edge.max_connections_per_ip, 0);
+        assert_eq!(s.shutdown_grace, Duration::from_secs(5));
+        assert!(s.edge.tls.is_none());
+        let s = Settings::resolve(ServeArgs {
+            tls_cert: Some("c.pem".into()),
+            tls_key: Some("k.pem".into()),
+            ..Default::default()
+        })
+        .expect("resolves");
+        let tls = s.edge.tls.expect("TLS files");
+        assert_eq!((tls.cert, tls.key), ("c.pem".into(), "k.pem".into()));
+        for args in [
+            ServeArgs {
+                tls_cert: Some("c.pem".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_connections: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                body_timeout: Some(0.0),
+                ..Default::default()
+            },
+            ServeArgs {
+                shutdown_grace: Some(-1.0),
                 ..Default::default()
             },
         ] {

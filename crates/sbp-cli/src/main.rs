@@ -43,7 +43,11 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            runtime.block_on(serve::run(settings))
+            let result = runtime.block_on(serve::run(settings));
+            // `serve` has already waited its grace; a blocking task still running (a stalled
+            // write) must not hold the exit forever.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            result
         }
         Command::Attach(args) => {
             // Warnings only by default: stdout is the conversation, and stderr shares the terminal.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use sbp_bus::{RedisBus, RedisBusOptions};
-use sbp_gateway::{BusLink, Gateway, GatewayConfig};
+use sbp_gateway::{BusLink, EdgeConfig, Gateway, GatewayConfig};
 use sbp_llm::{
     AnthropicOptions, AnthropicProvider, EchoProvider, ModelMatch, OpenAiOptions, OpenAiProvider,
     Provider, Router,
@@ -116,6 +116,10 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
             )
         }
     };
+    if let Some(files) = &s.edge.tls {
+        sbp_gateway::check_tls(files).map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
+    }
+    let edge = fit_connections(s.edge.clone(), raise_fd_limit());
     let defaults = GatewayConfig::default();
     let config = GatewayConfig {
         sbp_version: s.sbp_version.clone().unwrap_or(defaults.sbp_version),
@@ -146,6 +150,8 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         retention_interval: s.retention_interval.unwrap_or_default(),
         export_retention: s.export_retention,
         snapshot_retention: s.snapshot_retention,
+        edge,
+        shutdown_grace: s.shutdown_grace,
         ..defaults
     };
     let config = match &s.bus {
@@ -211,6 +217,10 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", s.listen))?;
     let addr = listener.local_addr()?;
+    let scheme = match &s.edge.tls {
+        Some(_) => "https",
+        None => "http",
+    };
     let hint = if s.llm_base_url.is_none() {
         "; for a real LLM add --llm-base-url http://127.0.0.1:11434/v1 (Ollama; vLLM :8000/v1, llama.cpp :8080/v1) or https://api.openai.com/v1 with --llm-api-key"
     } else {
@@ -221,7 +231,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         _ => String::new(),
     };
     println!(
-        "sbp gateway listening on http://{addr} (storage {storage_label}{replica_label}; {upstream_label}{hint})"
+        "sbp gateway listening on {scheme}://{addr} (storage {storage_label}{replica_label}; {upstream_label}{hint})"
     );
     std::io::stdout().flush()?;
     sbp_gateway::serve(listener, gateway, shutdown_signal()).await?;
@@ -231,6 +241,62 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     }
     tracing::info!("gateway stopped");
     Ok(())
+}
+
+/// File descriptors kept out of the connection budget: the database, the upstream and MCP
+/// clients, Redis, log files.
+const FD_RESERVE: u64 = 256;
+
+/// Raises this process's open-files soft limit to its hard limit (every connection is a file
+/// descriptor, and so is the upstream connection of each turn it runs); logs both. Returns the
+/// soft limit now in force, if the platform has one.
+fn raise_fd_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let (before, hard) = match rlimit::Resource::NOFILE.get() {
+            Ok(limits) => limits,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the open-files limit");
+                return None;
+            }
+        };
+        match rlimit::increase_nofile_limit(u64::MAX) {
+            Ok(now) => {
+                tracing::info!(before, now, hard, "open-files limit");
+                Some(now)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, before, hard, "cannot raise the open-files limit");
+                Some(before)
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Lowers the connection cap to what `fds` file descriptors can serve: half of them after a
+/// reserve, since a connection running a turn also holds the turn's upstream connection. Without
+/// this, connections beyond the limit would make `accept` fail instead of being shed.
+fn fit_connections(mut edge: EdgeConfig, fds: Option<u64>) -> EdgeConfig {
+    let Some(fds) = fds else {
+        return edge;
+    };
+    let budget = usize::try_from(fds.saturating_sub(FD_RESERVE) / 2)
+        .unwrap_or(usize::MAX)
+        .max(16);
+    if edge.max_connections > budget {
+        tracing::warn!(
+            configured = edge.max_connections,
+            open_files_limit = fds,
+            max_connections = budget,
+            "--max-connections lowered to fit the open-files limit"
+        );
+        edge.max_connections = budget;
+    }
+    edge
 }
 
 async fn shutdown_signal() {
@@ -252,5 +318,25 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_fits_the_open_files_limit() {
+        let edge = EdgeConfig::default();
+        assert_eq!(
+            fit_connections(edge.clone(), Some(1024)).max_connections,
+            384
+        );
+        assert_eq!(
+            fit_connections(edge.clone(), Some(1 << 20)).max_connections,
+            10_000
+        );
+        assert_eq!(fit_connections(edge.clone(), None).max_connections, 10_000);
+        assert_eq!(fit_connections(edge, Some(100)).max_connections, 16);
     }
 }

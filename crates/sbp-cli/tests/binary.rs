@@ -20,6 +20,8 @@ mod conformance;
 #[path = "binary/browser.rs"]
 mod browser;
 
+#[path = "binary/edge.rs"]
+mod edge;
 #[path = "binary/private_and_bounded.rs"]
 mod private_and_bounded;
 

@@ -1,5 +1,6 @@
 //! The engine's typed configuration. The CLI builds it from flags, `SBP_*` variables and a TOML file.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::ratelimit::RateLimits;
@@ -76,6 +77,58 @@ pub struct GatewayConfig {
     /// The URLs browsers and clients reach this gateway by (besides loopback): their hosts are
     /// accepted in `Host`, their origins in `Origin` (`transport/policy.rs`).
     pub public_urls: Vec<PublicUrl>,
+    /// The connection layer: timeouts, connection caps, TLS (`edge/`).
+    pub edge: EdgeConfig,
+    /// How long a stop waits for in-flight requests and turns; then turns still running are
+    /// failed (their idempotency keys retryable), remaining connections are closed, and `serve`
+    /// returns.
+    pub shutdown_grace: Duration,
+}
+
+/// Limits of the connection layer (`edge/`). Each bounds what one client can hold: a socket that
+/// sends nothing, a body sent one byte at a time, an idle keep-alive connection, or more sockets
+/// than the process has file descriptors for.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// How long a connection may take from its first byte (or from being accepted) to the end of
+    /// a request's headers; a TLS handshake counts.
+    pub header_read_timeout: Duration,
+    /// How long a request's whole body may take to arrive, from the end of its headers (a
+    /// deadline, not an inactivity timeout: a body trickled at one byte a second is cut too).
+    pub body_timeout: Duration,
+    /// How long a keep-alive connection may stay idle between two requests.
+    pub keep_alive_timeout: Duration,
+    /// Connections served at once (WebSocket surfaces included). Beyond it a few more are accepted
+    /// for `/healthz` only, and the rest are closed at once.
+    pub max_connections: usize,
+    /// Connections one client IP may hold at once (WebSocket surfaces included); 0: no limit.
+    pub max_connections_per_ip: usize,
+    /// Serve HTTPS and WSS with this certificate chain and key (PEM files), reloaded when the
+    /// files change.
+    pub tls: Option<TlsFiles>,
+    /// How often the TLS files are checked for a change.
+    pub tls_reload_interval: Duration,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            keep_alive_timeout: Duration::from_secs(60),
+            max_connections: 10_000,
+            max_connections_per_ip: 1_000,
+            tls: None,
+            tls_reload_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The PEM files of a TLS certificate chain and its private key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl GatewayConfig {
@@ -135,6 +188,8 @@ impl Default for GatewayConfig {
             replica_timeout: Duration::from_secs(10),
             rate_limits: RateLimits::default(),
             public_urls: Vec::new(),
+            edge: EdgeConfig::default(),
+            shutdown_grace: Duration::from_secs(30),
         }
     }
 }

@@ -60,6 +60,13 @@ pub enum Error {
     /// A body in a format the endpoint does not take (not JSON).
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// The request's body did not arrive within its deadline.
+    #[error("{0}")]
+    RequestTimeout(String),
+    /// The gateway cannot serve this now (at its connection limit, shutting down); a retry later
+    /// may succeed.
+    #[error("{0}")]
+    Unavailable(String),
     /// The session's state does not allow this now.
     #[error("{0}")]
     Conflict(String),

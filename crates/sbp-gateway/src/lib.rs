@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod config;
+mod edge;
 pub mod engine;
 pub mod error;
 pub mod limits;
@@ -11,7 +12,8 @@ pub mod metrics;
 pub mod ratelimit;
 pub mod transport;
 
-pub use config::{CtpRule, GatewayConfig, PublicUrl, run_replica_id};
+pub use config::{CtpRule, EdgeConfig, GatewayConfig, PublicUrl, TlsFiles, run_replica_id};
+pub use edge::{TlsError, check_tls};
 pub use engine::Gateway;
 pub use engine::replicas::BusLink;
 pub use engine::tools::ServerTools;
@@ -21,33 +23,15 @@ pub use ratelimit::{Rate, RateLimits};
 
 use std::future::Future;
 
-/// Serves the gateway on `listener` until `shutdown` completes, then stops background tasks and
-/// waits for in-flight turns to finish persisting.
+/// Serves the gateway on `listener` until `shutdown` completes (or the gateway stops): every
+/// connection under the limits of `config.edge` (timeouts, connection caps; see `edge/`). Then
+/// stops accepting, lets requests in flight finish, closes surfaces (1001) and waits for turns to
+/// persist, for at most `config.shutdown_grace`: past it, turns still running are failed (their
+/// idempotency keys retryable), remaining connections are closed, and this returns.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     gateway: Gateway,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt as _;
-    let app = transport::router(gateway.clone(), listener.local_addr()?);
-    let stop = gateway.shutdown_token();
-    // Frames are small and often sent back to back (an ACK after a TURN_COMPLETE, a TOOL_RESULT
-    // after a PONG): with Nagle on, the second waits for the peer's delayed ACK, up to 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(err) = tcp.set_nodelay(true) {
-            tracing::debug!(%err, "could not set TCP_NODELAY");
-        }
-    });
-    // The peer's address reaches handlers as `ConnectInfo` (the rate limits are keyed by it).
-    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            tokio::select! {
-                _ = shutdown => {}
-                _ = stop.cancelled() => {}
-            }
-        })
-        .await;
-    gateway.shutdown().await;
-    result
+    edge::serve(listener, gateway, shutdown).await
 }

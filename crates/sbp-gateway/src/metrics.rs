@@ -82,6 +82,10 @@ pub struct Metrics {
     pub upstream_latency: Histogram,
     /// TOOL_CALL sent to TOOL_RESULT received (or timeout / disconnect).
     pub tool_call_latency: Histogram,
+    /// Connections over a connection cap: served `/healthz` only, or closed at once.
+    pub connections_shed: AtomicU64,
+    /// Connections closed by the edge: no request head in time, idle too long, or evicted.
+    pub connections_timed_out: AtomicU64,
     /// Requests refused by a rate limit, by limit (`ratelimit::Limit` order).
     pub rate_limited: [AtomicU64; 4],
 }
@@ -270,6 +274,18 @@ impl Metrics {
         ] {
             counter(&mut out, name, help, v);
         }
+        counter(
+            &mut out,
+            "sbp_connections_shed_total",
+            "Connections over a connection cap (served /healthz only, or closed at once).",
+            &self.connections_shed,
+        );
+        counter(
+            &mut out,
+            "sbp_connections_timed_out_total",
+            "Connections closed for sending no request head in time, idling too long, or to make room.",
+            &self.connections_timed_out,
+        );
         self.upstream_latency.render(
             &mut out,
             "sbp_upstream_latency_seconds",

@@ -4,8 +4,9 @@
 //! - always: [`WAIT`], polling ([`poll_until_ok`], [`eventually`], [`wait_until`]), the machine's
 //!   test services ([`test_database_url`], [`test_redis_url`], [`delete_prefix`]) and
 //!   [`run_then_clean_up`];
-//! - feature `clients`: HTTP helpers (`send`, `response`, `sse_data`, `client`) and a surface's
-//!   WebSocket (`Ws`, `WsEvent`);
+//! - feature `clients`: HTTP helpers (`send`, `response`, `sse_data`, `client`), a raw HTTP/1.1
+//!   socket for misbehaving clients (`RawHttp`), a surface's WebSocket (`Ws`, `WsEvent`, over
+//!   `wss://` too), and a self-signed certificate with clients that trust it (`TestCert`);
 //! - feature `gateway`: `TestGateway`, the real gateway in-process on `127.0.0.1:0` over a SQLite
 //!   file in a temp dir, built with the gateway crate's root API only.
 //!
@@ -21,6 +22,10 @@ mod gateway;
 #[cfg(feature = "clients")]
 mod http;
 #[cfg(feature = "clients")]
+mod raw;
+#[cfg(feature = "clients")]
+mod tls;
+#[cfg(feature = "clients")]
 mod ws;
 
 pub use services::{
@@ -32,6 +37,10 @@ pub use wait::{eventually, poll_until_ok, wait_until};
 pub use gateway::{Options, TestGateway, Upstream, config, db_path};
 #[cfg(feature = "clients")]
 pub use http::{client, response, send, sse_data};
+#[cfg(feature = "clients")]
+pub use raw::{RawHttp, RawResponse, head};
+#[cfg(feature = "clients")]
+pub use tls::TestCert;
 #[cfg(feature = "clients")]
 pub use ws::{Ws, WsEvent};
 

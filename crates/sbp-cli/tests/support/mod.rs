@@ -156,6 +156,16 @@ impl Proc {
         assert!(status.success(), "kill -TERM failed: {status}");
     }
 
+    /// `kill -HUP <pid>` through the real `kill` command.
+    pub fn sighup(&self) {
+        let status = Command::new("kill")
+            .arg("-HUP")
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -HUP failed: {status}");
+    }
+
     /// Waits for the process to exit on its own, polling until `within` runs out.
     pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
         let deadline = Instant::now() + within;
@@ -197,9 +207,9 @@ impl Drop for Proc {
 /// A running gateway: the process and the address it printed.
 pub struct Sbp {
     pub proc: Proc,
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (`https://` when it serves TLS).
     pub url: String,
-    /// `ws://127.0.0.1:PORT`.
+    /// `ws://127.0.0.1:PORT` (`wss://` when it serves TLS).
     pub ws_url: String,
     /// The startup line as printed.
     pub banner: String,
@@ -222,17 +232,21 @@ impl Sbp {
         };
         let url = banner
             .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| panic!("no http:// URL in the startup line: {banner}"))
+            .find(|w| w.starts_with("http://") || w.starts_with("https://"))
+            .unwrap_or_else(|| panic!("no http(s):// URL in the startup line: {banner}"))
             .to_owned();
-        let addr: std::net::SocketAddr = url["http://".len()..]
+        let (tls, rest) = match url.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, &url["http://".len()..]),
+        };
+        let addr: std::net::SocketAddr = rest
             .parse()
             .unwrap_or_else(|e| panic!("bad address in '{banner}': {e}"));
         assert!(addr.ip().is_loopback(), "{banner}");
         assert_ne!(addr.port(), 0, "the real port is printed: {banner}");
         Self {
             proc,
-            ws_url: format!("ws://{addr}"),
+            ws_url: format!("{}://{addr}", if tls { "wss" } else { "ws" }),
             url,
             banner,
             http: client(),

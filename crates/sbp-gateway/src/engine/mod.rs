@@ -221,11 +221,31 @@ impl Gateway {
         self.inner.tasks.track(fut)
     }
 
-    /// Stops accepting work, signals connections to close and waits for tracked tasks; then stops
-    /// the replica's own tasks.
+    /// Stops accepting work, signals connections to close and waits for tracked tasks, for at
+    /// most the configured `shutdown_grace`; then stops the replica's own tasks.
     pub async fn shutdown(&self) {
-        self.inner.tasks.stop().await;
+        let deadline = tokio::time::Instant::now() + self.inner.config.shutdown_grace;
+        self.shutdown_by(deadline).await;
+    }
+
+    /// [`Gateway::shutdown`] with the grace ending at `deadline`: turns still running then are
+    /// failed (their idempotency keys left retryable), and tasks that still do not end are left
+    /// behind (logged) so the process can exit.
+    pub async fn shutdown_by(&self, deadline: tokio::time::Instant) {
+        let left = self.inner.tasks.stop_by(deadline).await;
+        if left > 0 {
+            tracing::warn!(
+                tasks = left,
+                "shutdown grace over: stopping without waiting for these tasks"
+            );
+        }
         self.inner.replicas.stop().await;
+    }
+
+    /// Fails every turn still running, now (the shutdown grace is over): each records its failure
+    /// and releases its idempotency key, and its caller gets `Error::Unavailable`.
+    pub fn abort_turns(&self) {
+        self.inner.tasks.abort();
     }
 
     /// The Prometheus text for `/metrics`.

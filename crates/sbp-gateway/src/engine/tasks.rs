@@ -1,7 +1,9 @@
 //! Background work of one gateway, tracked: shutdown cancels the token long-lived tasks watch and
-//! waits for every task (turns persisting, CTP passes, connections) to end.
+//! waits for every task (turns persisting, CTP passes, connections) to end; past a deadline it
+//! cancels a second token, which turns watch to fail at once, and stops waiting soon after.
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -11,7 +13,11 @@ use tokio_util::task::task_tracker::TrackedFuture;
 pub struct Tasks {
     tracker: TaskTracker,
     stop: CancellationToken,
+    abort: CancellationToken,
 }
+
+/// How long aborted tasks get to record their failure before shutdown stops waiting for them.
+const ABORT_MARGIN: Duration = Duration::from_secs(3);
 
 impl Tasks {
     /// Runs `fut` as a tracked task.
@@ -47,5 +53,32 @@ impl Tasks {
         self.stop.cancel();
         self.tracker.close();
         self.tracker.wait().await;
+    }
+
+    /// Cancelled when work in progress (a turn) is to be given up: the shutdown grace is over.
+    pub fn aborting(&self) -> CancellationToken {
+        self.abort.clone()
+    }
+
+    /// Gives up work in progress now (see [`Tasks::aborting`]).
+    pub fn abort(&self) {
+        self.abort.cancel();
+    }
+
+    /// Signals the tasks to stop and waits for them until `deadline`; then aborts the rest and
+    /// waits a little more for them to record that. Returns how many tasks were still running
+    /// when it gave up (0: all ended).
+    pub async fn stop_by(&self, deadline: tokio::time::Instant) -> usize {
+        self.stop.cancel();
+        self.tracker.close();
+        if tokio::time::timeout_at(deadline, self.tracker.wait())
+            .await
+            .is_ok()
+        {
+            return 0;
+        }
+        self.abort.cancel();
+        let _ = tokio::time::timeout(ABORT_MARGIN, self.tracker.wait()).await;
+        self.tracker.len()
     }
 }

@@ -30,6 +30,10 @@ impl IntoResponse for Error {
             }
             _ => {}
         }
+        if is_unavailable(&self) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         resp
     }
 }
@@ -164,6 +168,8 @@ fn code(e: &Error) -> ErrorCode {
         Error::NotFound(_) => ErrorCode::NotFound,
         Error::TooLarge(_) => ErrorCode::PayloadTooLarge,
         Error::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
+        Error::RequestTimeout(_) => ErrorCode::RequestTimeout,
+        Error::Unavailable(_) => ErrorCode::Unavailable,
         Error::Conflict(_) => ErrorCode::SessionConflict,
         Error::IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
         Error::TokenExpired { .. } => ErrorCode::TokenExpired,
@@ -178,6 +184,14 @@ fn code(e: &Error) -> ErrorCode {
         Error::RateLimited { .. } => ErrorCode::RateLimited,
         Error::Internal(_) => ErrorCode::Internal,
         Error::InTurn { cause, .. } => code(cause),
+    }
+}
+
+fn is_unavailable(e: &Error) -> bool {
+    match e {
+        Error::Unavailable(_) => true,
+        Error::InTurn { cause, .. } => is_unavailable(cause),
+        _ => false,
     }
 }
 

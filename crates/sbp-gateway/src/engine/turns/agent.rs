@@ -57,7 +57,17 @@ impl Turns {
         turn: Turn,
         events: Option<mpsc::Sender<SseEvent>>,
     ) -> Result<Value, Error> {
-        let outcome = match self.call_upstream(&turn, events.as_ref()).await {
+        // Past the shutdown grace the turn is given up where it stands (a hung upstream, a tool
+        // call nobody answers): every write it made so far is a whole unit, and failing it below
+        // releases its idempotency key, so a retry runs it again.
+        let aborting = self.inner.tasks.aborting();
+        let upstream = tokio::select! {
+            done = self.call_upstream(&turn, events.as_ref()) => done,
+            _ = aborting.cancelled() => Err(Error::Unavailable(
+                "the gateway shut down before this turn finished; retry it".into(),
+            )),
+        };
+        let outcome = match upstream {
             Ok(done) => {
                 let finished = self.finish(&turn, done).await;
                 if let Err(e) = &finished {

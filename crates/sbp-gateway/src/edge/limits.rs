@@ -1,0 +1,244 @@
+//! Admission of new connections: a cap on all of them and one per client IP, each counting a
+//! socket for as long as it is open (a WebSocket surface included), and a small headroom beyond
+//! the caps where `/healthz` is still answered, so a load balancer can tell "full" from "dead".
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use super::conn::Conn;
+
+/// Connections admitted beyond the caps, for `/healthz` only. When they are all taken, the oldest
+/// one that has not sent a byte yet makes room (a health check sends its request at once; a
+/// socket that sends nothing is what fills a headroom).
+pub(crate) const HEALTH_HEADROOM: usize = 32;
+
+pub(crate) struct Limits {
+    max: usize,
+    per_ip: usize,
+    counts: Mutex<Counts>,
+}
+
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    by_ip: HashMap<IpKey, usize>,
+    /// The headroom's connections, each with its number.
+    health: Vec<(u64, Arc<Conn>)>,
+    next_health: u64,
+}
+
+/// What admission decided.
+pub(crate) enum Admission {
+    /// Served normally.
+    Normal(Slot),
+    /// Over a cap: served for `/healthz` only, then closed.
+    HealthOnly(Slot),
+    /// Over a cap and no headroom left: closed at once.
+    Refused,
+}
+
+/// A connection's place under the caps, given back when dropped (with its socket).
+pub(crate) struct Slot {
+    limits: Arc<Limits>,
+    held: Held,
+}
+
+enum Held {
+    Normal(IpKey),
+    Health(u64),
+}
+
+/// The unit the per-IP cap counts: an IPv4 address, or an IPv6 /64 (what one subscriber is
+/// usually given: counting single IPv6 addresses would not limit anyone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum IpKey {
+    V4([u8; 4]),
+    V6Prefix([u8; 8]),
+}
+
+impl IpKey {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self::V4(v4.octets()),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => Self::V4(v4.octets()),
+                None => {
+                    let o = v6.octets();
+                    Self::V6Prefix([o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]])
+                }
+            },
+        }
+    }
+}
+
+impl Limits {
+    /// `per_ip` 0: no per-IP cap.
+    pub fn new(max: usize, per_ip: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max: max.max(1),
+            per_ip,
+            counts: Mutex::new(Counts::default()),
+        })
+    }
+
+    fn counts(&self) -> MutexGuard<'_, Counts> {
+        // Counts are updated in single statements: a panic cannot leave them half-changed.
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a new connection from `ip` fits under the caps (the caller then builds it as
+    /// normal or health-only and calls [`Limits::admit`]).
+    pub fn fits(&self, ip: IpAddr) -> bool {
+        let key = IpKey::of(ip);
+        let c = self.counts();
+        c.total < self.max
+            && (self.per_ip == 0 || c.by_ip.get(&key).copied().unwrap_or(0) < self.per_ip)
+    }
+
+    /// Admits `conn`: under the caps if it still fits, else into the health headroom (evicting
+    /// the oldest headroom connection that has sent nothing when it is full), else not at all.
+    pub fn admit(self: &Arc<Self>, conn: &Arc<Conn>) -> Admission {
+        let key = IpKey::of(conn.peer.ip());
+        let mut c = self.counts();
+        let from_ip = c.by_ip.get(&key).copied().unwrap_or(0);
+        if !conn.health_only && c.total < self.max && (self.per_ip == 0 || from_ip < self.per_ip) {
+            c.total += 1;
+            *c.by_ip.entry(key).or_insert(0) += 1;
+            return Admission::Normal(Slot {
+                limits: self.clone(),
+                held: Held::Normal(key),
+            });
+        }
+        if c.health.len() >= HEALTH_HEADROOM {
+            let oldest = c
+                .health
+                .iter()
+                .enumerate()
+                .filter_map(|(i, (_, h))| h.fresh_since().map(|since| (since, i)))
+                .min();
+            let Some((_, i)) = oldest else {
+                return Admission::Refused;
+            };
+            let (_, evicted) = c.health.swap_remove(i);
+            evicted.evict_if_fresh();
+        }
+        let number = c.next_health;
+        c.next_health += 1;
+        c.health.push((number, conn.clone()));
+        Admission::HealthOnly(Slot {
+            limits: self.clone(),
+            held: Held::Health(number),
+        })
+    }
+
+    /// Connections open under the caps, and in the headroom.
+    pub fn open(&self) -> (usize, usize) {
+        let c = self.counts();
+        (c.total, c.health.len())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut c = self.limits.counts();
+        match self.held {
+            Held::Normal(key) => {
+                c.total = c.total.saturating_sub(1);
+                if let Some(n) = c.by_ip.get_mut(&key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        c.by_ip.remove(&key);
+                    }
+                }
+            }
+            // Gone already if it was evicted.
+            Held::Health(number) => c.health.retain(|(n, _)| *n != number),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use super::*;
+
+    fn conn(ip: [u8; 4], health_only: bool) -> Arc<Conn> {
+        Arc::new(Conn::new(SocketAddr::from((ip, 1000)), health_only))
+    }
+
+    fn normal(limits: &Arc<Limits>, ip: [u8; 4]) -> Option<Slot> {
+        match limits.admit(&conn(ip, false)) {
+            Admission::Normal(slot) => Some(slot),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn caps_count_open_connections_and_give_back_on_drop() {
+        let limits = Limits::new(3, 2);
+        let a1 = normal(&limits, [10, 0, 0, 1]).expect("first");
+        let _a2 = normal(&limits, [10, 0, 0, 1]).expect("second from the same IP");
+        assert!(!limits.fits("10.0.0.1".parse().expect("ip")), "per-IP cap");
+        assert!(limits.fits("10.0.0.2".parse().expect("ip")));
+        let _b1 = normal(&limits, [10, 0, 0, 2]).expect("another IP");
+        assert!(!limits.fits("10.0.0.3".parse().expect("ip")), "global cap");
+        assert_eq!(limits.open(), (3, 0));
+        drop(a1);
+        assert!(limits.fits("10.0.0.1".parse().expect("ip")));
+        assert_eq!(limits.open(), (2, 0));
+    }
+
+    #[test]
+    fn headroom_evicts_the_oldest_silent_connection_and_refuses_when_none_is() {
+        let limits = Limits::new(1, 0);
+        let _full = normal(&limits, [10, 0, 0, 1]).expect("first");
+        let mut held = Vec::new();
+        let mut conns = Vec::new();
+        for _ in 0..HEALTH_HEADROOM {
+            let c = conn([10, 0, 0, 2], true);
+            match limits.admit(&c) {
+                Admission::HealthOnly(slot) => held.push(slot),
+                _ => panic!("headroom left"),
+            }
+            conns.push(c);
+        }
+        let newest = conn([10, 0, 0, 2], true);
+        match limits.admit(&newest) {
+            Admission::HealthOnly(slot) => held.push(slot),
+            _ => panic!("room is made"),
+        }
+        assert!(conns[0].fresh_since().is_none(), "the oldest was evicted");
+        assert!(conns[1].fresh_since().is_some());
+        assert_eq!(limits.open().1, HEALTH_HEADROOM, "its place was taken over");
+        // Connections that are reading a request are not evicted.
+        for c in &conns {
+            c.request_started();
+        }
+        let mut slots = Vec::new();
+        // The newest (still silent) one can still be replaced, once.
+        let c = conn([10, 0, 0, 2], true);
+        match limits.admit(&c) {
+            Admission::HealthOnly(slot) => slots.push(slot),
+            _ => panic!("the silent newest one makes room"),
+        }
+        c.request_started();
+        assert!(matches!(
+            limits.admit(&conn([10, 0, 0, 2], true)),
+            Admission::Refused
+        ));
+    }
+
+    #[test]
+    fn ipv6_clients_are_counted_per_64_and_mapped_ipv4_as_ipv4() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().expect("ip");
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().expect("ip");
+        let c: IpAddr = "2001:db8:1:3::1".parse().expect("ip");
+        assert_eq!(IpKey::of(a), IpKey::of(b));
+        assert_ne!(IpKey::of(a), IpKey::of(c));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().expect("ip");
+        let v4: IpAddr = "10.0.0.1".parse().expect("ip");
+        assert_eq!(IpKey::of(mapped), IpKey::of(v4));
+    }
+}
