@@ -13,7 +13,9 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 fn dir(target: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(target)
 }
 
 fn write(target: &str, seeds: &[(&str, Vec<u8>)]) -> std::io::Result<()> {
@@ -89,18 +91,24 @@ fn frames() -> Vec<(&'static str, Vec<u8>)> {
     let mut seeds: Vec<(&str, Vec<u8>)> = vec![
         (
             "attach",
-            text(&json!({"type": "ATTACH_SESSION", "session_id": SESSION, "session_token": "tok", "surface_context": ctx})),
+            text(
+                &json!({"type": "ATTACH_SESSION", "session_id": SESSION, "session_token": "tok", "surface_context": ctx}),
+            ),
         ),
         (
             "attach-surface-alias-last-seq",
-            text(&json!({"type": "ATTACH_SESSION", "session_id": SESSION, "surface": {"device_type": "iot"}, "last_seq": 3})),
+            text(
+                &json!({"type": "ATTACH_SESSION", "session_id": SESSION, "surface": {"device_type": "iot"}, "last_seq": 3}),
+            ),
         ),
         ("ack", text(&json!({"type": "ACK", "seq": 12}))),
         ("detach", text(&json!({"type": "DETACH"}))),
         ("pong", text(&json!({"type": "PONG"}))),
         (
             "tool-result",
-            text(&json!({"type": "TOOL_RESULT", "call_id": "c", "result": {"lat": 35.68, "lon": 139.76}})),
+            text(
+                &json!({"type": "TOOL_RESULT", "call_id": "c", "result": {"lat": 35.68, "lon": 139.76}}),
+            ),
         ),
         (
             "tool-error",
@@ -108,10 +116,22 @@ fn frames() -> Vec<(&'static str, Vec<u8>)> {
         ),
         ("unknown", text(&json!({"type": "HELLO", "x": [1]}))),
         ("ack-negative", br#"{"type":"ACK","seq":-1}"#.to_vec()),
-        ("last-seq-huge", br#"{"type":"ATTACH_SESSION","session_id":"x","last_seq":18446744073709551616}"#.to_vec()),
+        (
+            "last-seq-huge",
+            br#"{"type":"ATTACH_SESSION","session_id":"x","last_seq":18446744073709551616}"#
+                .to_vec(),
+        ),
         ("no-type", br#"{"session_id":"x"}"#.to_vec()),
     ];
-    let names = ["server-attached", "server-tether", "server-chunk", "server-complete", "server-toolcall", "server-ping", "server-error"];
+    let names = [
+        "server-attached",
+        "server-tether",
+        "server-chunk",
+        "server-complete",
+        "server-toolcall",
+        "server-ping",
+        "server-error",
+    ];
     for (name, f) in names.iter().zip(server) {
         seeds.push((name, f.to_json().into_bytes()));
     }

@@ -15,7 +15,9 @@ fuzz_target!(|data: &[u8]| {
     };
     if let Ok(d) = bundle::delimit_messages(text) {
         for (i, range) in d.messages.iter().enumerate() {
-            let piece = text.get(range.clone()).expect("a message range lies on char boundaries");
+            let piece = text
+                .get(range.clone())
+                .expect("a message range lies on char boundaries");
             let value: Value = serde_json::from_str(piece).expect("a delimited message is JSON");
             let _ = bundle::parse_message(i, value);
         }
@@ -41,7 +43,10 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(*claimed, cid);
         }
         let mut again = map.clone();
-        assert_eq!(bundle::verify_and_seal(&mut again).is_ok(), verified.is_ok());
+        assert_eq!(
+            bundle::verify_and_seal(&mut again).is_ok(),
+            verified.is_ok()
+        );
         if let Some(snap) = map.get("state_snapshot") {
             let _ = BundleSnapshot::read(snap);
         }

@@ -18,7 +18,13 @@ fuzz_target!(|data: &[u8]| {
     let _ = req.declared_functions();
     let _ = req.output_token_limit();
     for m in &req.messages {
-        let _ = (m.role(), m.content(), m.text(), m.tool_call_id(), m.has_tool_calls());
+        let _ = (
+            m.role(),
+            m.content(),
+            m.text(),
+            m.tool_call_id(),
+            m.has_tool_calls(),
+        );
         for call in m.tool_calls() {
             let _ = (call.id(), call.name(), call.arguments());
         }

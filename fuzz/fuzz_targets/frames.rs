@@ -20,7 +20,8 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(frame) = serde_json::from_str::<ServerFrame>(text) {
         let json = frame.to_json();
-        let again: ServerFrame = serde_json::from_str(&json).expect("the gateway's own frame parses");
+        let again: ServerFrame =
+            serde_json::from_str(&json).expect("the gateway's own frame parses");
         assert_eq!(again, frame, "round trip through {json}");
     }
 });

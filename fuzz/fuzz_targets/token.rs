@@ -29,8 +29,14 @@ fuzz_target!(|data: &[u8]| {
     let claims = RoamingClaims { sub, sid, iat, exp };
     let t = token::sign(&claims, &secret);
     assert_eq!(token::verify(&t, &secret, iat), Ok(claims.clone()));
-    assert_eq!(token::verify(&t, &secret, exp), Err(TokenError::Expired { exp }));
+    assert_eq!(
+        token::verify(&t, &secret, exp),
+        Err(TokenError::Expired { exp })
+    );
     let mut other = secret.clone();
     other.push(1);
-    assert_eq!(token::verify(&t, &other, iat), Err(TokenError::BadSignature));
+    assert_eq!(
+        token::verify(&t, &other, iat),
+        Err(TokenError::BadSignature)
+    );
 });

@@ -137,7 +137,9 @@ pub async fn run(env: &Env, args: &ExhaustArgs, gateway_args: &[String]) -> anyh
     let mut lines = Vec::new();
     let mut pass = true;
     for s in chosen {
-        let name = format!("{s:?}").to_lowercase();
+        // The name `--only` takes (`stuck-surfaces`).
+        let name = clap::ValueEnum::to_possible_value(&s)
+            .map_or_else(|| format!("{s:?}"), |v| v.get_name().to_owned());
         println!("exhaust {name}:");
         match scenario(env, args, gateway_args, s, &name).await {
             Ok(checks) => {

@@ -389,7 +389,7 @@ async fn cases(env: &Env, args: &BadInputArgs, addr: SocketAddr) -> anyhow::Resu
                 detail,
             ));
         }
-        if done % 1000 == 0 {
+        if done.is_multiple_of(1000) {
             println!("  {done} cases, {} failed so far", report.failed());
         }
     }

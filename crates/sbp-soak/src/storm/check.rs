@@ -50,6 +50,8 @@ pub struct Expect {
     pub mark: Mark,
     pub content: String,
     pub acked: bool,
+    /// How it was sent (`push, 2 attempts`), for the examples.
+    pub sent: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -142,8 +144,9 @@ pub fn check(what: &str, expected: &[Expect], found: &[(Option<Mark>, String)]) 
         if c > 1 {
             t.duplicated += c - 1;
             t.example(format!(
-                "{what}: {:?} is there {c} times ({})",
+                "{what}: {:?} is there {c} times ({}, {})",
                 e.mark,
+                e.sent,
                 if e.acked {
                     "acknowledged"
                 } else {
@@ -206,6 +209,7 @@ mod tests {
             },
             content,
             acked,
+            sent: String::new(),
         }
     }
 

@@ -422,6 +422,20 @@ async fn verify(
             tag: i.tag.clone(),
             part,
         };
+        let sent = format!(
+            "{} sent {} time{} with one Idempotency-Key{}",
+            match i.kind {
+                Kind::Completion => "completion",
+                Kind::Push => "push",
+            },
+            i.attempts,
+            if i.attempts == 1 { "" } else { "s" },
+            if i.replayed {
+                ", answered by a replay"
+            } else {
+                ""
+            }
+        );
         match i.kind {
             Kind::Completion => {
                 let reply = format!("echo: {}", i.text);
@@ -429,16 +443,19 @@ async fn verify(
                     mark: mark(Part::Ask),
                     content: i.text.clone(),
                     acked: i.acked,
+                    sent: sent.clone(),
                 });
                 expected.push(Expect {
                     mark: mark(Part::Reply),
                     content: reply.clone(),
                     acked: i.acked,
+                    sent: sent.clone(),
                 });
                 on_surface.push(Expect {
                     mark: mark(Part::Reply),
                     content: reply,
                     acked: i.acked,
+                    sent,
                 });
             }
             Kind::Push => {
@@ -446,6 +463,7 @@ async fn verify(
                     mark: mark(Part::Push),
                     content: i.text.clone(),
                     acked: i.acked,
+                    sent,
                 };
                 expected.push(e.clone());
                 on_surface.push(e);
