@@ -5,14 +5,14 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+pub use sbp_test_support::procs::pg_exec;
+use sbp_test_support::procs::{Listening, spawn_listening, tail};
 use serde::Serialize;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::bus::BusKeys;
@@ -48,48 +48,10 @@ pub struct Service {
 }
 
 impl Service {
-    async fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
+    async fn spawn(name: &str, cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
         let log_file =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log_file))
-            // Backstop: an error or panic anywhere in the bench still kills the child.
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-        let pid = child
-            .id()
-            .with_context(|| format!("{name} exited at once"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .with_context(|| format!("{name}: no stdout pipe"))?;
-        let mut lines = BufReader::new(stdout).lines();
-        let first = tokio::time::timeout(Duration::from_secs(60), async {
-            while let Some(line) = lines.next_line().await? {
-                if let Some(addr) = parse_listen_line(&line) {
-                    return Ok::<_, anyhow::Error>(Some(addr));
-                }
-            }
-            Ok(None)
-        })
-        .await;
-        let addr = match first {
-            Ok(Ok(Some(addr))) => addr,
-            Ok(Ok(None)) => bail!(
-                "{name} exited before printing its address; log {}:\n{}",
-                log.display(),
-                tail(&log)
-            ),
-            Ok(Err(e)) => return Err(e.context(format!("reading {name}'s stdout"))),
-            Err(_) => bail!(
-                "{name} printed no address within 60 s; log {}:\n{}",
-                log.display(),
-                tail(&log)
-            ),
-        };
-        // Keep reading so a later line can never block the child on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let Listening { child, pid, addr } = spawn_listening(name, cmd, log_file, &log).await?;
         Ok(Self {
             name: name.to_owned(),
             pid,
@@ -122,22 +84,6 @@ impl Service {
         }
         Ok(())
     }
-}
-
-/// `... listening on http://127.0.0.1:PORT/v1` or `... listening on http://127.0.0.1:PORT (...)`.
-fn parse_listen_line(line: &str) -> Option<SocketAddr> {
-    let rest = line.split("listening on http://").nth(1)?;
-    let end = rest
-        .find(|c: char| c == '/' || c.is_whitespace())
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
-}
-
-/// The last lines of a log file, for error messages.
-fn tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
 /// SQLite durability of the gateway under test.
@@ -239,18 +185,6 @@ impl Drop for Schema {
             eprintln!("could not drop schema {}; drop it by hand", self.name);
         }
     }
-}
-
-/// Runs one statement on a fresh connection to `url`.
-pub async fn pg_exec(url: &str, sql: &str) -> anyhow::Result<()> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .with_context(|| format!("connecting to {url}"))?;
-    let conn = tokio::spawn(conn);
-    let result = client.batch_execute(sql).await;
-    drop(client);
-    let _ = conn.await;
-    result.with_context(|| format!("running {sql:?}"))
 }
 
 /// How a gateway joins the replica bus: the bus, its name on it, and the signing secret every
@@ -843,21 +777,6 @@ pub fn machine() -> Machine {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn listen_lines_parse() {
-        assert_eq!(
-            parse_listen_line("sbp-fake-llm listening on http://127.0.0.1:4100/v1"),
-            Some("127.0.0.1:4100".parse().expect("addr"))
-        );
-        assert_eq!(
-            parse_listen_line(
-                "sbp gateway listening on http://127.0.0.1:9 (storage sqlite://x; upstream y)"
-            ),
-            Some("127.0.0.1:9".parse().expect("addr"))
-        );
-        assert_eq!(parse_listen_line("hello"), None);
-    }
 
     #[test]
     fn stat_lines_parse() {

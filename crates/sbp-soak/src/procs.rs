@@ -2,18 +2,18 @@
 //! gateway (which the storm kills with SIGKILL and starts again on the same data), a fresh
 //! PostgreSQL schema per storm, and what /proc says about a process's memory.
 //!
-//! sbp-bench has a launcher of its own, but it gives every start a fresh data directory and knows
-//! no restart; the soak needs a gateway that comes back on the data it was killed on.
+//! Spawning and waiting for the address are sbp-test-support's (`procs`), shared with sbp-bench;
+//! what is the soak's own is the restart on the data a gateway was killed on.
 
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tokio::io::{AsyncBufReadExt, BufReader};
+pub use sbp_test_support::procs::tail;
+use sbp_test_support::procs::{Listening, pg_exec, spawn_listening};
 use tokio::process::{Child, Command};
 
 /// Where the release binaries are and where logs go.
@@ -51,52 +51,14 @@ pub struct Proc {
 }
 
 impl Proc {
-    async fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
+    async fn spawn(name: &str, cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
         // Appended: a gateway started again after a kill writes on in the same log.
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log_file))
-            // Backstop: an error anywhere in the soak still kills the child.
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-        let pid = child
-            .id()
-            .with_context(|| format!("{name} exited at once"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .with_context(|| format!("{name}: no stdout pipe"))?;
-        let mut lines = BufReader::new(stdout).lines();
-        let first = tokio::time::timeout(Duration::from_secs(60), async {
-            while let Some(line) = lines.next_line().await? {
-                if let Some(addr) = parse_listen_line(&line) {
-                    return Ok::<_, anyhow::Error>(Some(addr));
-                }
-            }
-            Ok(None)
-        })
-        .await;
-        let addr = match first {
-            Ok(Ok(Some(addr))) => addr,
-            Ok(Ok(None)) => bail!(
-                "{name} exited before printing its address; log {}:\n{}",
-                log.display(),
-                tail(&log)
-            ),
-            Ok(Err(e)) => return Err(e.context(format!("reading {name}'s stdout"))),
-            Err(_) => bail!(
-                "{name} printed no address within 60 s; log {}:\n{}",
-                log.display(),
-                tail(&log)
-            ),
-        };
-        // Keep reading so a later line can never block the child on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let Listening { child, pid, addr } = spawn_listening(name, cmd, log_file, &log).await?;
         Ok(Self {
             name: name.to_owned(),
             pid,
@@ -148,22 +110,6 @@ impl Proc {
         }
         Ok(())
     }
-}
-
-/// `... listening on http://127.0.0.1:PORT/v1` or `... listening on http://127.0.0.1:PORT (...)`.
-fn parse_listen_line(line: &str) -> Option<SocketAddr> {
-    let rest = line.split("listening on http://").nth(1)?;
-    let end = rest
-        .find(|c: char| c == '/' || c.is_whitespace())
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
-}
-
-/// The last lines of a log file, for error messages.
-pub fn tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
 /// Lines of a log that report a panic (a handler or task that panicked is a defect even when the
@@ -272,18 +218,6 @@ impl Schema {
     }
 }
 
-/// Runs one statement on a fresh connection to `url`.
-async fn pg_exec(url: &str, sql: &str) -> anyhow::Result<()> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .with_context(|| format!("connecting to {url} (scripts/services.sh starts PostgreSQL)"))?;
-    let conn = tokio::spawn(conn);
-    let result = client.batch_execute(sql).await;
-    drop(client);
-    let _ = conn.await;
-    result.with_context(|| format!("running {sql:?}"))
-}
-
 /// Resident memory of a process, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Mem {
@@ -311,24 +245,4 @@ pub fn mem(pid: u32) -> Option<Mem> {
 /// Open file descriptors of a process (sockets included).
 pub fn open_fds(pid: u32) -> Option<usize> {
     Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn listen_lines_parse() {
-        assert_eq!(
-            parse_listen_line("sbp-fake-llm listening on http://127.0.0.1:4100/v1"),
-            Some("127.0.0.1:4100".parse().expect("addr"))
-        );
-        assert_eq!(
-            parse_listen_line(
-                "sbp gateway listening on http://127.0.0.1:9 (storage sqlite://x; upstream y)"
-            ),
-            Some("127.0.0.1:9".parse().expect("addr"))
-        );
-        assert_eq!(parse_listen_line("hello"), None);
-    }
 }

@@ -1,5 +1,5 @@
 //! What the workspace's integration-test suites share, so each suite's `support` module keeps only
-//! what is its own. A dev-dependency only.
+//! what is its own. A dev-dependency, except for the bench and the soak suite (feature `procs`).
 //!
 //! - always: [`WAIT`], polling ([`poll_until_ok`], [`eventually`], [`wait_until`]), the machine's
 //!   test services ([`test_database_url`], [`test_redis_url`], [`delete_prefix`]) and
@@ -8,7 +8,9 @@
 //!   socket for misbehaving clients (`RawHttp`), a surface's WebSocket (`Ws`, `WsEvent`, over
 //!   `wss://` too), and a self-signed certificate with clients that trust it (`TestCert`);
 //! - feature `gateway`: `TestGateway`, the real gateway in-process on `127.0.0.1:0` over a SQLite
-//!   file in a temp dir, built with the gateway crate's root API only.
+//!   file in a temp dir, built with the gateway crate's root API only;
+//! - feature `procs`: release binaries as child processes ([`procs::spawn_listening`]), their
+//!   logs, and the PostgreSQL statements that make and drop a schema ([`procs::pg_exec`]).
 //!
 //! The suites of crates the gateway is built from (sbp-store, sbp-bus, sbp-mcp) use no feature.
 
@@ -21,6 +23,8 @@ mod wait;
 mod gateway;
 #[cfg(feature = "clients")]
 mod http;
+#[cfg(feature = "procs")]
+pub mod procs;
 #[cfg(feature = "clients")]
 mod raw;
 #[cfg(feature = "clients")]
