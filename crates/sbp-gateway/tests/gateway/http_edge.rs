@@ -511,15 +511,7 @@ async fn a_session_over_its_rate_is_limited_alone() {
         .await;
     assert_eq!(s, 429, "{v}");
     gw.session_view(&b, &token_b).await;
-    let metrics = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = gw.metrics_text().await;
     assert!(
         metrics.contains("sbp_rate_limited_total{limit=\"session\"} 2\n"),
         "{metrics}"

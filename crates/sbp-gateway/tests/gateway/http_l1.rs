@@ -702,15 +702,7 @@ async fn operator_keys_guard_every_endpoint_but_healthz() {
 async fn metrics_count_turns_and_sessions() {
     let gw = TestGateway::start().await;
     gw.session().await;
-    let text = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .expect("sent")
-        .text()
-        .await
-        .expect("text");
+    let text = gw.metrics_text().await;
     assert!(text.contains("sbp_turns_total 1"), "{text}");
     assert!(
         text.contains("sbp_sessions{status=\"running\"} 1"),

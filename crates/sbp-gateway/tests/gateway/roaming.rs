@@ -1243,20 +1243,8 @@ async fn retention_sweeps_consumed_exports_and_old_snapshots() {
     let swept = |kind: &'static str| {
         let gw = &gw;
         async move {
-            let text = gw
-                .http
-                .get(format!("{}/metrics", gw.url))
-                .send()
+            gw.metric(&format!("sbp_retention_swept_total{{kind=\"{kind}\"}}"))
                 .await
-                .expect("sent")
-                .text()
-                .await
-                .expect("text");
-            text.lines()
-                .find_map(|l| {
-                    l.strip_prefix(&format!("sbp_retention_swept_total{{kind=\"{kind}\"}} "))
-                })
-                .and_then(|n| n.parse::<u64>().ok())
                 .unwrap_or(0)
         }
     };

@@ -30,6 +30,28 @@ pub trait TestGatewayExt {
         send(self.request(Method::POST, path, headers).json(&body)).await
     }
 
+    /// The `/metrics` page, as Prometheus text.
+    async fn metrics_text(&self) -> String {
+        self.request(Method::GET, "/metrics", &[])
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
+    /// One series' value on `/metrics` (`series`: the name with its labels, if any).
+    async fn metric(&self, series: &str) -> Option<u64> {
+        self.metrics_text().await.lines().find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+    }
+
     async fn get(&self, path: &str, headers: &[(&str, &str)]) -> (u16, Value) {
         let (s, _, v) = send(self.request(Method::GET, path, headers)).await;
         (s, v)

@@ -215,17 +215,8 @@ async fn ten_megabyte_first_frame_gets_a_1009_the_client_reads() {
 
 /// A counter's value from `/metrics`.
 async fn metric(gw: &TestGateway, name: &str) -> u64 {
-    let text = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
+    gw.metric(name)
         .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("{name} not in /metrics"))
 }
 
