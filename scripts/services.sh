@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Makes sure PostgreSQL (127.0.0.1:5432, trust auth, database `test`) and Redis (127.0.0.1:6379) are
-# running: starts them when they are down and installs them with apt-get when they are absent.
+# Makes sure PostgreSQL (127.0.0.1:5432, trust auth, database `test`, TLS with a test CA's
+# certificate) and Redis (127.0.0.1:6379) are running: starts them when they are down and installs
+# them with apt-get when they are absent.
 set -euo pipefail
+
+# The test TLS files (scripts/test.sh exports SBP_TEST_PG_CA=$PG_TLS_DIR/ca.crt).
+PG_TLS_DIR=/var/lib/postgresql/sbp-test-tls
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 apt_updated=0
@@ -41,6 +45,71 @@ ensure_postgres() {
     || psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null
 }
 
+# Made once: a test CA; the server's certificate from it for localhost, 127.0.0.1 and ::1 (key
+# owned by postgres, 0600); a client certificate from it (key owned by whoever runs the tests,
+# 0600), which the server verifies when presented (ssl_ca_file); and a second, unrelated CA (its
+# certificate only), which the tests must see refused. The server is pointed at them by a conf.d
+# file and reloaded (TLS settings need no restart); trust auth stays as it is.
+ensure_postgres_tls() {
+  local version conf dir=$PG_TLS_DIR
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  conf="/etc/postgresql/$version/main/conf.d/91-sbp-test-tls.conf"
+  local files=(ca.crt ca.key server.crt server.key client.crt client.key wrong-ca.crt)
+  local missing=0 f
+  for f in "${files[@]}"; do as_root test -s "$dir/$f" || missing=1; done
+  if [ "$missing" = 1 ]; then
+    echo "services: making the PostgreSQL test certificates in $dir" >&2
+    local tmp owner
+    owner=${SUDO_USER:-$(id -un)}
+    tmp=$(as_root mktemp -d)
+    as_root bash -euo pipefail -c '
+      cd "$1"
+      umask 077
+      ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+      openssl req -x509 $ec -keyout ca.key -out ca.crt -days 3650 -subj "/CN=sbp test CA" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+      openssl req -x509 $ec -keyout wrong-ca.key -out wrong-ca.crt -days 3650 -subj "/CN=sbp unrelated CA" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+      rm wrong-ca.key
+      leaf() { # name, subject, extensions
+        openssl req -new $ec -keyout "$1.key" -out "$1.csr" -subj "$2" 2>/dev/null
+        printf "%s\n" "$3" > "$1.ext"
+        openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 16)" \
+          -days 3650 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
+        rm "$1.csr" "$1.ext"
+      }
+      leaf server "/CN=localhost" "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature
+extendedKeyUsage=serverAuth"
+      leaf client "/CN=sbp-test-client" "basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature
+extendedKeyUsage=clientAuth"
+      chmod 0644 ca.crt wrong-ca.crt server.crt client.crt
+    ' _ "$tmp"
+    as_root chown postgres:postgres "$tmp/server.key"
+    as_root chown "$owner" "$tmp/client.key"
+    as_root chmod 0755 "$tmp"
+    as_root rm -rf "$dir"
+    as_root mv "$tmp" "$dir"
+  fi
+  local want
+  want=$(printf "%s\n" "# scripts/services.sh: the test CA's certificate (see ensure_postgres_tls)" \
+    "ssl = on" "ssl_cert_file = '$dir/server.crt'" "ssl_key_file = '$dir/server.key'" \
+    "ssl_ca_file = '$dir/ca.crt'")
+  if [ "$(as_root cat "$conf" 2>/dev/null || true)" != "$want" ]; then
+    printf "%s\n" "$want" | as_root tee "$conf" >/dev/null
+    as_root chmod 0644 "$conf"
+    psql -h 127.0.0.1 -U postgres -tAc "SELECT pg_reload_conf()" >/dev/null
+  fi
+  # The server presents the test certificate (a reload that could not load it keeps the old one).
+  if ! wait_for "PostgreSQL's test certificate" "openssl s_client -starttls postgres -connect 127.0.0.1:5432 \
+      -CAfile '$dir/ca.crt' -verify_hostname localhost -verify_return_error </dev/null"; then
+    echo "services: PostgreSQL does not present $dir/server.crt; see its log" >&2
+    return 1
+  fi
+}
+
 ensure_redis() {
   if command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG; then return 0; fi
   if ! command -v redis-server >/dev/null; then
@@ -61,6 +130,7 @@ ensure_python3() {
 }
 
 ensure_postgres
+ensure_postgres_tls
 ensure_redis
 ensure_python3
-echo "services: PostgreSQL and Redis are up; python3 is present" >&2
+echo "services: PostgreSQL (TLS: $PG_TLS_DIR/ca.crt) and Redis are up; python3 is present" >&2
