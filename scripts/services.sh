@@ -55,10 +55,12 @@ ensure_postgres_tls() {
   version=$(ls /etc/postgresql | sort -V | tail -n 1)
   conf="/etc/postgresql/$version/main/conf.d/91-sbp-test-tls.conf"
   local files=(ca.crt ca.key server.crt server.key client.crt client.key wrong-ca.crt)
-  local missing=0 f
+  local missing=0 reload=0 f
   for f in "${files[@]}"; do as_root test -s "$dir/$f" || missing=1; done
   if [ "$missing" = 1 ]; then
+    reload=1
     echo "services: making the PostgreSQL test certificates in $dir" >&2
+    command -v openssl >/dev/null || apt_install openssl
     local tmp owner
     owner=${SUDO_USER:-$(id -un)}
     tmp=$(as_root mktemp -d)
@@ -100,6 +102,10 @@ extendedKeyUsage=clientAuth"
   if [ "$(as_root cat "$conf" 2>/dev/null || true)" != "$want" ]; then
     printf "%s\n" "$want" | as_root tee "$conf" >/dev/null
     as_root chmod 0644 "$conf"
+    reload=1
+  fi
+  # A reload loads new TLS files too; connections already open keep theirs.
+  if [ "$reload" = 1 ]; then
     psql -h 127.0.0.1 -U postgres -tAc "SELECT pg_reload_conf()" >/dev/null
   fi
   # The server presents the test certificate (a reload that could not load it keeps the old one).

@@ -100,7 +100,7 @@ async fn verify_full_with_the_servers_ca_encrypts_and_the_store_works() {
 
 /// A certificate from another CA is refused at start, the error saying so and naming the CA
 /// file, never the password; the same URL under verify-ca and require (which check the chain
-/// when given a CA, as libpq does) is refused too.
+/// when given a CA, as libpq does) is refused too, and so is verify-full with the system's CAs.
 #[tokio::test]
 async fn a_certificate_from_another_ca_is_refused() {
     let tls = test_pg_tls();
@@ -121,11 +121,24 @@ async fn a_certificate_from_another_ca_is_refused() {
         );
         assert!(!m.contains("hunter2"), "{mode}: {m}");
     }
+    // Without sslrootcert, verify-full takes the system's CAs, which did not sign the test CA's
+    // certificate (or, on a machine without any, says so).
+    for params in [
+        "sslmode=verify-full",
+        "sslmode=verify-full&sslrootcert=system",
+    ] {
+        let m = open_error(&url_to("127.0.0.1", None, params)).await;
+        assert!(
+            (m.contains("the system's CAs") && m.contains("UnknownIssuer"))
+                || m.contains("no CA certificate found in the system's store"),
+            "{params}: {m}"
+        );
+    }
 }
 
-/// verify-full checks the name: the server's certificate does not name `wrong.example` (reached
-/// at 127.0.0.1 through `hostaddr`), so verify-full refuses it, while verify-ca, which checks the
-/// chain only, connects.
+/// verify-full checks the name: the server's certificate names neither `wrong.example` nor
+/// `127.0.0.2` (each reached at 127.0.0.1 through `hostaddr`), so verify-full refuses it for
+/// either, a DNS name or an IP address, while verify-ca, which checks the chain only, connects.
 #[tokio::test]
 async fn verify_full_refuses_a_certificate_for_another_name() {
     let tls = test_pg_tls();
@@ -135,9 +148,11 @@ async fn verify_full_refuses_a_certificate_for_another_name() {
             tls.ca.display()
         )
     };
-    let m = open_error(&url_to("wrong.example", None, &params("verify-full"))).await;
-    assert!(m.contains("certificate was not accepted"), "{m}");
-    assert!(m.contains("not valid for name \"wrong.example\""), "{m}");
+    for host in ["wrong.example", "127.0.0.2"] {
+        let m = open_error(&url_to(host, None, &params("verify-full"))).await;
+        assert!(m.contains("certificate was not accepted"), "{m}");
+        assert!(m.contains(&format!("not valid for name \"{host}\"")), "{m}");
+    }
 
     let (encrypted, _) = server_view(&url_to("wrong.example", None, &params("verify-ca")))
         .await
