@@ -30,7 +30,8 @@ pub struct ServeArgs {
     /// `verify-ca` (the chain checked against `sslrootcert`), `verify-full` (the chain and the
     /// host name or IP address); `sslrootcert=PATH` (PEM CAs; also checks the chain under prefer
     /// and require; `system`, the default of verify-full, takes the system's CAs); `sslcert=PATH`
-    /// with `sslkey=PATH` (a client certificate; the key 0600). [default: sqlite://<data-dir>/sbp.db]
+    /// with `sslkey=PATH` (a client certificate; the key 0600). A Unix socket host never uses TLS
+    /// (sslmode does not apply there). [default: sqlite://<data-dir>/sbp.db]
     #[arg(long, env = "SBP_DATABASE")]
     pub database: Option<String>,
     /// SQLite durability: `full` (fsync every commit batch) or `normal` (survives a crash of the
@@ -1222,6 +1223,10 @@ mod tests {
                 "needs sslrootcert",
             ),
             ("postgress://u:hunter2@db/sbp", "scheme 'postgress'"),
+            (
+                "postgres://u:hunter2@%2Ftmp,db/sbp?sslmode=require",
+                "mixes Unix sockets and TCP hosts",
+            ),
         ] {
             let e = format!("{:#}", resolve(url).expect_err(url));
             assert!(e.contains(want), "{e}");

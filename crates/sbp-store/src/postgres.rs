@@ -10,6 +10,7 @@ mod ops;
 mod roaming;
 mod schema;
 mod tls;
+mod x509;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -90,9 +91,9 @@ pub fn redacted_url(url: &str) -> String {
         Ok(Some(q)) => &url[..q],
         _ => url,
     };
-    let parsed = connect::split_tls_params(url)
+    let parsed = connect::parse_url(url)
         .ok()
-        .and_then(|(rest, _)| rest.parse::<tokio_postgres::Config>().ok())
+        .map(|parsed| parsed.config)
         .or_else(|| base.parse::<tokio_postgres::Config>().ok());
     let Some(config) = parsed else {
         return "postgres://(unparsable url)".to_owned();
@@ -124,9 +125,10 @@ impl PostgresStore {
     /// Connects to `url` (`postgres://user[:password]@host[:port]/db[?options]`), creates the pool
     /// and migrates the schema. TLS as libpq's URL parameters say: `sslmode` (`disable`, `prefer`
     /// the default, `require`, `verify-ca`, `verify-full`), `sslrootcert` (a PEM file of CAs, or
-    /// `system`), `sslcert` and `sslkey` (a client certificate); their files are read here, once.
+    /// `system`), `sslcert` and `sslkey` (a client certificate); their files are read here, once,
+    /// on the blocking pool.
     pub async fn open(url: &str, opts: PostgresOptions) -> StoreResult<PostgresStore> {
-        let options = ConnectOptions::parse(url).map_err(UrlError::into_store)?;
+        let options = ConnectOptions::load(url).await?;
         let connector = options.connector();
         let (mut config, tls) = (options.config, options.tls);
         if config.get_connect_timeout().is_none() {

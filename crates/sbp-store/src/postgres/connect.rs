@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use deadpool_postgres::Connect;
 use tokio::task::JoinHandle;
-use tokio_postgres::config::SslMode as WireMode;
+use tokio_postgres::config::{Host, SslMode as WireMode};
 
 use super::codec::describe;
 use super::tls::{Check, HandshakeError, MakeRustls, TlsFileError};
@@ -31,6 +31,14 @@ pub enum SslMode {
 }
 
 impl SslMode {
+    /// `require`, `verify-ca` and `verify-full`: TLS or no connection.
+    pub fn requires_tls(self) -> bool {
+        matches!(
+            self,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             SslMode::Disable => "disable",
@@ -72,6 +80,12 @@ pub enum UrlError {
          for names, so the name must be checked"
     )]
     SystemNeedsVerifyFull(&'static str),
+    #[error(
+        "sslmode={0} with a host list that mixes Unix sockets and TCP hosts: TLS is never used \
+         on a socket (libpq ignores sslmode there), so the list would connect without it; list \
+         only TCP hosts, or only sockets"
+    )]
+    SocketsAndTls(&'static str),
     #[error("{0}")]
     Parse(tokio_postgres::Error),
     #[error(transparent)]
@@ -99,10 +113,10 @@ pub struct TlsParams {
 }
 
 impl TlsParams {
-    /// The TLS parameters of `url`, checked without reading any file: for a configuration to be
-    /// refused before anything starts.
+    /// The TLS parameters of `url`, checked with the rest of the URL without reading any file:
+    /// for a configuration to be refused before anything starts.
     pub fn from_url(url: &str) -> Result<TlsParams, UrlError> {
-        split_tls_params(url).map(|(_, tls)| tls)
+        parse_url(url).map(|parsed| parsed.tls)
     }
 
     /// The certificate check libpq makes for these parameters.
@@ -140,15 +154,20 @@ impl std::fmt::Debug for ConnectOptions {
 
 impl ConnectOptions {
     /// Parses `url` (`postgres://user[:password]@host[:port]/db[?param=value&...]`) and reads
-    /// the CA, certificate and key files it names.
+    /// the CA, certificate and key files it names (blocking: see [`ConnectOptions::load`]).
     pub fn parse(url: &str) -> Result<ConnectOptions, UrlError> {
-        let (rest, tls) = split_tls_params(url)?;
-        let mut config: tokio_postgres::Config = rest.parse().map_err(UrlError::Parse)?;
-        config.ssl_mode(match tls.mode {
-            SslMode::Disable => WireMode::Disable,
-            SslMode::Prefer => WireMode::Prefer,
-            _ => WireMode::Require,
-        });
+        let Parsed {
+            config,
+            tls,
+            sockets_only,
+        } = parse_url(url)?;
+        if sockets_only && tls.mode.requires_tls() {
+            tracing::info!(
+                sslmode = tls.mode.as_str(),
+                "postgres: every host is a Unix socket, where sslmode does not apply (as in \
+                 libpq): connecting without TLS"
+            );
+        }
         let connector = if tls.mode == SslMode::Disable {
             // Never used (tokio-postgres asks for no TLS): libpq ignores the files then.
             MakeRustls::new(tls.mode.as_str(), &Check::Nothing, None)?
@@ -163,6 +182,21 @@ impl ConnectOptions {
         })
     }
 
+    /// [`ConnectOptions::parse`] on the blocking pool: the files (and the system's CA store)
+    /// are read there, not on the async runtime's threads.
+    pub async fn load(url: &str) -> StoreResult<ConnectOptions> {
+        let url = url.to_owned();
+        match tokio::task::spawn_blocking(move || ConnectOptions::parse(&url)).await {
+            Ok(parsed) => parsed.map_err(UrlError::into_store),
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(StoreError::Backend(
+                    "reading the postgres TLS settings was cancelled".to_owned(),
+                )),
+            },
+        }
+    }
+
     /// What connects the pool's connections.
     pub(crate) fn connector(&self) -> Connector {
         Connector {
@@ -172,48 +206,136 @@ impl ConnectOptions {
     }
 }
 
+/// A URL parsed: tokio-postgres's configuration with libpq's rules it lacks applied, and the TLS
+/// parameters. No file read yet.
+pub(crate) struct Parsed {
+    pub(crate) config: tokio_postgres::Config,
+    tls: TlsParams,
+    /// Every host is a Unix socket: no TLS, whatever `sslmode` says.
+    sockets_only: bool,
+}
+
+pub(crate) fn parse_url(url: &str) -> Result<Parsed, UrlError> {
+    let (rest, tls) = split_tls_params(url)?;
+    let mut config: tokio_postgres::Config = rest.parse().map_err(UrlError::Parse)?;
+    // libpq names a host given only by `hostaddr` by its address, and checks the certificate
+    // against that (verify-full: an IP address of the subjectAltName); tokio-postgres would have
+    // no name and refuse any TLS handshake.
+    if config.get_hosts().is_empty() {
+        let addrs = config.get_hostaddrs().to_vec();
+        for addr in addrs {
+            config.host(addr.to_string());
+        }
+    }
+    let (sockets, tcp) = host_kinds(&config);
+    let sockets_only = sockets && !tcp;
+    if sockets && tcp && tls.mode.requires_tls() {
+        return Err(UrlError::SocketsAndTls(tls.mode.as_str()));
+    }
+    config.ssl_mode(match tls.mode {
+        // libpq never asks for TLS on a socket (PostgreSQL offers none there).
+        _ if sockets_only => WireMode::Disable,
+        SslMode::Disable => WireMode::Disable,
+        SslMode::Prefer => WireMode::Prefer,
+        _ => WireMode::Require,
+    });
+    Ok(Parsed {
+        config,
+        tls,
+        sockets_only,
+    })
+}
+
+/// Whether the hosts include Unix sockets, and TCP hosts (a socket path with a `hostaddr` is
+/// reached over TCP).
+fn host_kinds(config: &tokio_postgres::Config) -> (bool, bool) {
+    let addrs = config.get_hostaddrs();
+    let (mut sockets, mut tcp) = (false, false);
+    for (i, host) in config.get_hosts().iter().enumerate() {
+        match host {
+            #[cfg(unix)]
+            Host::Unix(_) if addrs.get(i).is_none() => sockets = true,
+            _ => tcp = true,
+        }
+    }
+    (sockets, tcp)
+}
+
 /// `url` without its TLS parameters (for tokio-postgres), and those parameters.
 pub(crate) fn split_tls_params(url: &str) -> Result<(String, TlsParams), UrlError> {
-    let Some(q) = query_start(url)? else {
-        let tls = params(None, None, None, None)?;
-        return Ok((url.to_owned(), tls));
-    };
-    let (base, query) = (&url[..q], &url[q + 1..]);
-    let mut kept: Vec<&str> = Vec::new();
-    let mut found: [Option<String>; 4] = Default::default();
-    const NAMES: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
-    for pair in query.split('&') {
-        let (raw_key, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
-        let key = decode(raw_key).ok_or(UrlError::KeyEncoding)?;
-        let Some(slot) = NAMES.iter().position(|n| *n == key) else {
-            kept.push(pair);
-            continue;
-        };
-        if found[slot].is_some() {
-            return Err(UrlError::Repeated(NAMES[slot]));
+    let parts = url_parts(url)?;
+    let (base, kept, tls) = match parts.query {
+        None => (url, Vec::new(), params(None, None, None, None)?),
+        Some(q) => {
+            let (base, query) = (&url[..q], &url[q + 1..]);
+            let mut kept: Vec<&str> = Vec::new();
+            let mut found: [Option<String>; 4] = Default::default();
+            const NAMES: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
+            for pair in query.split('&') {
+                let (raw_key, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
+                let key = decode(raw_key).ok_or(UrlError::KeyEncoding)?;
+                let Some(slot) = NAMES.iter().position(|n| *n == key) else {
+                    kept.push(pair);
+                    continue;
+                };
+                if found[slot].is_some() {
+                    return Err(UrlError::Repeated(NAMES[slot]));
+                }
+                found[slot] = Some(decode(raw_value).ok_or(UrlError::Encoding(NAMES[slot]))?);
+            }
+            let [mode, root, cert, key] = found;
+            (base, kept, params(mode, root, cert, key)?)
         }
-        found[slot] = Some(decode(raw_value).ok_or(UrlError::Encoding(NAMES[slot]))?);
-    }
-    let [mode, root, cert, key] = found;
-    let tls = params(mode, root, cert, key)?;
-    let rest = if kept.is_empty() {
+    };
+    let mut rest = if kept.is_empty() {
         base.to_owned()
     } else {
         format!("{base}?{}", kept.join("&"))
     };
+    // tokio-postgres takes everything up to the first '@' anywhere as the credentials; without
+    // any, an '@' of the database name or of a parameter is encoded so that it reads them as
+    // libpq does (it decodes both).
+    if parts.credentials_end.is_none() && rest[parts.authority..].contains('@') {
+        let encoded = rest[parts.authority..].replace('@', "%40");
+        rest.replace_range(parts.authority.., &encoded);
+    }
     Ok((rest, tls))
 }
 
-/// Where the `?` of the URL's parameters is, if it has any.
-pub(crate) fn query_start(url: &str) -> Result<Option<usize>, UrlError> {
+/// Where the parts of a connection URL are.
+struct UrlParts {
+    /// Where what follows `postgres://` starts.
+    authority: usize,
+    /// The '@' ending the credentials, when there are any.
+    credentials_end: Option<usize>,
+    /// The '?' starting the parameters, when there are any.
+    query: Option<usize>,
+}
+
+/// libpq's reading of the URL's shape: the credentials end at an '@' before the first '/' (an
+/// '@' after it is part of the database name or of a parameter, and a '?' before it is part of
+/// the password); the parameters start at the first '?' after the credentials.
+fn url_parts(url: &str) -> Result<UrlParts, UrlError> {
     let after_scheme = url
         .strip_prefix("postgres://")
         .or_else(|| url.strip_prefix("postgresql://"))
         .ok_or(UrlError::NotAUrl)?;
-    // tokio-postgres takes everything up to the first '@' as the credentials, so a '?' in a
-    // password is not where the parameters start.
-    let skip = url.len() - after_scheme.len() + after_scheme.find('@').map_or(0, |at| at + 1);
-    Ok(url[skip..].find('?').map(|q| skip + q))
+    let authority = url.len() - after_scheme.len();
+    let credentials_end = after_scheme
+        .find(['@', '/'])
+        .filter(|&i| after_scheme[i..].starts_with('@'))
+        .map(|i| authority + i);
+    let skip = credentials_end.map_or(authority, |at| at + 1);
+    Ok(UrlParts {
+        authority,
+        credentials_end,
+        query: url[skip..].find('?').map(|q| skip + q),
+    })
+}
+
+/// Where the `?` of the URL's parameters is, if it has any.
+pub(crate) fn query_start(url: &str) -> Result<Option<usize>, UrlError> {
+    url_parts(url).map(|parts| parts.query)
 }
 
 fn params(
@@ -267,6 +389,10 @@ fn decode(raw: &str) -> Option<String> {
     while let Some(&b) = bytes.get(i) {
         if b == b'%' {
             let hex = bytes.get(i + 1..i + 3)?;
+            // from_str_radix alone would take a sign ("%+f").
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
             let hex = std::str::from_utf8(hex).ok()?;
             out.push(u8::from_str_radix(hex, 16).ok()?);
             i += 3;
@@ -349,7 +475,7 @@ fn handshake_failed(e: &tokio_postgres::Error) -> bool {
 /// tools and tests: creating and dropping schemas). The task drives the connection and ends when
 /// the client is dropped.
 pub async fn connect(url: &str) -> StoreResult<(tokio_postgres::Client, JoinHandle<()>)> {
-    let options = ConnectOptions::parse(url).map_err(UrlError::into_store)?;
+    let options = ConnectOptions::load(url).await?;
     options
         .connector()
         .open(&options.config)
@@ -480,5 +606,107 @@ mod tests {
         assert_eq!(decode("a%20b+c").as_deref(), Some("a b+c"));
         assert_eq!(decode("%2"), None);
         assert_eq!(decode("%ff"), None, "not UTF-8");
+        assert_eq!(decode("%+f"), None, "a sign is no hex digit");
+        assert_eq!(decode("%-1"), None);
+        assert_eq!(decode("%2f%2F").as_deref(), Some("//"));
+    }
+
+    /// libpq ends the credentials at an '@' before the first '/' only: an '@' in a parameter of
+    /// a URL without credentials is the parameter's (it used to be taken as the end of the
+    /// credentials, and the TLS parameters silently dropped).
+    #[test]
+    fn an_at_sign_after_the_first_slash_is_no_credentials() {
+        let tls = TlsParams::from_url(
+            "postgres://db.internal/sbp?sslmode=verify-full&sslrootcert=/etc/ssl/ca@2024.pem",
+        )
+        .expect("parses");
+        assert_eq!(tls.mode, SslMode::VerifyFull);
+        assert_eq!(
+            tls.root_cert,
+            Some(Some(PathBuf::from("/etc/ssl/ca@2024.pem")))
+        );
+
+        // What tokio-postgres is given reads as libpq reads the URL.
+        let parsed = parse_url("postgres://db.internal/db@x?application_name=a@b&sslmode=disable")
+            .expect("parses");
+        let config = parsed.config;
+        assert_eq!(config.get_user(), None);
+        assert_eq!(config.get_hosts(), [Host::Tcp("db.internal".to_owned())]);
+        assert_eq!(config.get_dbname(), Some("db@x"));
+        assert_eq!(config.get_application_name(), Some("a@b"));
+
+        // With credentials, a later '@' is left to tokio-postgres, which reads it as libpq.
+        let parsed = parse_url("postgres://u:p%40ss@h/db?application_name=a@b").expect("parses");
+        assert_eq!(parsed.config.get_user(), Some("u"));
+        assert_eq!(parsed.config.get_password(), Some(&b"p@ss"[..]));
+        assert_eq!(parsed.config.get_application_name(), Some("a@b"));
+        assert_eq!(
+            query_start("postgres://u:p?x@h/db?sslmode=require").expect("url"),
+            Some(21)
+        );
+    }
+
+    /// A host given only by `hostaddr` is named by its address (tokio-postgres would have no
+    /// name for the TLS handshake and refuse it).
+    #[test]
+    fn a_hostaddr_alone_names_the_host() {
+        let parsed =
+            parse_url("postgres://u@/db?hostaddr=127.0.0.1,::1&sslmode=require").expect("parses");
+        assert_eq!(
+            parsed.config.get_hosts(),
+            [
+                Host::Tcp("127.0.0.1".to_owned()),
+                Host::Tcp("::1".to_owned())
+            ]
+        );
+        assert_eq!(parsed.config.get_hostaddrs().len(), 2);
+        assert_eq!(parsed.config.get_ssl_mode(), WireMode::Require);
+        // Given both, the host keeps its name.
+        let parsed = parse_url("postgres://u@db.internal/db?hostaddr=127.0.0.1").expect("parses");
+        assert_eq!(
+            parsed.config.get_hosts(),
+            [Host::Tcp("db.internal".to_owned())]
+        );
+    }
+
+    /// Unix sockets: sslmode does not apply (no TLS is asked for, whatever the mode), and a list
+    /// mixing sockets and TCP hosts under a mode that needs TLS is refused before connecting.
+    #[cfg(unix)]
+    #[test]
+    fn sslmode_does_not_apply_to_unix_sockets() {
+        for mode in ["require", "verify-ca", "verify-full", "prefer"] {
+            let parsed = parse_url(&format!(
+                "postgres://u@%2Fvar%2Frun%2Fpostgresql/db?sslmode={mode}&sslrootcert=/ca.pem"
+            ))
+            .expect(mode);
+            assert!(parsed.sockets_only, "{mode}");
+            assert_eq!(parsed.config.get_ssl_mode(), WireMode::Disable, "{mode}");
+        }
+        let e = parse_url("postgres://u@%2Ftmp,db.internal/db?sslmode=require")
+            .err()
+            .expect("mixed under require");
+        assert!(matches!(e, UrlError::SocketsAndTls("require")), "{e}");
+        assert!(
+            e.to_string().contains("mixes Unix sockets and TCP hosts"),
+            "{e}"
+        );
+        assert!(
+            matches!(
+                TlsParams::from_url(
+                    "postgres://u@/db?host=/tmp&host=db.internal&sslmode=verify-full"
+                ),
+                Err(UrlError::SocketsAndTls("verify-full"))
+            ),
+            "checked with the configuration"
+        );
+        // prefer may mix: TLS where the host offers it.
+        let parsed = parse_url("postgres://u@%2Ftmp,db.internal/db").expect("prefer");
+        assert!(!parsed.sockets_only);
+        assert_eq!(parsed.config.get_ssl_mode(), WireMode::Prefer);
+        // A socket path with a hostaddr is reached over TCP.
+        let parsed =
+            parse_url("postgres://u@%2Ftmp/db?hostaddr=127.0.0.1&sslmode=require").expect("tcp");
+        assert!(!parsed.sockets_only);
+        assert_eq!(parsed.config.get_ssl_mode(), WireMode::Require);
     }
 }

@@ -1,7 +1,10 @@
 //! TLS to the test PostgreSQL server, whose certificate (for localhost, 127.0.0.1 and ::1) comes
 //! from the test CA `scripts/services.sh` made: each `sslmode` against the real server, what the
-//! server itself says of the connection (`pg_stat_ssl`), what is refused and how it is told, and a
-//! proxy standing for a server without TLS.
+//! server itself says of the connection (`pg_stat_ssl`), what is refused and how it is told, a
+//! proxy standing for a server without TLS, the server's Unix socket, and a TLS front presenting
+//! the certificates people make for themselves (`front.rs`).
+
+mod front;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,6 +17,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::postgres::TestSchema;
 use crate::suite;
+
+use self::front::{Front, Seen};
 
 /// `url` with `params` added to its query.
 fn with(url: &str, params: &str) -> String {
@@ -289,4 +294,164 @@ async fn bad_tls_settings_are_refused_at_start_by_name() {
         assert!(m.contains(want), "{params}: {m}");
         assert!(!m.contains("hunter2"), "{params}: {m}");
     }
+}
+
+/// A URL with only `hostaddr` (no host name): libpq names the host by the address, so TLS is
+/// used under prefer and require, and verify-full checks the address against the certificate
+/// (127.0.0.1 is among its IP addresses). tokio-postgres alone had no name and refused the
+/// handshake ("no hostname provided for TLS handshake").
+#[tokio::test]
+async fn a_host_given_only_by_its_address_gets_tls() {
+    let tls = test_pg_tls();
+    let (user, port, db) = parts();
+    let verify = format!("sslmode=verify-full&sslrootcert={}", tls.ca.display());
+    for params in ["sslmode=prefer", "sslmode=require", verify.as_str()] {
+        let url = format!("postgres://{user}@/{db}?hostaddr=127.0.0.1&port={port}&{params}");
+        let (encrypted, _) = server_view(&url).await.expect(params);
+        assert!(encrypted, "{params}");
+    }
+}
+
+/// The directory of the test server's Unix socket, as the server says (`unix_socket_directories`)
+/// and as this machine has it.
+async fn socket_dir() -> String {
+    let (client, conn) = connect(&test_database_url()).await.expect("connects");
+    let dirs: String = client
+        .query_one("SELECT current_setting('unix_socket_directories')", &[])
+        .await
+        .expect("unix_socket_directories")
+        .get(0);
+    drop(client);
+    let _ = conn.await;
+    let (_, port, _) = parts();
+    dirs.split(',')
+        .map(|d| d.trim().to_owned())
+        .find(|d| std::path::Path::new(&format!("{d}/.s.PGSQL.{port}")).exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "the test PostgreSQL server's Unix socket is not on this machine \
+                 (unix_socket_directories = {dirs:?}): the socket tests need the local server"
+            )
+        })
+}
+
+/// A Unix socket never has TLS (PostgreSQL offers none there) and libpq ignores sslmode on it:
+/// verify-full and require connect through the socket, unencrypted, instead of failing with
+/// "server does not support TLS". A host list mixing a socket with a TCP host under a mode
+/// that needs TLS is refused before connecting, saying why.
+#[tokio::test]
+async fn unix_sockets_connect_without_tls_whatever_the_sslmode() {
+    let tls = test_pg_tls();
+    let dir = socket_dir().await;
+    let (user, port, db) = parts();
+    let encoded = dir.replace('/', "%2F");
+    let verify = format!("sslmode=verify-full&sslrootcert={}", tls.ca.display());
+    for params in ["sslmode=require", verify.as_str(), "sslmode=prefer"] {
+        let url = format!("postgres://{user}@{encoded}:{port}/{db}?{params}");
+        let (encrypted, _) = server_view(&url).await.expect(params);
+        assert!(!encrypted, "{params}: a socket has no TLS");
+    }
+
+    let mixed = format!("postgres://{user}@{encoded},127.0.0.1:{port}/{db}?sslmode=require");
+    let m = open_error(&mixed).await;
+    assert!(m.contains("mixes Unix sockets and TCP hosts"), "{m}");
+    assert!(m.contains("sslmode=require"), "{m}");
+}
+
+/// A certificate made with rcgen for `names` (none: no subjectAltName) with Common Name `cn`,
+/// self-signed as a CA, or signed by `issuer`.
+fn certificate(
+    names: &[&str],
+    cn: &str,
+    issuer: Option<&rcgen::Issuer<'_, rcgen::KeyPair>>,
+) -> (rcgen::Certificate, rcgen::KeyPair) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let mut params = rcgen::CertificateParams::new(names).expect("params");
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, cn);
+    let cert = match issuer {
+        Some(issuer) => params.signed_by(&key, issuer).expect("leaf"),
+        None => {
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params.self_signed(&key).expect("self-signed")
+        }
+    };
+    (cert, key)
+}
+
+/// `postgres://USER@HOST:PORT/DB?hostaddr=127.0.0.1&PARAMS`: HOST reached at 127.0.0.1.
+fn url_via(host: &str, port: u16, params: &str) -> String {
+    let (user, _, db) = parts();
+    format!("postgres://{user}@{host}:{port}/{db}?hostaddr=127.0.0.1&{params}")
+}
+
+/// PostgreSQL's documented quick set-up (`openssl req -new -x509 -subj /CN=host`, which under
+/// OpenSSL 3 makes a CA:TRUE certificate without subjectAltName) with the certificate given as
+/// its own sslrootcert: libpq accepts it, and so does every mode here, with TLS (prefer too,
+/// where it used to fall back to plaintext); verify-full checks its name (the CN) and refuses
+/// another.
+#[tokio::test]
+async fn a_self_signed_server_certificate_as_its_own_root_is_trusted() {
+    let (_, pg_port, _) = parts();
+    let (cert, key) = certificate(&[], "localhost", None);
+    let dir = tempfile::tempdir().expect("dir");
+    let root = dir.path().join("server.crt");
+    std::fs::write(&root, cert.pem()).expect("write");
+    let front = Front::start(vec![cert.der().clone()], &key, pg_port).await;
+    for mode in ["verify-full", "verify-ca", "require", "prefer"] {
+        let params = format!("sslmode={mode}&sslrootcert={}", root.display());
+        let (client, conn) = connect(&url_via("localhost", front.port, &params))
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+        client.simple_query("SELECT 1").await.expect(mode);
+        drop(client);
+        let _ = conn.await;
+        assert_eq!(front.seen(1).await, [Seen::Tls], "{mode}");
+    }
+
+    let params = format!("sslmode=verify-full&sslrootcert={}", root.display());
+    let m = open_error(&url_via("wrong.example", front.port, &params)).await;
+    assert!(m.contains("certificate was not accepted"), "{m}");
+    assert!(m.contains("not valid for name"), "{m}");
+    assert_eq!(front.seen(1).await, [Seen::TlsRefused]);
+}
+
+/// verify-full with a certificate from a CA that names the host only in its Common Name (no
+/// subjectAltName): libpq accepts it, case-insensitively, and so does verify-full here. A
+/// certificate with a DNS subjectAltName is checked against that only (the CN no longer counts).
+#[tokio::test]
+async fn verify_full_takes_the_common_name_without_a_subject_alt_name() {
+    let (_, pg_port, _) = parts();
+    let ca_key = rcgen::KeyPair::generate().expect("key");
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.distinguished_name = rcgen::DistinguishedName::new();
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "sbp front CA");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let dir = tempfile::tempdir().expect("dir");
+    let root = dir.path().join("ca.crt");
+    std::fs::write(&root, ca.self_signed(&ca_key).expect("ca").pem()).expect("write");
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let params = format!("sslmode=verify-full&sslrootcert={}", root.display());
+
+    let (cn_only, key) = certificate(&[], "localhost", Some(&issuer));
+    let front = Front::start(vec![cn_only.der().clone()], &key, pg_port).await;
+    for host in ["localhost", "LOCALHOST"] {
+        let (client, conn) = connect(&url_via(host, front.port, &params))
+            .await
+            .unwrap_or_else(|e| panic!("{host}: {e}"));
+        client.simple_query("SELECT 1").await.expect(host);
+        drop(client);
+        let _ = conn.await;
+        assert_eq!(front.seen(1).await, [Seen::Tls], "{host}");
+    }
+
+    let (san, key) = certificate(&["db.example"], "localhost", Some(&issuer));
+    let front = Front::start(vec![san.der().clone()], &key, pg_port).await;
+    let m = open_error(&url_via("localhost", front.port, &params)).await;
+    assert!(m.contains("not valid for name \"localhost\""), "{m}");
+    assert_eq!(front.seen(1).await, [Seen::TlsRefused]);
 }
