@@ -215,6 +215,7 @@ pub(crate) struct Parsed {
     sockets_only: bool,
 }
 
+/// Parses `url` as libpq reads it, its TLS parameters checked, without reading any file.
 pub(crate) fn parse_url(url: &str) -> Result<Parsed, UrlError> {
     let (rest, tls) = split_tls_params(url)?;
     let mut config: tokio_postgres::Config = rest.parse().map_err(UrlError::Parse)?;
