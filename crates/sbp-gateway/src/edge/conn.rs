@@ -57,8 +57,10 @@ pub(crate) struct Conn {
     pub health_only: bool,
     phase: Mutex<Phase>,
     evicted: Notify,
-    /// A second handle on a headroom connection's socket (see [`Conn::has_unread`]).
-    socket: Option<socket2::Socket>,
+    /// A second handle on a headroom connection's socket (see [`Conn::has_unread`]), only while
+    /// it is fresh: it is dropped when the first bytes are read or the connection is evicted, so
+    /// the descriptor it costs is never held by a connection on its way out.
+    socket: Mutex<Option<socket2::Socket>>,
 }
 
 impl Conn {
@@ -70,15 +72,15 @@ impl Conn {
                 since: Instant::now(),
             }),
             evicted: Notify::new(),
-            socket: None,
+            socket: Mutex::new(None),
         }
     }
 
     /// Keeps a second handle on the socket so that [`Conn::has_unread`] can peek at it. Only for
     /// headroom connections (it costs a descriptor); without one, nothing is ever unread.
-    pub fn peek_through(&mut self, socket: &impl std::os::fd::AsFd) {
+    pub fn peek_through(&self, socket: &impl std::os::fd::AsFd) {
         match socket2::SockRef::from(socket).try_clone() {
-            Ok(dup) => self.socket = Some(dup),
+            Ok(dup) => *self.socket() = Some(dup),
             Err(err) => tracing::debug!(%err, "no second handle on a headroom socket"),
         }
     }
@@ -87,11 +89,17 @@ impl Conn {
     /// is waiting for its task to run, in a burst of accepts, is not a silent socket and must not
     /// be evicted as one. (The handle shares the socket's non-blocking mode, so this never waits.)
     pub fn has_unread(&self) -> bool {
-        let Some(socket) = &self.socket else {
+        let socket = self.socket();
+        let Some(socket) = socket.as_ref() else {
             return false;
         };
         let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
         matches!(socket.peek(&mut byte), Ok(n) if n > 0)
+    }
+
+    fn socket(&self) -> std::sync::MutexGuard<'_, Option<socket2::Socket>> {
+        // Only ever replaced whole: a panic cannot leave it half-written.
+        self.socket.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {
@@ -102,10 +110,15 @@ impl Conn {
     /// Bytes arrived: a connection that was waiting for a request is now reading one.
     fn read_some(&self) {
         let mut phase = self.phase();
+        let was_fresh = matches!(*phase, Phase::Fresh { .. });
         if let Phase::Fresh { .. } | Phase::Idle { .. } = *phase {
             *phase = Phase::Head {
                 since: Instant::now(),
             };
+        }
+        drop(phase);
+        if was_fresh {
+            self.socket().take();
         }
     }
 
@@ -151,6 +164,7 @@ impl Conn {
         };
         *phase = Phase::Evicted;
         drop(phase);
+        self.socket().take();
         self.evicted.notify_one();
         Some(since)
     }

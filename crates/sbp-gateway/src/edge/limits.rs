@@ -294,9 +294,8 @@ mod tests {
                     std::thread::yield_now();
                 }
             }
-            let mut c = Conn::new(peer, true);
+            let c = Arc::new(Conn::new(peer, true));
             c.peek_through(&server);
-            let c = Arc::new(c);
             held.push(health(&limits, &c));
             conns.push((c, server));
             clients.push(client);
