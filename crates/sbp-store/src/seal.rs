@@ -261,6 +261,54 @@ impl Column {
     }
 }
 
+/// Every column a backend seals: its table, the column, and the column holding the row key its
+/// values are bound to. A reseal walks them all.
+pub const SEALED_COLUMNS: &[(Column, &str, &str, &str)] = &[
+    (Column::MessageBody, "messages", "body", "session_id"),
+    (Column::TetherContent, "tether", "content", "session_id"),
+    (Column::SessionLastTask, "sessions", "last_task", "id"),
+    (Column::SessionMetadata, "sessions", "metadata", "id"),
+    (Column::SnapshotTask, "snapshots", "current_task", "id"),
+    (Column::SnapshotState, "snapshots", "state", "id"),
+    (
+        Column::IdempotencyResponse,
+        "idempotency",
+        "response_body",
+        "key",
+    ),
+    (
+        Column::MemoryPayload,
+        "session_memory",
+        "payload",
+        "session_id",
+    ),
+    (Column::BundleBody, "bundles", "body", "cid"),
+    (Column::ExportLabel, "exports", "label", "id"),
+    (Column::LinkLabel, "lineage", "label", "id"),
+    (Column::LinkReason, "lineage", "reason", "id"),
+    (Column::TurnError, "turns", "error", "id"),
+];
+
+/// What a reseal rewrote: per column (`table.column`), the values it sealed under the current key
+/// (plain ones, and ones sealed under an earlier key).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resealed {
+    pub columns: Vec<(&'static str, u64)>,
+}
+
+impl Resealed {
+    pub fn add(&mut self, column: Column, n: u64) {
+        match self.columns.iter_mut().find(|(c, _)| *c == column.name()) {
+            Some((_, total)) => *total += n,
+            None => self.columns.push((column.name(), n)),
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.columns.iter().map(|(_, n)| n).sum()
+    }
+}
+
 fn aad(column: Column, row: &str) -> Vec<u8> {
     let name = column.name();
     let mut aad = Vec::with_capacity(PREFIX.len() + name.len() + 1 + row.len());

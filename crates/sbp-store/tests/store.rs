@@ -106,6 +106,7 @@ mod sqlite {
             path: path.clone(),
             synchronous: Synchronous::Normal,
             readers: 0,
+            sealer: sbp_store::seal::Sealer::off(),
         };
         let store = SqliteStore::open(opts.clone()).await.expect("open");
         assert!(
@@ -130,7 +131,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 5);
+        assert_eq!(version, 6);
     }
 }
 
