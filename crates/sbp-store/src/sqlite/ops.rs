@@ -10,6 +10,7 @@ use super::codec::{
     col_status, db_err, idem_state, idempotency_row, int, json, message_row, session_row,
     snapshot_row, tether_row, ts, turn_row, turn_state, uuid,
 };
+pub(crate) use crate::codec::encode_bodies;
 use crate::seal::{Column, Sealer};
 use crate::{
     BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
@@ -266,31 +267,6 @@ const ROWS_PER_INSERT: usize = 64;
 
 fn too_many() -> StoreError {
     StoreError::Backend("too many messages".to_owned())
-}
-
-/// The messages' bodies as they are stored (JSON text, sealed to the session `sid` when
-/// encryption is on), and the total size of their JSON text in bytes: what
-/// `sessions.message_bytes` counts, the plaintext whether or not it is sealed.
-pub(crate) fn encode_bodies(
-    seal: &Sealer,
-    sid: &str,
-    messages: &[NewMessage],
-) -> StoreResult<(Vec<String>, i64)> {
-    let mut bytes = 0usize;
-    let bodies = messages
-        .iter()
-        .map(|m| {
-            let text = json(&m.body)?;
-            bytes += text.len();
-            Ok(match seal.seal(Column::MessageBody, sid, &text)? {
-                std::borrow::Cow::Borrowed(_) => text,
-                std::borrow::Cow::Owned(sealed) => sealed,
-            })
-        })
-        .collect::<StoreResult<Vec<_>>>()?;
-    let bytes =
-        i64::try_from(bytes).map_err(|_| StoreError::Backend("messages too large".to_owned()))?;
-    Ok((bodies, bytes))
 }
 
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
