@@ -298,7 +298,8 @@ impl SqliteStore {
     /// Re-seals every content value under the keyring's current key (plain values included), then
     /// drops the earlier keys from the database's record, so a start without them is accepted.
     /// Each page of rows is one write: run it with the gateways stopped, or while every running
-    /// one already seals under the current key (their writes then need no reseal).
+    /// one already seals under the current key (their writes then need no reseal). Ends with a
+    /// `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free pages or the WAL.
     pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
         if !self.inner.seal.is_on() {
             return Err(StoreError::Backend(
@@ -321,6 +322,18 @@ impl SqliteStore {
             }
         }
         let forgotten = self.write(reseal::forget_earlier_keys).await?;
+        // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
+        // the live (sealed) content, then empty the WAL.
+        let path = self.inner.readers.path.clone();
+        tokio::task::spawn_blocking(move || -> StoreResult<()> {
+            let conn = Connection::open(&path).map_err(db_err)?;
+            configure(&conn)?;
+            conn.execute_batch("VACUUM").map_err(db_err)?;
+            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+                .map_err(db_err)
+        })
+        .await
+        .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;
         tracing::info!(
             values = done.total(),
             earlier_keys = forgotten,
