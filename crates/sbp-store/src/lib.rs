@@ -32,7 +32,14 @@ pub enum StoreError {
     /// Encryption at rest: a value that does not open, or (at open) a keyring that does not fit
     /// the database.
     #[error("encryption at rest: {0}")]
-    Sealing(#[from] seal::SealError),
+    Sealing(seal::SealError),
+}
+
+// Not `#[from]`: that would make the error its own source, and every report would say it twice.
+impl From<seal::SealError> for StoreError {
+    fn from(e: seal::SealError) -> Self {
+        Self::Sealing(e)
+    }
 }
 
 /// What a write conflicted with. The texts are what a caller may be shown.
