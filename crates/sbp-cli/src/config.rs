@@ -1565,4 +1565,48 @@ mod tests {
             }
         );
     }
+
+    /// Key files come from flags or the TOML file; the keyring holds them as current and
+    /// previous; lengths other than 32 bytes and a previous key without a current one are refused.
+    #[test]
+    fn encryption_keys_from_flags_and_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (k1, k2, short) = (
+            dir.path().join("k1"),
+            dir.path().join("k2"),
+            dir.path().join("short"),
+        );
+        std::fs::write(&k1, "01".repeat(32)).expect("write");
+        std::fs::write(&k2, format!("{}\n", Key::generate_text().expect("random"))).expect("write");
+        std::fs::write(&short, "01".repeat(16)).expect("write");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "encryption_key = {:?}\nprevious_encryption_key = [{:?}]\n",
+                k2.display().to_string(),
+                k1.display().to_string()
+            ),
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.encryption_key.as_deref(), Some(k2.as_path()));
+        assert_eq!(s.previous_encryption_keys, vec![k1.clone()]);
+        let sealer =
+            load_keyring(s.encryption_key.as_deref(), &s.previous_encryption_keys).expect("keys");
+        let k2_id = load_key("k", &k2).expect("k2").id();
+        assert_eq!(sealer.current(), Some(k2_id));
+
+        assert!(!load_keyring(None, &[]).expect("off").is_on());
+        let err = load_keyring(None, std::slice::from_ref(&k1)).expect_err("no current");
+        assert!(err.to_string().contains("needs --encryption-key"), "{err}");
+        let err = load_keyring(Some(&short), &[]).expect_err("16 bytes");
+        assert!(err.to_string().contains("32 bytes"), "{err}");
+        let err = load_keyring(Some(&dir.path().join("missing")), &[]).expect_err("missing");
+        assert!(err.to_string().contains("--encryption-key"), "{err}");
+    }
 }
