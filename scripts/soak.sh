@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The soak suite (RELIABILITY.md), outside the test command:
 #
-#   bash scripts/soak.sh [storm|badinput|exhaust|fuzz|all] [ARGS...]
+#   bash scripts/soak.sh [storm|badinput|exhaust|wsconformance|fuzz|all] [ARGS...]
 #
 # storm, badinput, exhaust: ARGS go to `sbp-soak PART` (e.g. `storm --kills-sqlite 5`; see
 #   `target/release/sbp-soak PART --help`). They run against release builds of `sbp` and
 #   `sbp-fake-llm`, which this script builds first; the storm's PostgreSQL (and Redis) are started
 #   like scripts/test.sh does. Logs and failure reports land in soak-out/.
+# wsconformance: the RFC 6455 table (crates/sbp-gateway/tests/gateway/ws_conformance.rs, also
+#   part of the test command), run on its own with its result line.
 # fuzz: ARGS are [SECONDS per target, default 600] [TARGET...] (targets: frames chat_request
 #   bundle canonical token); needs the nightly toolchain, installs cargo-fuzz when absent.
 # all: every part with its defaults, one after the other.
@@ -19,7 +21,7 @@ if [ $# -gt 0 ]; then shift; fi
 out=soak-out
 mkdir -p "$out"
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 build() {
   echo "soak: building release binaries (sbp, sbp-fake-llm, sbp-soak)" >&2
@@ -85,6 +87,19 @@ fuzz() {
   return "$failed"
 }
 
+# The RFC 6455 conformance table: every case on its own connection, the count of those passed.
+wsconformance() {
+  local status=0
+  cargo test --locked -p sbp-gateway --test gateway ws_conformance -- --nocapture 2>&1 \
+    | tee "$out/wsconformance-test.log" | grep -E 'RFC 6455 conformance|test result' || true
+  if ! grep -q 'test result: ok' "$out/wsconformance-test.log"; then status=1; fi
+  local line
+  line=$(grep -o 'RFC 6455 conformance: .*' "$out/wsconformance-test.log" | tail -n 1)
+  if [ "$status" = 0 ]; then line="wsconformance: PASS ${line#RFC 6455 conformance: }"; else line="wsconformance: FAIL ${line#RFC 6455 conformance: } (see $out/wsconformance-test.log)"; fi
+  echo "$line" | tee "$out/wsconformance.log"
+  return "$status"
+}
+
 export SBP_TEST_DATABASE_URL="${SBP_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 
@@ -97,6 +112,9 @@ case "$part" in
   badinput | exhaust)
     build
     run_soak "$part" "$@"
+    ;;
+  wsconformance)
+    wsconformance
     ;;
   fuzz)
     fuzz "$@"
@@ -112,10 +130,12 @@ case "$part" in
     for p in storm badinput exhaust; do
       run_soak "$p" || failed+=("$p")
     done
+    wsconformance || failed+=(wsconformance)
     fuzz || failed+=(fuzz)
     echo
     echo "soak summary:"
     grep -hE '^(storm|badinput|exhaust) ' "$out/storm.log" "$out/badinput.log" "$out/exhaust.log" || true
+    cat "$out/wsconformance.log"
     cat "$out/fuzz.log"
     if [ ${#failed[@]} -gt 0 ]; then
       echo "soak: FAILED: ${failed[*]}"

@@ -8,4 +8,7 @@ bash scripts/services.sh
 bash scripts/browser-deps.sh
 export SBP_TEST_DATABASE_URL="${SBP_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+# The CA of the test server's certificate (services.sh makes it; its directory also holds
+# wrong-ca.crt, client.crt and client.key).
+export SBP_TEST_PG_CA="${SBP_TEST_PG_CA:-/var/lib/postgresql/sbp-test-tls/ca.crt}"
 cargo test --workspace --all-targets --locked "$@"

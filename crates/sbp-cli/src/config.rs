@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow, bail};
 use clap::Args;
 use sbp_gateway::ratelimit::parse_limit;
 use sbp_gateway::{CtpRule, EdgeConfig, Limits, PublicUrl, RateLimits, TlsFiles};
@@ -24,9 +24,15 @@ pub struct ServeArgs {
     /// Directory for the database file and the generated signing secret. [default: ./sbp-data]
     #[arg(long, env = "SBP_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Storage: `sqlite://PATH`, or `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` for PostgreSQL
-    /// (schema migrated at start; a dedicated database, or one whose search_path is set with
-    /// `?options=-c%20search_path%3DSCHEMA`). [default: sqlite://<data-dir>/sbp.db]
+    /// Storage: `sqlite://PATH`, or `postgres://USER[:PASSWORD]@HOST[:PORT]/DB[?PARAMS]` for
+    /// PostgreSQL (schema migrated at start; a dedicated database, or one whose search_path is set
+    /// with `?options=-c%20search_path%3DSCHEMA`). TLS as libpq: `sslmode=` `disable`, `prefer`
+    /// (the default: TLS when the server offers it, unverified), `require` (TLS, unverified),
+    /// `verify-ca` (the chain checked against `sslrootcert`), `verify-full` (the chain and the
+    /// host name or IP address); `sslrootcert=PATH` (PEM CAs; also checks the chain under prefer
+    /// and require; `system`, the default of verify-full, takes the system's CAs); `sslcert=PATH`
+    /// with `sslkey=PATH` (a client certificate; the key 0600). A Unix socket host never uses TLS
+    /// (sslmode does not apply there). [default: sqlite://<data-dir>/sbp.db]
     #[arg(long, env = "SBP_DATABASE")]
     pub database: Option<String>,
     /// SQLite durability: `full` (fsync every commit batch) or `normal` (survives a crash of the
@@ -876,9 +882,14 @@ fn parse_database(url: &str) -> anyhow::Result<Database> {
         return Ok(Database::Sqlite(PathBuf::from(rest)));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        sbp_store::postgres::TlsParams::from_url(url).map_err(|e| anyhow!("--database: {e}"))?;
         return Ok(Database::Postgres(url.to_owned()));
     }
-    bail!("--database must look like sqlite://PATH or postgres://USER@HOST/DB, got '{url}'")
+    // Not the URL itself: a mistyped scheme may come with a password.
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    bail!(
+        "--database must look like sqlite://PATH or postgres://USER@HOST/DB, got a URL of scheme '{scheme}'"
+    )
 }
 
 fn parse_tether(
@@ -1265,6 +1276,40 @@ mod tests {
             })
             .expect("resolves");
             assert!(matches!(s.database, Database::Postgres(ref u) if u == url));
+        }
+    }
+
+    #[test]
+    fn postgres_tls_parameters_are_checked_and_passwords_kept_out_of_errors() {
+        let resolve = |url: &str| {
+            Settings::resolve(ServeArgs {
+                database: Some(url.into()),
+                ..Default::default()
+            })
+        };
+        let ok = "postgres://u:pw@db/sbp?sslmode=verify-full&sslrootcert=/etc/ca.pem";
+        assert!(matches!(
+            resolve(ok).expect("resolves").database,
+            Database::Postgres(_)
+        ));
+        for (url, want) in [
+            (
+                "postgres://u:hunter2@db/sbp?sslmode=strict",
+                "sslmode=\"strict\" is not one of",
+            ),
+            (
+                "postgres://u:hunter2@db/sbp?sslmode=verify-ca",
+                "needs sslrootcert",
+            ),
+            ("postgress://u:hunter2@db/sbp", "scheme 'postgress'"),
+            (
+                "postgres://u:hunter2@%2Ftmp,db/sbp?sslmode=require",
+                "mixes Unix sockets and TCP hosts",
+            ),
+        ] {
+            let e = format!("{:#}", resolve(url).expect_err(url));
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
         }
     }
 

@@ -171,9 +171,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     )
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let listener = tokio::net::TcpListener::bind(s.listen)
-        .await
-        .with_context(|| format!("binding {}", s.listen))?;
+    let listener = bind(s.listen).with_context(|| format!("binding {}", s.listen))?;
     let addr = listener.local_addr()?;
     let scheme = match &s.edge.tls {
         Some(_) => "https",
@@ -340,6 +338,23 @@ async fn shutdown_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// The accept queue asked of the kernel (which caps it at `net.core.somaxconn`, 4096 on current
+/// Linux). tokio's `bind` asks for 1,024: a burst of more connections than that overflows the
+/// queue, and the kernel then holds the overflow in SYN-ACK retransmission for up to a minute,
+/// out of reach of the edge's connection caps and timeouts.
+const LISTEN_BACKLOG: u32 = 65_535;
+
+fn bind(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = match addr {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    // As tokio's `bind` does: a restart can take the port back while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 #[cfg(test)]

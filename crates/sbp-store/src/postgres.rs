@@ -2,12 +2,16 @@
 //! prepared-statement cache. Every write is one transaction that takes the session row's lock
 //! first, so concurrent turns of a session serialise on it while other sessions proceed; an
 //! operation answers only after COMMIT returned (durable with the server's `synchronous_commit`).
+//! Connections use TLS as the URL's libpq parameters say (`connect.rs`, `tls.rs`).
 
 mod codec;
+mod connect;
 mod ops;
 mod reseal;
 mod roaming;
 mod schema;
+mod tls;
+mod x509;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,11 +20,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{Client, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use sbp_protocol::{SessionStatus, SnapshotKind};
-use tokio_postgres::NoTls;
 use tokio_postgres::config::Host;
 use uuid::Uuid;
 
+pub use self::connect::{ConnectOptions, SslMode, TlsParams, UrlError, connect};
 pub use self::schema::SCHEMA_VERSION;
+pub use self::tls::{Check, HandshakeError, TlsFileError};
 
 use self::codec::db_err;
 use self::ops::Tx;
@@ -71,6 +76,7 @@ impl Default for PostgresOptions {
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    mode: SslMode,
     seal: Sealer,
 }
 
@@ -88,7 +94,16 @@ fn plain_identifier(name: &str) -> bool {
 
 /// `url` without its password and query parameters, for logs and the startup line.
 pub fn redacted_url(url: &str) -> String {
-    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+    // Parameters can name the host; a URL refused for one of them still gets a label.
+    let base = match connect::query_start(url) {
+        Ok(Some(q)) => &url[..q],
+        _ => url,
+    };
+    let parsed = connect::parse_url(url)
+        .ok()
+        .map(|parsed| parsed.config)
+        .or_else(|| base.parse::<tokio_postgres::Config>().ok());
+    let Some(config) = parsed else {
         return "postgres://(unparsable url)".to_owned();
     };
     let user = config
@@ -116,17 +131,14 @@ pub fn redacted_url(url: &str) -> String {
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://user[:password]@host[:port]/db[?options]`), creates the pool
-    /// and migrates the schema. Connections are plaintext: put PostgreSQL on loopback or a private
-    /// network (a URL with `sslmode=require` is refused rather than silently downgraded).
+    /// and migrates the schema. TLS as libpq's URL parameters say: `sslmode` (`disable`, `prefer`
+    /// the default, `require`, `verify-ca`, `verify-full`), `sslrootcert` (a PEM file of CAs, or
+    /// `system`), `sslcert` and `sslkey` (a client certificate); their files are read here, once,
+    /// on the blocking pool.
     pub async fn open(url: &str, opts: PostgresOptions) -> StoreResult<PostgresStore> {
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| StoreError::Backend(format!("bad postgres url: {e}")))?;
-        if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
-            return Err(StoreError::Backend(
-                "sslmode=require: TLS to PostgreSQL is not supported by this build".to_owned(),
-            ));
-        }
+        let options = ConnectOptions::load(url).await?;
+        let connector = options.connector();
+        let (mut config, tls) = (options.config, options.tls);
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(opts.connect_timeout);
         }
@@ -154,9 +166,9 @@ impl PostgresStore {
             };
             config.options(options);
         }
-        let manager = Manager::from_config(
+        let manager = Manager::from_connect(
             config,
-            NoTls,
+            connector,
             ManagerConfig {
                 // A closed connection is noticed without a round trip; a broken one fails its
                 // operation with `Backend` and is then dropped.
@@ -173,16 +185,27 @@ impl PostgresStore {
             .map_err(|e| StoreError::Backend(format!("postgres pool: {e}")))?;
         let store = PostgresStore {
             pool,
+            mode: tls.mode,
             seal: opts.sealer,
         };
-        let mut client = store.client().await?;
+        // The first connection's failure names the sslmode it was made under.
+        let mut client = store.pool.get().await.map_err(|e| match e {
+            deadpool_postgres::PoolError::Backend(e) => connect::connect_error(&tls, e),
+            other => StoreError::Backend(format!("postgres pool: {other}")),
+        })?;
         schema::migrate(&mut client).await?;
         schema::check_keys(&mut client, &store.seal).await?;
+        // Not every server that speaks the protocol has pg_stat_ssl (poolers, compatible
+        // databases): not knowing is no reason to refuse to start.
+        let encrypted = encrypted(&client).await.ok();
+        drop(client);
         tracing::info!(
             url = %redacted_url(url),
             schema = ?opts.schema,
             connections = size,
-            encryption_key = ?store.seal.current().map(|id| id.to_string()),
+            sslmode = tls.mode.as_str(),
+            encrypted = ?encrypted,
+            encryption_at_rest = ?store.seal.current().map(|id| id.to_string()),
             "postgres store open"
         );
         Ok(store)
@@ -228,6 +251,18 @@ impl PostgresStore {
             "postgres store resealed"
         );
         Ok(done)
+    }
+
+    /// The URL's `sslmode`.
+    pub fn ssl_mode(&self) -> SslMode {
+        self.mode
+    }
+
+    /// Whether a pooled connection is encrypted, as the server sees it (`pg_stat_ssl`). Under
+    /// `prefer` a server that declines TLS gets plaintext connections: this tells.
+    pub async fn encrypted(&self) -> StoreResult<bool> {
+        let client = self.client().await?;
+        encrypted(&client).await
     }
 
     async fn client(&self) -> StoreResult<Client> {
@@ -285,6 +320,17 @@ impl PostgresStore {
         let client = self.client().await?;
         work(&client).await
     }
+}
+
+async fn encrypted(client: &tokio_postgres::Client) -> StoreResult<bool> {
+    let row = client
+        .query_one(
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .map_err(db_err)?;
+    row.try_get(0).map_err(db_err)
 }
 
 /// A pooled connection with a transaction open on it. Dropped before [`OpenTx::finish`] (the
@@ -631,6 +677,14 @@ mod tests {
             "postgres://127.0.0.1:5432/test"
         );
         assert!(!redacted_url("postgres://u:secret@h:x:y/db").contains("secret"));
+        assert_eq!(
+            redacted_url("postgres://u:secret@h/db?sslmode=verify-full&sslrootcert=/ca.pem"),
+            "postgres://u@h:5432/db"
+        );
+        assert_eq!(
+            redacted_url("postgres://u:secret@h/db?sslmode=nonsense&x=y"),
+            "postgres://u@h:5432/db"
+        );
     }
 
     #[test]

@@ -262,7 +262,7 @@ impl SqliteStore {
         tracing::info!(
             path = %opts.path.display(),
             readers = count,
-            encryption_key = ?opts.sealer.current().map(|id| id.to_string()),
+            encryption_at_rest = ?opts.sealer.current().map(|id| id.to_string()),
             "sqlite store open"
         );
         Ok(SqliteStore {

@@ -2,9 +2,12 @@
 //! file in its own temp dir) and PostgreSQL (each case in a fresh schema of the database named by
 //! `SBP_TEST_DATABASE_URL`, dropped afterwards), and both again with the tether in Redis Streams
 //! (`SBP_TEST_REDIS_URL`, each case under a key prefix of its own, deleted afterwards) in mirror and
-//! handoff mode. The suite runs once more with encryption at rest on each SQL backend and on a
-//! tether, and `sealing` checks the raw rows, files and streams for plaintext, rotation and reseal.
+//! handoff mode. `postgres_tls` connects to the same server over TLS, each `sslmode` checked
+//! against the certificate `scripts/services.sh` gave it. The suite runs once more with encryption
+//! at rest on each SQL backend and on a tether, and `sealing` checks the raw rows, files and
+//! streams for plaintext, rotation and reseal.
 
+mod postgres_tls;
 mod suite;
 
 /// Every backend-agnostic case; `$runner` defines one test per case for its backend.
@@ -170,7 +173,6 @@ mod postgres {
     };
     use sbp_test_support::{run_then_clean_up, test_database_url};
     use serde_json::json;
-    use tokio_postgres::NoTls;
 
     use crate::suite;
 
@@ -183,19 +185,14 @@ mod postgres {
     /// A plain connection for the harness's own DDL. Fails the test (never skips it) when
     /// PostgreSQL cannot be reached.
     async fn admin(url: &str) -> tokio_postgres::Client {
-        let connected = tokio_postgres::connect(url, NoTls).await;
-        let (client, conn) = connected.unwrap_or_else(|e| {
-            let cause = std::error::Error::source(&e).map(|c| format!(": {c}"));
+        // The connection's task ends when the client is dropped; an error of the connection
+        // shows up as a failed statement.
+        let (client, _conn) = sbp_store::postgres::connect(url).await.unwrap_or_else(|e| {
             panic!(
-                "PostgreSQL at {url} is not reachable ({e}{}). The PostgreSQL cases need it: \
+                "PostgreSQL at {url} is not reachable ({e}). The PostgreSQL cases need it: \
                  run `bash scripts/services.sh` to start it, or set SBP_TEST_DATABASE_URL to a \
-                 database this user may create schemas in.",
-                cause.unwrap_or_default()
+                 database this user may create schemas in."
             )
-        });
-        tokio::spawn(async move {
-            // Ends when the client is dropped; an error here shows up as a failed statement.
-            let _ = conn.await;
         });
         client
     }

@@ -2,7 +2,7 @@
 //! what is its own. A dev-dependency, except for the bench and the soak suite (feature `procs`).
 //!
 //! - always: [`WAIT`], polling ([`poll_until_ok`], [`eventually`], [`wait_until`]), the machine's
-//!   test services ([`test_database_url`], [`test_redis_url`], [`delete_prefix`]) and
+//!   test services ([`test_database_url`], [`test_pg_tls`], [`test_redis_url`], [`delete_prefix`]) and
 //!   [`run_then_clean_up`];
 //! - feature `clients`: HTTP helpers (`send`, `response`, `sse_data`, `client`), a raw HTTP/1.1
 //!   socket for misbehaving clients (`RawHttp`), a surface's WebSocket (`Ws`, `WsEvent`, over
@@ -33,7 +33,8 @@ mod tls;
 mod ws;
 
 pub use services::{
-    delete_prefix, delete_prefix_blocking, run_then_clean_up, test_database_url, test_redis_url,
+    PgTestTls, delete_prefix, delete_prefix_blocking, run_then_clean_up, test_database_url,
+    test_pg_tls, test_redis_url,
 };
 pub use wait::{eventually, poll_until_ok, wait_until};
 

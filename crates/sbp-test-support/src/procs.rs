@@ -84,12 +84,15 @@ pub fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
-/// Runs one statement on a fresh connection to `url`.
+/// Runs one statement on a fresh connection to `url` (with the URL's TLS settings, as the
+/// gateway's own connections).
 pub async fn pg_exec(url: &str, sql: &str) -> anyhow::Result<()> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .with_context(|| format!("connecting to {url} (scripts/services.sh starts PostgreSQL)"))?;
-    let conn = tokio::spawn(conn);
+    let (client, conn) = sbp_store::postgres::connect(url).await.with_context(|| {
+        format!(
+            "connecting to {} (scripts/services.sh starts PostgreSQL)",
+            sbp_store::postgres::redacted_url(url)
+        )
+    })?;
     let result = client.batch_execute(sql).await;
     drop(client);
     let _ = conn.await;

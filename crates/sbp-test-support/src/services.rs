@@ -11,6 +11,42 @@ pub fn test_database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// The TLS files of the test PostgreSQL server, which `scripts/services.sh` makes side by side.
+#[derive(Debug, Clone)]
+pub struct PgTestTls {
+    /// The CA of the server's certificate (valid for `localhost`, `127.0.0.1` and `::1`).
+    pub ca: std::path::PathBuf,
+    /// A CA unrelated to the server's certificate.
+    pub wrong_ca: std::path::PathBuf,
+    /// A client certificate from `ca` (CN `sbp-test-client`), which the server verifies.
+    pub client_cert: std::path::PathBuf,
+    /// Its key (0600, owned by the user who ran `scripts/services.sh`).
+    pub client_key: std::path::PathBuf,
+}
+
+/// The test server's TLS files: the CA `SBP_TEST_PG_CA` names (by default what
+/// `scripts/test.sh` exports) and its siblings. Fails the test (never skips it) when the CA is
+/// not there.
+pub fn test_pg_tls() -> PgTestTls {
+    let ca = std::path::PathBuf::from(
+        std::env::var("SBP_TEST_PG_CA")
+            .unwrap_or_else(|_| "/var/lib/postgresql/sbp-test-tls/ca.crt".into()),
+    );
+    assert!(
+        ca.is_file(),
+        "the test PostgreSQL CA {} is missing: run `bash scripts/services.sh` to make it and \
+         give the server its certificate, or set SBP_TEST_PG_CA",
+        ca.display()
+    );
+    let sibling = |name: &str| ca.with_file_name(name);
+    PgTestTls {
+        wrong_ca: sibling("wrong-ca.crt"),
+        client_cert: sibling("client.crt"),
+        client_key: sibling("client.key"),
+        ca,
+    }
+}
+
 /// The test Redis (`SBP_TEST_REDIS_URL`; by default what `scripts/test.sh` exports).
 pub fn test_redis_url() -> String {
     std::env::var("SBP_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

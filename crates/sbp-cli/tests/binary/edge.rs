@@ -82,6 +82,67 @@ async fn idle_sockets_past_the_open_files_limit_leave_healthz_answering() {
     );
 }
 
+/// A burst of connections larger than tokio's default accept queue (1,024): each one reaches the
+/// edge at once and is closed by its header timeout (or shed), none held by the kernel in SYN-ACK
+/// retransmission for seconds out of the edge's reach.
+#[tokio::test]
+async fn a_burst_beyond_the_default_accept_queue_is_accepted_at_once() {
+    const BURST: usize = 3000;
+    // The test's own sockets; the gateway raises its own limit at start.
+    rlimit::increase_nofile_limit(u64::MAX).expect("raise the test's open-files limit");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut gw = Sbp::spawn(serve_with_fd_limit(
+        8192,
+        dir.path(),
+        &[
+            "--header-read-timeout",
+            "1",
+            "--max-connections-per-ip",
+            "5000",
+        ],
+    ))
+    .await;
+    let addr = gw.url.trim_start_matches("http://").to_owned();
+    let start = Instant::now();
+    let connects = (0..BURST).map(|_| tokio::net::TcpStream::connect(addr.clone()));
+    let sockets: Vec<_> = futures::future::join_all(connects)
+        .await
+        .into_iter()
+        .map(|s| s.expect("connect"))
+        .collect();
+    let opened = start.elapsed();
+    // Each socket reads until the gateway closes it; the slowest close is the figure.
+    let closes = sockets.into_iter().map(|mut s| async move {
+        use tokio::io::AsyncReadExt as _;
+        let mut buf = [0u8; 64];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return Instant::now(),
+                Ok(_) => {}
+            }
+        }
+    });
+    let closed = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(closes))
+        .await
+        .expect("every socket closed by the gateway within 30 s");
+    let slowest = closed
+        .iter()
+        .map(|t| t.duration_since(start))
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "{BURST} connections in a burst: opened in {opened:?}, the last closed after {slowest:?}"
+    );
+    // 1 s of header timeout plus the time to open them all; an accept-queue overflow would add
+    // the kernel's SYN-ACK backoff (1, 2, 4, 8 s ...).
+    assert!(
+        slowest < opened + Duration::from_secs(4),
+        "the last of {BURST} sockets closed after {slowest:?} (opened in {opened:?})"
+    );
+    gw.proc.sigterm();
+    gw.proc.wait_exit(WAIT).await;
+}
+
 #[tokio::test]
 async fn sigterm_ends_within_the_grace_and_the_hung_turns_key_is_retried_after_a_restart() {
     let fake = FakeLlm::start().await.expect("fake upstream");

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 pub use sbp_test_support::{
-    WAIT, Ws, WsEvent, client, eventually, send, test_database_url, test_redis_url,
+    WAIT, Ws, WsEvent, client, eventually, send, test_database_url, test_pg_tls, test_redis_url,
 };
 
 /// How long a debug build gets to open its database and print the startup line.

@@ -57,6 +57,8 @@ pub(crate) struct Conn {
     pub health_only: bool,
     phase: Mutex<Phase>,
     evicted: Notify,
+    /// A second handle on a headroom connection's socket (see [`Conn::has_unread`]).
+    socket: Option<socket2::Socket>,
 }
 
 impl Conn {
@@ -68,7 +70,28 @@ impl Conn {
                 since: Instant::now(),
             }),
             evicted: Notify::new(),
+            socket: None,
         }
+    }
+
+    /// Keeps a second handle on the socket so that [`Conn::has_unread`] can peek at it. Only for
+    /// headroom connections (it costs a descriptor); without one, nothing is ever unread.
+    pub fn peek_through(&mut self, socket: &impl std::os::fd::AsFd) {
+        match socket2::SockRef::from(socket).try_clone() {
+            Ok(dup) => self.socket = Some(dup),
+            Err(err) => tracing::debug!(%err, "no second handle on a headroom socket"),
+        }
+    }
+
+    /// Whether the peer has sent bytes the edge has not read yet: a health check whose request
+    /// is waiting for its task to run, in a burst of accepts, is not a silent socket and must not
+    /// be evicted as one. (The handle shares the socket's non-blocking mode, so this never waits.)
+    pub fn has_unread(&self) -> bool {
+        let Some(socket) = &self.socket else {
+            return false;
+        };
+        let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        matches!(socket.peek(&mut byte), Ok(n) if n > 0)
     }
 
     fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {

@@ -10,7 +10,10 @@ use super::conn::Conn;
 
 /// Connections admitted beyond the caps, for `/healthz` only. When they are all taken, the oldest
 /// one that has not sent a byte yet makes room (a health check sends its request at once; a
-/// socket that sends nothing is what fills a headroom).
+/// socket that sends nothing is what fills a headroom), one of the newcomer's own address first,
+/// so a flood from one address makes room among its own sockets rather than a prober's. A socket
+/// whose request has arrived but not been read yet (its task not run yet in a burst of accepts)
+/// is not silent and keeps its place.
 pub(crate) const HEALTH_HEADROOM: usize = 32;
 
 pub(crate) struct Limits {
@@ -111,13 +114,19 @@ impl Limits {
             });
         }
         if c.health.len() >= HEALTH_HEADROOM {
-            let oldest = c
+            // Ordered by: another address than the newcomer's last, then age.
+            let victim = c
                 .health
                 .iter()
                 .enumerate()
-                .filter_map(|(i, (_, h))| h.fresh_since().map(|since| (since, i)))
-                .min();
-            let Some((_, i)) = oldest else {
+                .filter_map(|(i, (_, h))| {
+                    let since = h.fresh_since()?;
+                    let other = IpKey::of(h.peer.ip()) != key;
+                    Some(((other, since), i, h))
+                })
+                .filter(|(_, _, h)| !h.has_unread())
+                .min_by_key(|(rank, _, _)| *rank);
+            let Some((_, i, _)) = victim else {
                 return Admission::Refused;
             };
             let (_, evicted) = c.health.swap_remove(i);
@@ -228,6 +237,78 @@ mod tests {
             limits.admit(&conn([10, 0, 0, 2], true)),
             Admission::Refused
         ));
+    }
+
+    fn health(limits: &Arc<Limits>, c: &Arc<Conn>) -> Slot {
+        match limits.admit(c) {
+            Admission::HealthOnly(slot) => slot,
+            _ => panic!("admitted to the headroom"),
+        }
+    }
+
+    #[test]
+    fn a_full_headroom_makes_room_among_the_newcomers_own_address_first() {
+        let limits = Limits::new(1, 0);
+        let _full = normal(&limits, [10, 0, 0, 1]).expect("first");
+        let prober = conn([10, 0, 0, 9], true);
+        let mut held = vec![health(&limits, &prober)];
+        let mut flood = Vec::new();
+        for _ in 1..HEALTH_HEADROOM {
+            let c = conn([10, 0, 0, 2], true);
+            held.push(health(&limits, &c));
+            flood.push(c);
+        }
+        // The prober's socket is the oldest, but the flood's address evicts its own.
+        for _ in 0..3 * HEALTH_HEADROOM {
+            held.push(health(&limits, &conn([10, 0, 0, 2], true)));
+        }
+        assert!(prober.fresh_since().is_some(), "the prober keeps its place");
+        assert!(flood.iter().all(|c| c.fresh_since().is_none()));
+        // Another address takes the oldest of all.
+        held.push(health(&limits, &conn([10, 0, 0, 3], true)));
+        assert!(prober.fresh_since().is_none());
+    }
+
+    #[test]
+    fn a_socket_whose_request_waits_unread_is_not_evicted_as_silent() {
+        use std::io::Write as _;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let limits = Limits::new(1, 0);
+        let _full = normal(&limits, [10, 0, 0, 1]).expect("first");
+        // Real sockets: the oldest has sent its request, which nobody has read.
+        let mut clients = Vec::new();
+        let mut held = Vec::new();
+        let mut conns = Vec::new();
+        for i in 0..HEALTH_HEADROOM {
+            let mut client = std::net::TcpStream::connect(addr).expect("connect");
+            let (server, peer) = listener.accept().expect("accept");
+            server.set_nonblocking(true).expect("nonblocking");
+            if i == 0 {
+                client
+                    .write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+                    .expect("write");
+                // The bytes are in the server's receive queue before admission looks.
+                let mut byte = [0u8; 1];
+                while server.peek(&mut byte).map_or(true, |n| n == 0) {
+                    std::thread::yield_now();
+                }
+            }
+            let mut c = Conn::new(peer, true);
+            c.peek_through(&server);
+            let c = Arc::new(c);
+            held.push(health(&limits, &c));
+            conns.push((c, server));
+            clients.push(client);
+        }
+        assert!(conns[0].0.has_unread());
+        assert!(!conns[1].0.has_unread());
+        held.push(health(&limits, &conn([127, 0, 0, 1], true)));
+        assert!(conns[0].0.fresh_since().is_some(), "the prober is kept");
+        assert!(
+            conns[1].0.fresh_since().is_none(),
+            "the oldest silent one made room"
+        );
     }
 
     #[test]

@@ -153,7 +153,11 @@ impl Edge {
     /// Admits (or sheds) one accepted socket and serves it on a task of its own.
     fn connection(self: Arc<Self>, tcp: TcpStream, peer: std::net::SocketAddr) {
         let health_only = !self.limits.fits(peer.ip());
-        let conn = Arc::new(Conn::new(peer, health_only));
+        let mut conn = Conn::new(peer, health_only);
+        if health_only {
+            conn.peek_through(&tcp);
+        }
+        let conn = Arc::new(conn);
         let slot = match self.limits.admit(&conn) {
             Admission::Normal(slot) => slot,
             Admission::HealthOnly(slot) => {

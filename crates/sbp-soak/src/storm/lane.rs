@@ -70,6 +70,8 @@ pub struct Ctx {
     pub server_errors: Arc<Mutex<Vec<String>>>,
     /// Items acknowledged so far (to show the load between kills).
     pub acked: Arc<AtomicU64>,
+    /// 429 answers, each waited out (its `Retry-After`) and retried with the same key.
+    pub rate_limited: Arc<AtomicU64>,
 }
 
 impl Ctx {
@@ -77,6 +79,18 @@ impl Ctx {
         if let Ok(mut v) = self.anomalies.lock() {
             v.push(what);
         }
+    }
+
+    /// A 429 is a definite "not done": wait as asked (at most 5 s) and try again.
+    async fn rate_limited(&self, headers: &reqwest::header::HeaderMap) {
+        self.rate_limited.fetch_add(1, Ordering::Relaxed);
+        let secs = headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(1)
+            .min(5);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
     }
 
     fn server_error(&self, what: String) {
@@ -374,6 +388,7 @@ async fn complete(
                 last_failure = format!("409 {v}");
                 pause_after_failure(&mut live, ep).await;
             }
+            Answer::Status(429, h, _) => ctx.rate_limited(&h).await,
             Answer::Status(s, _, v) if s >= 500 => {
                 ctx.server_error(format!("{tag}: completion {s} {v}"));
                 pause_after_failure(&mut live, ep).await;
@@ -434,6 +449,7 @@ async fn push(ctx: &Ctx, id: &str, token: &str, tag: &str, text: String) -> Opti
                 last_failure = format!("409 {v}");
                 pause_after_failure(&mut live, ep).await;
             }
+            Answer::Status(429, h, _) => ctx.rate_limited(&h).await,
             Answer::Status(s, _, v) if s >= 500 => {
                 ctx.server_error(format!("{tag}: push {s} {v}"));
                 pause_after_failure(&mut live, ep).await;
@@ -469,6 +485,7 @@ async fn create_session(ctx: &Ctx) -> Option<(String, String)> {
                 ctx.anomaly(format!("session creation answered {v}"));
                 return None;
             }
+            Answer::Status(429, h, _) => ctx.rate_limited(&h).await,
             Answer::Status(s, _, v) if s < 500 => {
                 ctx.anomaly(format!("session creation answered {s} {v}"));
                 return None;

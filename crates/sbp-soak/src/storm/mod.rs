@@ -125,6 +125,7 @@ struct Report {
     not_acked: usize,
     retried: usize,
     replayed: usize,
+    rate_limited: u64,
     min_acked_between_kills: u64,
     transcript: Tally,
     surface: Tally,
@@ -150,7 +151,7 @@ impl Report {
         let s = &self.surface;
         format!(
             "storm {}: {} kills {} (+1 before the check), {} sessions, turns acknowledged {} \
-             (completions {}, pushes {}; retried {}, replayed {}, never acknowledged {}), \
+             (completions {}, pushes {}; retried {}, replayed {}, never acknowledged {}, 429s {}), \
              transcripts: lost {} duplicated {} reordered {} corrupted {}; surfaces: {} turns \
              ({} redelivered) lost {} duplicated {} reordered {} corrupted {}; tether left {}; \
              anomalies {}; 5xx {}; {:.0} s",
@@ -164,6 +165,7 @@ impl Report {
             self.retried,
             self.replayed,
             self.not_acked,
+            self.rate_limited,
             t.lost,
             t.duplicated,
             t.reordered,
@@ -235,7 +237,7 @@ async fn run_backend(
         database: schema.as_ref().map(Schema::url),
         upstream: format!("http://{}/v1", fake.addr),
         soft_nofile: None,
-        extra_args: gateway_args.to_vec(),
+        extra_args: storm_gateway_args(gateway_args),
     };
     let log_name = format!("{label}-gateway.log");
     let gateway = procs::start_gateway(env, &spec, &log_name).await?;
@@ -296,6 +298,7 @@ async fn storm(
         anomalies: Arc::new(Mutex::new(Vec::new())),
         server_errors: Arc::new(Mutex::new(Vec::new())),
         acked: acked.clone(),
+        rate_limited: Arc::new(AtomicU64::new(0)),
     };
     let mut lanes = Vec::new();
     for i in 0..args.completion_lanes + args.surface_lanes {
@@ -378,6 +381,7 @@ async fn storm(
         not_acked: 0,
         retried: 0,
         replayed: 0,
+        rate_limited: ctx.rate_limited.load(Ordering::Relaxed),
         min_acked_between_kills: if kills == 0 { 0 } else { min_between },
         transcript: Tally::default(),
         surface: Tally::default(),
@@ -569,4 +573,19 @@ async fn transcript(
             _ => return Ok(out),
         }
     }
+}
+
+/// The storm measures durability under as much load as the machine gives, all of it from one
+/// loopback address: the per-address and per-session buckets would cap it at a few hundred turns
+/// a second, so they are off unless `--gateway-arg` sets them (the lanes still wait out and retry
+/// any 429, as a client should).
+fn storm_gateway_args(given: &[String]) -> Vec<String> {
+    let mut args = Vec::new();
+    for flag in ["--rate-limit-ip", "--rate-limit-session"] {
+        if !given.iter().any(|a| a.starts_with(flag)) {
+            args.extend([flag.to_owned(), "0".to_owned()]);
+        }
+    }
+    args.extend(given.iter().cloned());
+    args
 }

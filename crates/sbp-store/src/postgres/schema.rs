@@ -293,7 +293,6 @@ pub(crate) async fn check_keys(client: &mut Client, seal: &Sealer) -> StoreResul
 #[cfg(test)]
 mod tests {
     use chrono::{Duration, Utc};
-    use tokio_postgres::NoTls;
     use uuid::Uuid;
 
     use super::*;
@@ -307,13 +306,11 @@ mod tests {
     }
 
     async fn connect(url: &str) -> tokio_postgres::Client {
-        let (client, conn) = tokio_postgres::connect(url, NoTls)
+        // The connection's task ends when the client is dropped; an error of the connection
+        // shows up as a failed statement.
+        let (client, _conn) = crate::postgres::connect(url)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {url} is not reachable: {e}"));
-        tokio::spawn(async move {
-            // Ends when the client is dropped; an error here shows up as a failed statement.
-            let _ = conn.await;
-        });
         client
     }
 
