@@ -158,6 +158,10 @@ struct Opts {
     /// turns, surfaces attach to A, tool calls go to B.
     #[arg(long, global = true)]
     bus: Option<String>,
+    /// Run the gateway with encryption at rest: `--encryption-key FILE` (make one with
+    /// `sbp encryption-key generate --out FILE`).
+    #[arg(long, global = true)]
+    encryption_key: Option<PathBuf>,
     /// Directory of the `sbp` and `sbp-fake-llm` binaries. [default: this binary's directory]
     #[arg(long, global = true)]
     bin_dir: Option<PathBuf>,
@@ -225,6 +229,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         log_dir,
         data_root: o.data_root.clone().unwrap_or_else(std::env::temp_dir),
         database: o.database.clone(),
+        encryption_key: o.encryption_key.clone(),
     };
     // The gateway inherits this limit; 10,000 surfaces need 10,000 descriptors on each side.
     let fd_limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);

@@ -26,6 +26,8 @@ pub struct Env {
     /// PostgreSQL base URL (`postgres://user@host:port/db`): the gateway stores there, in a fresh
     /// schema per start, instead of in SQLite.
     pub database: Option<String>,
+    /// Key file for `--encryption-key`: the gateway seals its stored content.
+    pub encryption_key: Option<PathBuf>,
 }
 
 impl Env {
@@ -421,7 +423,12 @@ async fn spawn_gateway(
         .env_remove("SBP_BUS_PREFIX")
         .env_remove("SBP_REPLICA_NAME")
         .env_remove("SBP_REPLICATED")
-        .env_remove("SBP_PUBLIC_URLS");
+        .env_remove("SBP_PUBLIC_URLS")
+        .env_remove("SBP_ENCRYPTION_KEY")
+        .env_remove("SBP_PREVIOUS_ENCRYPTION_KEYS");
+    if let Some(key) = &env.encryption_key {
+        cmd.arg("--encryption-key").arg(key);
+    }
     if let Some(schema) = schema {
         cmd.arg("--database").arg(schema.url());
     }

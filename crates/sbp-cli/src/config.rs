@@ -10,6 +10,7 @@ use clap::Args;
 use sbp_gateway::ratelimit::parse_limit;
 use sbp_gateway::{CtpRule, EdgeConfig, Limits, PublicUrl, RateLimits, TlsFiles};
 use sbp_store::redis_tether::TetherMode;
+use sbp_store::seal::{Key, Keyring, Sealer};
 use serde::Deserialize;
 
 #[derive(Debug, Args, Default)]
@@ -112,6 +113,23 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub previous_jwt_secret: Vec<String>,
+    /// Encrypt session content at rest (messages, tether, task labels, snapshots, memory, bundles,
+    /// replayed responses, labels) with the 32-byte key in FILE: 64 hex digits or base64, as
+    /// `sbp encryption-key generate` writes. Ids, timestamps, counts, CIDs and model names stay
+    /// in the clear. A database holding values sealed under keys not given here is refused at
+    /// start, and so is a start without it over one holding sealed values. [default: off]
+    #[arg(long, env = "SBP_ENCRYPTION_KEY", value_name = "FILE")]
+    pub encryption_key: Option<PathBuf>,
+    /// An earlier --encryption-key FILE, still opening what it sealed after a rotation
+    /// (repeatable; comma-separated in the environment). New values are sealed under
+    /// --encryption-key; `sbp store reseal` rewrites the old ones, after which this can go.
+    #[arg(
+        long = "previous-encryption-key",
+        env = "SBP_PREVIOUS_ENCRYPTION_KEYS",
+        value_delimiter = ',',
+        value_name = "FILE"
+    )]
+    pub previous_encryption_key: Vec<PathBuf>,
     /// Seconds between PING frames to attached surfaces. [default: 25]
     #[arg(long, env = "SBP_PING_INTERVAL")]
     pub ping_interval: Option<f64>,
@@ -318,6 +336,8 @@ struct FileConfig {
     default_model: Option<String>,
     jwt_secret: Option<String>,
     previous_jwt_secret: Option<Vec<String>>,
+    encryption_key: Option<PathBuf>,
+    previous_encryption_key: Option<Vec<PathBuf>>,
     ping_interval: Option<f64>,
     pong_timeout: Option<f64>,
     attach_timeout: Option<f64>,
@@ -419,6 +439,10 @@ pub struct Settings {
     pub default_model: Option<String>,
     pub jwt_secret: Option<String>,
     pub previous_jwt_secrets: Vec<Vec<u8>>,
+    /// Encryption at rest: the key files, read by [`load_keyring`] once logging is up (so a
+    /// warning about a key file's permissions is seen).
+    pub encryption_key: Option<PathBuf>,
+    pub previous_encryption_keys: Vec<PathBuf>,
     /// `None`: retention off.
     pub retention_interval: Option<Duration>,
     pub export_retention: Option<Duration>,
@@ -736,6 +760,12 @@ impl Settings {
                 .filter(|s| !s.is_empty()),
             default_model: args.default_model.or(file.default_model),
             jwt_secret: args.jwt_secret.or(file.jwt_secret),
+            encryption_key: args.encryption_key.or(file.encryption_key),
+            previous_encryption_keys: if args.previous_encryption_key.is_empty() {
+                file.previous_encryption_key.unwrap_or_default()
+            } else {
+                args.previous_encryption_key
+            },
             retention_interval: retention(
                 "retention-interval",
                 args.retention_interval.or(file.retention_interval),
@@ -997,6 +1027,55 @@ fn parse_bus(
 /// The signing secret: the configured one (>= 32 bytes), or the one kept in `<data_dir>/secret`,
 /// created with 48 random bytes on first start (owner-only permissions). Never logged.
 /// The `--previous-jwt-secret` values, each at least 32 bytes like `--jwt-secret`.
+/// Largest key file read: a key is 64 characters; anything much longer is not a key file.
+const MAX_KEY_FILE: u64 = 1024;
+
+/// The keyring of `--encryption-key` and `--previous-encryption-key` (off without the first).
+pub fn load_keyring(current: Option<&Path>, previous: &[PathBuf]) -> anyhow::Result<Sealer> {
+    let Some(current) = current else {
+        if !previous.is_empty() {
+            bail!(
+                "--previous-encryption-key needs --encryption-key (the key new values are sealed under)"
+            );
+        }
+        return Ok(Sealer::off());
+    };
+    let current = load_key("--encryption-key", current)?;
+    let previous = previous
+        .iter()
+        .map(|path| load_key("--previous-encryption-key", path))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let keyring = Keyring::new(current, previous).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(Sealer::new(keyring))
+}
+
+/// One key file: its permissions checked (a file others may read is used, with a warning: the
+/// operator's secret store may mount it so), its size bounded, its text never repeated.
+pub fn load_key(flag: &str, path: &Path) -> anyhow::Result<Key> {
+    let meta = std::fs::metadata(path).with_context(|| format!("{flag} {}", path.display()))?;
+    if !meta.is_file() || meta.len() > MAX_KEY_FILE {
+        bail!(
+            "{flag} {}: not a key file (a key is 32 bytes as 64 hex digits or base64)",
+            path.display()
+        );
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                path = %path.display(),
+                mode = format!("{mode:o}"),
+                "{flag}: the key file may be read by other users; make it 0600"
+            );
+        }
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("{flag} {}", path.display()))?;
+    Key::from_text(&text).map_err(|e| anyhow::anyhow!("{flag} {}: {e}", path.display()))
+}
+
 fn previous_secrets(values: Vec<String>) -> anyhow::Result<Vec<Vec<u8>>> {
     values
         .into_iter()
@@ -1530,5 +1609,49 @@ mod tests {
                 max_json_values: 999,
             }
         );
+    }
+
+    /// Key files come from flags or the TOML file; the keyring holds them as current and
+    /// previous; lengths other than 32 bytes and a previous key without a current one are refused.
+    #[test]
+    fn encryption_keys_from_flags_and_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (k1, k2, short) = (
+            dir.path().join("k1"),
+            dir.path().join("k2"),
+            dir.path().join("short"),
+        );
+        std::fs::write(&k1, "01".repeat(32)).expect("write");
+        std::fs::write(&k2, format!("{}\n", Key::generate_text().expect("random"))).expect("write");
+        std::fs::write(&short, "01".repeat(16)).expect("write");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "encryption_key = {:?}\nprevious_encryption_key = [{:?}]\n",
+                k2.display().to_string(),
+                k1.display().to_string()
+            ),
+        )
+        .expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            ..Default::default()
+        })
+        .expect("resolves");
+        assert_eq!(s.encryption_key.as_deref(), Some(k2.as_path()));
+        assert_eq!(s.previous_encryption_keys, vec![k1.clone()]);
+        let sealer =
+            load_keyring(s.encryption_key.as_deref(), &s.previous_encryption_keys).expect("keys");
+        let k2_id = load_key("k", &k2).expect("k2").id();
+        assert_eq!(sealer.current(), Some(k2_id));
+
+        assert!(!load_keyring(None, &[]).expect("off").is_on());
+        let err = load_keyring(None, std::slice::from_ref(&k1)).expect_err("no current");
+        assert!(err.to_string().contains("needs --encryption-key"), "{err}");
+        let err = load_keyring(Some(&short), &[]).expect_err("16 bytes");
+        assert!(err.to_string().contains("32 bytes"), "{err}");
+        let err = load_keyring(Some(&dir.path().join("missing")), &[]).expect_err("missing");
+        assert!(err.to_string().contains("--encryption-key"), "{err}");
     }
 }

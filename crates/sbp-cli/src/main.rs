@@ -1,10 +1,12 @@
 //! The `sbp` binary. `sbp serve` runs the gateway; logs go to stderr, the one startup line to stdout.
-//! `sbp attach` is a terminal surface for a session of any SBP gateway.
+//! `sbp attach` is a terminal surface for a session of any SBP gateway. `sbp encryption-key` and
+//! `sbp store reseal` manage encryption at rest.
 
 mod attach;
 mod config;
 mod conformance;
 mod demo;
+mod keys;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +34,12 @@ enum Command {
     Demo(Box<demo::DemoArgs>),
     /// Check any SBP gateway against the protocol, level by level (L1..L5); exit status for CI.
     Conformance(Box<conformance::ConformanceArgs>),
+    /// Keys for encryption at rest (`sbp serve --encryption-key FILE`).
+    #[command(subcommand)]
+    EncryptionKey(keys::KeyCommand),
+    /// Maintenance of the gateway's storage.
+    #[command(subcommand)]
+    Store(keys::StoreCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,6 +75,14 @@ fn main() -> anyhow::Result<()> {
         Command::Conformance(args) => {
             init_logging_with("text", "warn", None);
             exit_with(conformance::main(*args))
+        }
+        Command::EncryptionKey(keys::KeyCommand::Generate { out }) => keys::generate(out),
+        Command::Store(keys::StoreCommand::Reseal(args)) => {
+            init_logging_with("text", "warn", None);
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(keys::reseal(*args))
         }
     }
 }

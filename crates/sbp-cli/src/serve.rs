@@ -12,9 +12,10 @@ use sbp_llm::{
 };
 use sbp_store::postgres::{PostgresOptions, PostgresStore, redacted_url};
 use sbp_store::redis_tether::{RedisTetherOptions, TetheredStore, redacted_redis_url};
+use sbp_store::seal::Sealer;
 use sbp_store::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 
-use crate::config::{Database, Settings, load_secret, private_dir};
+use crate::config::{Database, Settings, load_keyring, load_secret, private_dir};
 
 /// How long a southbound MCP server may take to start and list its tools.
 const MCP_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
@@ -24,51 +25,8 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         private_dir(&s.data_dir)?;
     }
     let secret = load_secret(s.jwt_secret.as_deref(), &s.data_dir)?;
-    let (store, storage_label) = match &s.database {
-        Database::Sqlite(path) => {
-            let opts = SqliteOptions {
-                synchronous: if s.sqlite_full_sync {
-                    Synchronous::Full
-                } else {
-                    Synchronous::Normal
-                },
-                ..SqliteOptions::new(path)
-            };
-            let store = SqliteStore::open(opts)
-                .await
-                .with_context(|| format!("opening {}", path.display()))?;
-            (
-                Arc::new(store) as Arc<dyn sbp_store::Store>,
-                format!("sqlite://{}", path.display()),
-            )
-        }
-        Database::Postgres(url) => {
-            let label = redacted_url(url);
-            let store = PostgresStore::open(url, PostgresOptions::default())
-                .await
-                .with_context(|| format!("opening {label}"))?;
-            (Arc::new(store) as Arc<dyn sbp_store::Store>, label)
-        }
-    };
-    let (store, storage_label) = match &s.tether {
-        None => (store, storage_label),
-        Some(t) => {
-            let label = redacted_redis_url(&t.url);
-            let opts = RedisTetherOptions {
-                prefix: t.prefix.clone(),
-                mode: t.mode,
-                ..RedisTetherOptions::default()
-            };
-            let tethered = TetheredStore::open(store, &t.url, opts)
-                .await
-                .with_context(|| format!("opening the tether at {label}"))?;
-            let mode = format!("{:?}", tethered.mode()).to_lowercase();
-            (
-                Arc::new(tethered) as Arc<dyn sbp_store::Store>,
-                format!("{storage_label}, tether {label} ({mode})"),
-            )
-        }
-    };
+    let sealer = load_keyring(s.encryption_key.as_deref(), &s.previous_encryption_keys)?;
+    let (store, storage_label) = open_store(&s, &sealer).await?;
     let (provider, upstream_label): (Arc<dyn Provider>, String) = match &s.llm_base_url {
         Some(url) => {
             let p = OpenAiProvider::new(OpenAiOptions {
@@ -239,6 +197,69 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     }
     tracing::info!("gateway stopped");
     Ok(())
+}
+
+/// The store `s` names, sealing with `sealer`, wrapped in the Redis tether when one is set; and
+/// how the startup line names it.
+pub async fn open_store(
+    s: &Settings,
+    sealer: &Sealer,
+) -> anyhow::Result<(Arc<dyn sbp_store::Store>, String)> {
+    let (store, storage_label) = match &s.database {
+        Database::Sqlite(path) => {
+            let opts = SqliteOptions {
+                synchronous: if s.sqlite_full_sync {
+                    Synchronous::Full
+                } else {
+                    Synchronous::Normal
+                },
+                sealer: sealer.clone(),
+                ..SqliteOptions::new(path)
+            };
+            let store = SqliteStore::open(opts)
+                .await
+                .with_context(|| format!("opening {}", path.display()))?;
+            (
+                Arc::new(store) as Arc<dyn sbp_store::Store>,
+                format!("sqlite://{}", path.display()),
+            )
+        }
+        Database::Postgres(url) => {
+            let label = redacted_url(url);
+            let opts = PostgresOptions {
+                sealer: sealer.clone(),
+                ..PostgresOptions::default()
+            };
+            let store = PostgresStore::open(url, opts)
+                .await
+                .with_context(|| format!("opening {label}"))?;
+            (Arc::new(store) as Arc<dyn sbp_store::Store>, label)
+        }
+    };
+    let storage_label = match sealer.current() {
+        Some(id) => format!("{storage_label}, encrypted at rest under key {id}"),
+        None => storage_label,
+    };
+    Ok(match &s.tether {
+        None => (store, storage_label),
+        Some(t) => {
+            let label = redacted_redis_url(&t.url);
+            let opts = RedisTetherOptions {
+                prefix: t.prefix.clone(),
+                mode: t.mode,
+                sealer: sealer.clone(),
+                ..RedisTetherOptions::default()
+            };
+            let tethered = TetheredStore::open(store, &t.url, opts)
+                .await
+                .with_context(|| format!("opening the tether at {label}"))?;
+            let mode = format!("{:?}", tethered.mode()).to_lowercase();
+            (
+                Arc::new(tethered) as Arc<dyn sbp_store::Store>,
+                format!("{storage_label}, tether {label} ({mode})"),
+            )
+        }
+    })
 }
 
 /// File descriptors kept out of the connection budget: the database, the upstream and MCP

@@ -23,6 +23,8 @@ mod browser;
 
 #[path = "binary/edge.rs"]
 mod edge;
+#[path = "binary/encryption.rs"]
+mod encryption;
 #[path = "binary/private_and_bounded.rs"]
 mod private_and_bounded;
 

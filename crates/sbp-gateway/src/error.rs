@@ -188,6 +188,9 @@ impl From<StoreError> for Error {
             StoreError::Conflict(kind) => Self::Conflict(kind.to_string()),
             StoreError::Consumed => Self::TokenConsumed,
             StoreError::Backend(m) => Self::internal("accessing storage", m),
+            // A value that does not open after the start's key check: tampering, or another
+            // process writing under a key this one lacks. Logged; never its content.
+            StoreError::Sealing(e) => Self::internal("opening stored content", e.to_string()),
         }
     }
 }

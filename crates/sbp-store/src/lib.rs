@@ -7,6 +7,7 @@ pub mod postgres;
 pub mod records;
 pub mod redis_tether;
 pub mod roaming;
+pub mod seal;
 pub mod sqlite;
 
 pub use records::*;
@@ -28,6 +29,17 @@ pub enum StoreError {
     Consumed,
     #[error("storage backend error: {0}")]
     Backend(String),
+    /// Encryption at rest: a value that does not open, or (at open) a keyring that does not fit
+    /// the database.
+    #[error("encryption at rest: {0}")]
+    Sealing(seal::SealError),
+}
+
+// Not `#[from]`: that would make the error its own source, and every report would say it twice.
+impl From<seal::SealError> for StoreError {
+    fn from(e: seal::SealError) -> Self {
+        Self::Sealing(e)
+    }
 }
 
 /// What a write conflicted with. The texts are what a caller may be shown.

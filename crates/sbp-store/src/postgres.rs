@@ -7,6 +7,7 @@
 mod codec;
 mod connect;
 mod ops;
+mod reseal;
 mod roaming;
 mod schema;
 mod tls;
@@ -28,6 +29,7 @@ pub use self::tls::{Check, HandshakeError, TlsFileError};
 
 use self::codec::db_err;
 use self::ops::Tx;
+use crate::seal::Sealer;
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -39,7 +41,7 @@ use crate::{
 /// Histories at least this long are encoded on the blocking pool before `adopt_session`'s write.
 const PARALLEL_ENCODE_AT: usize = 512;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PostgresOptions {
     /// Pooled connections, i.e. how many store operations run at once (0 is taken as 1).
     pub max_connections: usize,
@@ -50,16 +52,21 @@ pub struct PostgresOptions {
     pub acquire_timeout: Duration,
     /// How long opening one connection may take, unless the URL sets `connect_timeout`.
     pub connect_timeout: Duration,
+    /// Encryption at rest: seals the content columns (off: stored as they are). Checked against
+    /// the keys the database records at open ([`Sealer::check`]).
+    pub sealer: Sealer,
 }
 
 impl Default for PostgresOptions {
-    /// 32 connections, the server's schema, 30 s to get a connection, 10 s to open one.
+    /// 32 connections, the server's schema, 30 s to get a connection, 10 s to open one,
+    /// encryption off.
     fn default() -> Self {
         Self {
             max_connections: 32,
             schema: None,
             acquire_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            sealer: Sealer::off(),
         }
     }
 }
@@ -70,6 +77,7 @@ impl Default for PostgresOptions {
 pub struct PostgresStore {
     pool: Pool,
     mode: SslMode,
+    seal: Sealer,
 }
 
 type TxFuture<'t, T> = Pin<Box<dyn Future<Output = StoreResult<T>> + Send + 't>>;
@@ -178,6 +186,7 @@ impl PostgresStore {
         let store = PostgresStore {
             pool,
             mode: tls.mode,
+            seal: opts.sealer,
         };
         // The first connection's failure names the sslmode it was made under.
         let mut client = store.pool.get().await.map_err(|e| match e {
@@ -185,6 +194,7 @@ impl PostgresStore {
             other => StoreError::Backend(format!("postgres pool: {other}")),
         })?;
         schema::migrate(&mut client).await?;
+        schema::check_keys(&mut client, &store.seal).await?;
         // Not every server that speaks the protocol has pg_stat_ssl (poolers, compatible
         // databases): not knowing is no reason to refuse to start.
         let encrypted = encrypted(&client).await.ok();
@@ -195,9 +205,52 @@ impl PostgresStore {
             connections = size,
             sslmode = tls.mode.as_str(),
             encrypted = ?encrypted,
+            encryption_at_rest = ?store.seal.current().map(|id| id.to_string()),
             "postgres store open"
         );
         Ok(store)
+    }
+
+    /// Re-seals every content value under the keyring's current key (plain values included), then
+    /// drops the earlier keys from the database's record, so a start without them is accepted.
+    /// Each page of rows is one transaction that locks them: run it with the gateways stopped, or
+    /// while every running one already seals under the current key.
+    pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
+        if !self.seal.is_on() {
+            return Err(StoreError::Backend(
+                "a reseal needs an encryption key".to_owned(),
+            ));
+        }
+        let mut done = crate::seal::Resealed::default();
+        for &target in crate::seal::SEALED_COLUMNS {
+            let mut after: Option<Vec<String>> = None;
+            loop {
+                let from = after.take();
+                let (n, next) = self
+                    .write(move |tx| {
+                        let seal = self.seal.clone();
+                        Box::pin(async move { reseal::reseal_page(tx, &seal, target, from).await })
+                    })
+                    .await?;
+                done.add(target.0, n);
+                match next {
+                    Some(at) => after = Some(at),
+                    None => break,
+                }
+            }
+        }
+        let forgotten = self
+            .write(move |tx| {
+                let seal = self.seal.clone();
+                Box::pin(async move { reseal::forget_earlier_keys(tx, &seal).await })
+            })
+            .await?;
+        tracing::info!(
+            values = done.total(),
+            earlier_keys = forgotten,
+            "postgres store resealed"
+        );
+        Ok(done)
     }
 
     /// The URL's `sslmode`.
@@ -310,22 +363,22 @@ impl Drop for OpenTx {
 #[async_trait]
 impl SessionStore for PostgresStore {
     async fn create_session(&self, session: NewSession) -> StoreResult<()> {
-        ops::insert_session(&self.client().await?, &session).await
+        ops::insert_session(&self.client().await?, &self.seal, &session).await
     }
 
     async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>> {
-        ops::get_session(&self.client().await?, id).await
+        ops::get_session(&self.client().await?, &self.seal, id).await
     }
 
     async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>> {
-        ops::find_session_by_token(&self.client().await?, token_hash).await
+        ops::find_session_by_token(&self.client().await?, &self.seal, token_hash).await
     }
 
     async fn latest_suspended_for_agent(
         &self,
         agent_id: &str,
     ) -> StoreResult<Option<SessionRecord>> {
-        ops::latest_suspended_for_agent(&self.client().await?, agent_id).await
+        ops::latest_suspended_for_agent(&self.client().await?, &self.seal, agent_id).await
     }
 
     async fn update_status(
@@ -339,7 +392,7 @@ impl SessionStore for PostgresStore {
     }
 
     async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord> {
-        ops::mark_attached(&self.client().await?, id, now).await
+        ops::mark_attached(&self.client().await?, &self.seal, id, now).await
     }
 
     async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool> {
@@ -360,11 +413,18 @@ impl MessageStore for PostgresStore {
         after: Option<u64>,
         limit: u32,
     ) -> StoreResult<Vec<MessageRecord>> {
-        ops::list_messages(&self.client().await?, session_id, after, Some(limit)).await
+        ops::list_messages(
+            &self.client().await?,
+            &self.seal,
+            session_id,
+            after,
+            Some(limit),
+        )
+        .await
     }
 
     async fn history(&self, session_id: Uuid) -> StoreResult<Vec<MessageRecord>> {
-        ops::list_messages(&self.client().await?, session_id, None, None).await
+        ops::list_messages(&self.client().await?, &self.seal, session_id, None, None).await
     }
 }
 
@@ -375,11 +435,11 @@ impl SnapshotStore for PostgresStore {
         session_id: Uuid,
         kind: Option<SnapshotKind>,
     ) -> StoreResult<Option<SnapshotRecord>> {
-        ops::latest_snapshot(&self.client().await?, session_id, kind).await
+        ops::latest_snapshot(&self.client().await?, &self.seal, session_id, kind).await
     }
 
     async fn get_snapshot(&self, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
-        ops::get_snapshot(&self.client().await?, id).await
+        ops::get_snapshot(&self.client().await?, &self.seal, id).await
     }
 
     /// Newest first.
@@ -388,7 +448,7 @@ impl SnapshotStore for PostgresStore {
         session_id: Uuid,
         limit: u32,
     ) -> StoreResult<Vec<SnapshotRecord>> {
-        ops::list_snapshots(&self.client().await?, session_id, limit).await
+        ops::list_snapshots(&self.client().await?, &self.seal, session_id, limit).await
     }
 }
 
@@ -400,7 +460,7 @@ impl TetherStore for PostgresStore {
         after: Option<u64>,
         limit: u32,
     ) -> StoreResult<Vec<TetherEntry>> {
-        ops::tether_pending(&self.client().await?, session_id, after, limit).await
+        ops::tether_pending(&self.client().await?, &self.seal, session_id, after, limit).await
     }
 
     async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64> {
@@ -429,36 +489,57 @@ impl TurnStore for PostgresStore {
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
         if ops::begin_is_one_statement(&begin) {
             return self
-                .autocommit(move |c| Box::pin(ops::begin_turn(c, begin)))
+                .autocommit(move |c| {
+                    let seal = self.seal.clone();
+                    Box::pin(async move { ops::begin_turn(c, &seal, begin).await })
+                })
                 .await;
         }
-        self.write(move |tx| Box::pin(ops::begin_turn(tx, begin)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::begin_turn(tx, &seal, begin).await })
+        })
+        .await
     }
 
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
         if ops::finish_is_one_statement(&finish) {
             return self
-                .autocommit(move |c| Box::pin(ops::finish_turn(c, finish)))
+                .autocommit(move |c| {
+                    let seal = self.seal.clone();
+                    Box::pin(async move { ops::finish_turn(c, &seal, finish).await })
+                })
                 .await;
         }
-        self.write(move |tx| Box::pin(ops::finish_turn(tx, finish)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::finish_turn(tx, &seal, finish).await })
+        })
+        .await
     }
 
     async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome> {
-        self.write(move |tx| Box::pin(ops::record_progress(tx, progress)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::record_progress(tx, &seal, progress).await })
+        })
+        .await
     }
 
     async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()> {
-        self.write(move |tx| Box::pin(ops::fail_turn(tx, fail)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::fail_turn(tx, &seal, fail).await })
+        })
+        .await
     }
 
     async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>> {
-        self.write(move |tx| Box::pin(ops::recover_interrupted_turns(tx, now)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::recover_interrupted_turns(tx, &seal, now).await })
+        })
+        .await
     }
 
     async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
@@ -470,19 +551,22 @@ impl TurnStore for PostgresStore {
         now: Timestamp,
         stale_before: Timestamp,
     ) -> StoreResult<Vec<TurnRecord>> {
-        self.write(move |tx| Box::pin(ops::recover_orphaned_turns(tx, now, stale_before)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { ops::recover_orphaned_turns(tx, &seal, now, stale_before).await })
+        })
+        .await
     }
 
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
-        ops::get_turn(&self.client().await?, turn_id).await
+        ops::get_turn(&self.client().await?, &self.seal, turn_id).await
     }
 }
 
 #[async_trait]
 impl IdempotencyStore for PostgresStore {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        ops::get_idempotency(&self.client().await?, key).await
+        ops::get_idempotency(&self.client().await?, &self.seal, key).await
     }
 }
 
@@ -497,16 +581,19 @@ impl crate::RetentionStore for PostgresStore {
 #[async_trait]
 impl RoamingStore for PostgresStore {
     async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
-        self.write(move |tx| Box::pin(roaming::create_export(tx, export, bundle)))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { roaming::create_export(tx, &seal, export, bundle).await })
+        })
+        .await
     }
 
     async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>> {
-        roaming::get_export(&self.client().await?, id).await
+        roaming::get_export(&self.client().await?, &self.seal, id).await
     }
 
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
-        roaming::get_bundle(&self.client().await?, cid).await
+        roaming::get_bundle(&self.client().await?, &self.seal, cid).await
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
@@ -515,35 +602,45 @@ impl RoamingStore for PostgresStore {
         // while the transaction holds its locks.
         if adopt.messages.len() < PARALLEL_ENCODE_AT {
             return self
-                .write(move |tx| Box::pin(roaming::adopt_session(tx, adopt, None)))
+                .write(move |tx| {
+                    let seal = self.seal.clone();
+                    Box::pin(async move { roaming::adopt_session(tx, &seal, adopt, None).await })
+                })
                 .await;
         }
         let adopt = std::sync::Arc::new(adopt);
         let half = adopt.messages.len().div_ceil(2);
+        let sid = adopt.session.id.to_string();
         let encode = |range: std::ops::Range<usize>| {
-            let adopt = std::sync::Arc::clone(&adopt);
+            let (adopt, seal, sid) = (
+                std::sync::Arc::clone(&adopt),
+                self.seal.clone(),
+                sid.clone(),
+            );
             tokio::task::spawn_blocking(move || {
-                adopt.messages[range]
-                    .iter()
-                    .map(|m| codec::json(&m.body))
-                    .collect::<StoreResult<Vec<String>>>()
+                ops::encode_bodies(&seal, &sid, &adopt.messages[range])
             })
         };
         let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
         let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let mut bodies = first.map_err(failed)??;
-        bodies.extend(second.map_err(failed)??);
+        let (mut bodies, bytes) = first.map_err(failed)??;
+        let (rest, more) = second.map_err(failed)??;
+        bodies.extend(rest);
+        let encoded = (bodies, bytes + more);
         let adopt = std::sync::Arc::unwrap_or_clone(adopt);
-        self.write(move |tx| Box::pin(roaming::adopt_session(tx, adopt, Some(bodies))))
-            .await
+        self.write(move |tx| {
+            let seal = self.seal.clone();
+            Box::pin(async move { roaming::adopt_session(tx, &seal, adopt, Some(encoded)).await })
+        })
+        .await
     }
 
     async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage> {
-        roaming::lineage(&self.client().await?, session_id).await
+        roaming::lineage(&self.client().await?, &self.seal, session_id).await
     }
 
     async fn get_memory(&self, session_id: Uuid) -> StoreResult<Option<MemoryRecord>> {
-        roaming::get_memory(&self.client().await?, session_id).await
+        roaming::get_memory(&self.client().await?, &self.seal, session_id).await
     }
 
     async fn put_memory(
@@ -555,6 +652,7 @@ impl RoamingStore for PostgresStore {
     ) -> StoreResult<MemoryRecord> {
         roaming::put_memory(
             &self.client().await?,
+            &self.seal,
             session_id,
             &schema_id,
             &payload,

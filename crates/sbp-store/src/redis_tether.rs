@@ -51,6 +51,9 @@
 //! acknowledges what it has, and the drain starts after it); a surface without ACK can, in the
 //! handoff + everysec column. Seqs come from SQL only, so Redis can never make one reused.
 //!
+//! With encryption at rest (`RedisTetherOptions::sealer`) an entry's `content` field is sealed
+//! like the SQL tether's column (bound to its session); the other fields are metadata.
+//!
 //! Not supported: Redis Cluster (the scripts touch a session's stream and two shared keys). Streams
 //! and the `last` hash entry of a session are kept after it empties (an empty stream is ~200 bytes)
 //! because the `last` seq is what stops a replayed append.
@@ -68,6 +71,7 @@ use sbp_protocol::{SessionStatus, SnapshotKind};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -114,6 +118,9 @@ pub struct RedisTetherOptions {
     pub relay_interval: Duration,
     /// Connect and response timeout of each Redis call: a stuck Redis fails a call rather than a turn.
     pub timeout: Duration,
+    /// Encryption at rest: seals each entry's content in its stream (the same keyring as the
+    /// wrapped store's).
+    pub sealer: Sealer,
 }
 
 impl Default for RedisTetherOptions {
@@ -123,6 +130,7 @@ impl Default for RedisTetherOptions {
             mode: TetherMode::Auto,
             relay_interval: Duration::from_millis(500),
             timeout: Duration::from_secs(5),
+            sealer: Sealer::off(),
         }
     }
 }
@@ -184,6 +192,31 @@ if n > 0 then redis.call('DECRBY', KEYS[2], n) end
 return n
 ";
 
+/// Rewrites a stream with the same ids and new fields (a reseal), only if it still holds exactly
+/// the expected ids. KEYS: stream. ARGV: n, the n ids, then per entry: id, field count, fields and
+/// values. Answers 1 when rewritten, 0 when the stream changed in between.
+const REWRITE_LUA: &str = r"
+local n = tonumber(ARGV[1])
+local now = redis.call('XRANGE', KEYS[1], '-', '+')
+if #now ~= n then return 0 end
+for i = 1, n do
+  if now[i][1] ~= ARGV[1 + i] then return 0 end
+end
+redis.call('DEL', KEYS[1])
+local j = 2 + n
+while j <= #ARGV do
+  local k = tonumber(ARGV[j + 1])
+  local args = {'XADD', KEYS[1], ARGV[j]}
+  for m = j + 2, j + 1 + 2 * k do args[#args + 1] = ARGV[m] end
+  redis.call(unpack(args))
+  j = j + 2 + 2 * k
+end
+return 1
+";
+
+/// Times a reseal reads a stream again when it changed while being resealed.
+const RESEAL_ATTEMPTS: usize = 5;
+
 /// Work the relay task owes: sessions whose append failed, and (handoff mode) outbox rows to delete.
 #[derive(Default)]
 struct Owed {
@@ -201,6 +234,7 @@ struct Shared<S: ?Sized> {
     ack: Script,
     remove: Script,
     owed: Mutex<Owed>,
+    seal: Sealer,
 }
 
 /// Any [`Store`] with its tether in Redis Streams (module docs). One `Arc<dyn Store>` for the engine.
@@ -263,6 +297,7 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
             ack: Script::new(ACK_LUA),
             remove: Script::new(REMOVE_LUA),
             owed: Mutex::new(Owed::default()),
+            seal: opts.sealer,
         });
         let relay = tokio::spawn(relay_loop(Arc::downgrade(&shared), opts.relay_interval));
         Ok(TetheredStore { shared, relay })
@@ -280,6 +315,50 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
         } else {
             TetherMode::Mirror
         }
+    }
+
+    /// Re-seals the content of every entry in this prefix's streams under the keyring's current
+    /// key (plain ones included): a stream is rewritten with the same ids in one script, unless it
+    /// changed in between (then read again). Run it before the wrapped store's reseal, which makes
+    /// the database forget the earlier keys. Returns how many entries it rewrote.
+    pub async fn reseal_streams(&self) -> StoreResult<u64> {
+        let sh = &self.shared;
+        if !sh.seal.is_on() {
+            return Err(StoreError::Backend(
+                "a reseal needs an encryption key".to_owned(),
+            ));
+        }
+        let pattern = format!("{}tether:*", sh.prefix);
+        let mut cursor = 0u64;
+        let mut sessions = Vec::new();
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(500)
+                .query_async(&mut sh.redis.clone())
+                .await
+                .map_err(redis_err)?;
+            let tail = format!("{}tether:", sh.prefix);
+            sessions.extend(
+                keys.iter()
+                    .filter_map(|k| k.strip_prefix(&tail))
+                    .filter_map(|id| Uuid::parse_str(id).ok()),
+            );
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        sessions.sort();
+        sessions.dedup();
+        let mut rewritten = 0;
+        for session in sessions {
+            rewritten += sh.reseal_stream(session).await?;
+        }
+        Ok(rewritten)
     }
 
     /// One round of the relay (the task runs it every `relay_interval`): streams the sessions whose
@@ -350,6 +429,68 @@ impl<S: Store + ?Sized> Shared<S> {
         }
     }
 
+    /// [`TetheredStore::reseal_streams`] for one session's stream.
+    async fn reseal_stream(&self, session: Uuid) -> StoreResult<u64> {
+        let key = self.stream_key(session);
+        let row = session.to_string();
+        for _ in 0..RESEAL_ATTEMPTS {
+            let reply: StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&key)
+                .arg("-")
+                .arg("+")
+                .query_async(&mut self.redis.clone())
+                .await
+                .map_err(redis_err)?;
+            let mut changed = 0;
+            let mut entries = Vec::with_capacity(reply.ids.len());
+            for s in &reply.ids {
+                let mut fields = Vec::with_capacity(s.map.len());
+                for (name, value) in &s.map {
+                    let value: String = redis::from_redis_value_ref(value).map_err(|_| {
+                        StoreError::Backend(format!("redis tether entry {}: bad {name}", s.id))
+                    })?;
+                    let value =
+                        if name == "content" && self.seal.needs_reseal(Sealer::sealed_by(&value)) {
+                            changed += 1;
+                            let plain = self.seal.open(Column::TetherContent, &row, value)?;
+                            self.seal
+                                .seal(Column::TetherContent, &row, &plain)?
+                                .into_owned()
+                        } else {
+                            value
+                        };
+                    fields.push((name.clone(), value));
+                }
+                entries.push((s.id.clone(), fields));
+            }
+            if changed == 0 {
+                return Ok(0);
+            }
+            let script = Script::new(REWRITE_LUA);
+            let mut call = script.prepare_invoke();
+            call.key(&key).arg(entries.len());
+            for (id, _) in &entries {
+                call.arg(id.as_str());
+            }
+            for (id, fields) in &entries {
+                call.arg(id.as_str()).arg(fields.len());
+                for (name, value) in fields {
+                    call.arg(name.as_str()).arg(value.as_str());
+                }
+            }
+            let done: i64 = call
+                .invoke_async(&mut self.redis.clone())
+                .await
+                .map_err(redis_err)?;
+            if done == 1 {
+                return Ok(changed);
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "tether stream of session {session} kept changing during the reseal; run it again"
+        )))
+    }
+
     /// Runs the append script; `Ok(None)` when `next` found a gap.
     async fn append(
         &self,
@@ -405,18 +546,19 @@ impl<S: Store + ?Sized> Shared<S> {
                 .iter()
                 .filter(|e| e.seq > last)
                 .map(|e| {
-                    (
+                    Ok((
                         e.seq,
-                        fields(
+                        self.fields(
+                            session,
                             &e.role,
                             &e.content,
                             &e.model_used,
                             &e.created_at,
                             e.chunk_id,
-                        ),
-                    )
+                        )?,
+                    ))
                 })
-                .collect();
+                .collect::<StoreResult<_>>()?;
             if !fresh.is_empty() {
                 tracing::info!(session_id = %session, from = fresh[0].0, to = max, "tether: streaming committed entries");
                 // `all` mode never reports a gap.
@@ -434,13 +576,14 @@ impl<S: Store + ?Sized> Shared<S> {
     async fn stream_new(&self, session: Uuid, seq: u64, e: &NewTetherEntry) -> StoreResult<()> {
         let entry = [(
             seq,
-            fields(
+            self.fields(
+                session,
                 &e.role,
                 &e.content,
                 &e.model_used,
                 &e.created_at,
                 e.chunk_id,
-            ),
+            )?,
         )];
         match self.append(session, true, &entry).await? {
             Some(last) => {
@@ -478,10 +621,37 @@ impl<S: Store + ?Sized> Shared<S> {
     }
 }
 
-/// The stream fields of an entry; an absent optional field is left out.
+impl<S: ?Sized> Shared<S> {
+    /// The stream fields of an entry of `session` (its content sealed when encryption is on); an
+    /// absent optional field is left out.
+    fn fields(
+        &self,
+        session: Uuid,
+        role: &str,
+        content: &Option<String>,
+        model_used: &Option<String>,
+        created_at: &Timestamp,
+        chunk_id: Uuid,
+    ) -> StoreResult<Vec<(&'static str, String)>> {
+        let content = self.seal.seal_opt(
+            Column::TetherContent,
+            &session.to_string(),
+            content.as_deref(),
+        )?;
+        Ok(fields(
+            role,
+            content.as_deref(),
+            model_used,
+            created_at,
+            chunk_id,
+        ))
+    }
+}
+
+/// The stream fields of an entry as stored; an absent optional field is left out.
 fn fields(
     role: &str,
-    content: &Option<String>,
+    content: Option<&str>,
     model_used: &Option<String>,
     created_at: &Timestamp,
     chunk_id: Uuid,
@@ -496,7 +666,7 @@ fn fields(
         ("chunk_id", chunk_id.to_string()),
     ];
     if let Some(c) = content {
-        f.push(("content", c.clone()));
+        f.push(("content", c.to_owned()));
     }
     if let Some(m) = model_used {
         f.push(("model_used", m.clone()));
@@ -504,7 +674,7 @@ fn fields(
     f
 }
 
-fn entry_of(session: Uuid, s: &StreamId) -> StoreResult<TetherEntry> {
+fn entry_of(seal: &Sealer, session: Uuid, s: &StreamId) -> StoreResult<TetherEntry> {
     let bad = |what: &str| StoreError::Backend(format!("redis tether entry {}: bad {what}", s.id));
     let seq =
         s.id.split_once('-')
@@ -529,7 +699,11 @@ fn entry_of(session: Uuid, s: &StreamId) -> StoreResult<TetherEntry> {
         session_id: session,
         seq,
         role: text("role")?.ok_or_else(|| bad("role"))?,
-        content: text("content")?,
+        content: seal.open_opt(
+            Column::TetherContent,
+            &session.to_string(),
+            text("content")?,
+        )?,
         model_used: text("model_used")?,
         created_at,
         chunk_id,
@@ -560,7 +734,11 @@ impl<S: Store + ?Sized + 'static> TetherStore for TetheredStore<S> {
             .query_async(&mut sh.redis.clone())
             .await
             .map_err(redis_err)?;
-        reply.ids.iter().map(|s| entry_of(session_id, s)).collect()
+        reply
+            .ids
+            .iter()
+            .map(|s| entry_of(&sh.seal, session_id, s))
+            .collect()
     }
 
     async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64> {

@@ -3,6 +3,7 @@
 
 mod codec;
 mod ops;
+mod reseal;
 mod roaming;
 mod schema;
 mod writer;
@@ -20,6 +21,7 @@ use uuid::Uuid;
 
 use self::codec::db_err;
 use self::writer::JobSender;
+use crate::seal::Sealer;
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -58,22 +60,26 @@ impl Synchronous {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct SqliteOptions {
     /// The database file; missing parent directories are created.
     pub path: PathBuf,
     pub synchronous: Synchronous,
     /// Read-only connections, i.e. how many reads run at once (0 is taken as 1).
     pub readers: usize,
+    /// Encryption at rest: seals the content columns (off: stored as they are). Checked against
+    /// the keys the database records at open ([`Sealer::check`]).
+    pub sealer: Sealer,
 }
 
 impl SqliteOptions {
-    /// Options with the defaults: `Synchronous::Full`, 4 readers.
+    /// Options with the defaults: `Synchronous::Full`, 4 readers, encryption off.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
             synchronous: Synchronous::Full,
             readers: 4,
+            sealer: Sealer::off(),
         }
     }
 }
@@ -91,6 +97,7 @@ struct Inner {
     writer: Option<JoinHandle<()>>,
     checkpoints: Option<JoinHandle<()>>,
     readers: Arc<ReadPool>,
+    seal: Sealer,
 }
 
 impl Drop for Inner {
@@ -221,6 +228,7 @@ fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
     conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)
         .map_err(db_err)?;
     schema::migrate(&mut conn)?;
+    schema::check_keys(&mut conn, &opts.sealer)?;
     Ok(conn)
 }
 
@@ -251,7 +259,12 @@ impl SqliteStore {
         let checkpointer = open_checkpointer(&opts)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let (writer, checkpoints) = writer::spawn(conn, rx, checkpointer)?;
-        tracing::info!(path = %opts.path.display(), readers = count, "sqlite store open");
+        tracing::info!(
+            path = %opts.path.display(),
+            readers = count,
+            encryption_at_rest = ?opts.sealer.current().map(|id| id.to_string()),
+            "sqlite store open"
+        );
         Ok(SqliteStore {
             inner: Arc::new(Inner {
                 jobs: Some(tx),
@@ -262,30 +275,81 @@ impl SqliteStore {
                     idle: Mutex::new(idle),
                     permits: Arc::new(Semaphore::new(count)),
                 }),
+                seal: opts.sealer,
             }),
         })
     }
 
     /// Queues `work` for the writer; resolves once the transaction holding it has committed.
+    /// `work` gets the connection and the store's sealer.
     async fn write<T, F>(&self, work: F) -> StoreResult<T>
     where
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Connection, &Sealer) -> StoreResult<T> + Send + 'static,
         T: Send + 'static,
     {
         let closed = || StoreError::Backend("sqlite writer stopped".to_owned());
-        let (job, reply) = writer::job(work);
+        let seal = self.inner.seal.clone();
+        let (job, reply) = writer::job(move |c: &Connection| work(c, &seal));
         let jobs = self.inner.jobs.as_ref().ok_or_else(closed)?;
         jobs.send(job).map_err(|_| closed())?;
         reply.await.map_err(|_| closed())?
     }
 
+    /// Re-seals every content value under the keyring's current key (plain values included), then
+    /// drops the earlier keys from the database's record, so a start without them is accepted.
+    /// Each page of rows is one write: run it with the gateways stopped, or while every running
+    /// one already seals under the current key (their writes then need no reseal). Ends with a
+    /// `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free pages or the WAL.
+    pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
+        if !self.inner.seal.is_on() {
+            return Err(StoreError::Backend(
+                "a reseal needs an encryption key".to_owned(),
+            ));
+        }
+        let mut done = crate::seal::Resealed::default();
+        for &target in crate::seal::SEALED_COLUMNS {
+            let mut after: Option<Vec<rusqlite::types::Value>> = None;
+            loop {
+                let from = after.take();
+                let (n, next) = self
+                    .write(move |c, s| reseal::reseal_page(c, s, target, from.as_deref()))
+                    .await?;
+                done.add(target.0, n);
+                match next {
+                    Some(at) => after = Some(at),
+                    None => break,
+                }
+            }
+        }
+        let forgotten = self.write(reseal::forget_earlier_keys).await?;
+        // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
+        // the live (sealed) content, then empty the WAL.
+        let path = self.inner.readers.path.clone();
+        tokio::task::spawn_blocking(move || -> StoreResult<()> {
+            let conn = Connection::open(&path).map_err(db_err)?;
+            configure(&conn)?;
+            conn.execute_batch("VACUUM").map_err(db_err)?;
+            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+                .map_err(db_err)
+        })
+        .await
+        .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;
+        tracing::info!(
+            values = done.total(),
+            earlier_keys = forgotten,
+            "sqlite store resealed"
+        );
+        Ok(done)
+    }
+
     /// Runs `work` on a pooled read-only connection in the blocking pool.
     async fn read<T, F>(&self, work: F) -> StoreResult<T>
     where
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Connection, &Sealer) -> StoreResult<T> + Send + 'static,
         T: Send + 'static,
     {
         let pool = Arc::clone(&self.inner.readers);
+        let seal = self.inner.seal.clone();
         let permit = Arc::clone(&pool.permits)
             .acquire_owned()
             .await
@@ -293,7 +357,7 @@ impl SqliteStore {
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let conn = pool.take()?;
-            let result = work(&conn);
+            let result = work(&conn, &seal);
             pool.give_back(conn);
             result
         })
@@ -305,16 +369,17 @@ impl SqliteStore {
 #[async_trait]
 impl SessionStore for SqliteStore {
     async fn create_session(&self, session: NewSession) -> StoreResult<()> {
-        self.write(move |c| ops::insert_session(c, &session)).await
+        self.write(move |c, s| ops::insert_session(c, s, &session))
+            .await
     }
 
     async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>> {
-        self.read(move |c| ops::get_session(c, id)).await
+        self.read(move |c, s| ops::get_session(c, s, id)).await
     }
 
     async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>> {
         let token_hash = token_hash.to_owned();
-        self.read(move |c| ops::find_session_by_token(c, &token_hash))
+        self.read(move |c, s| ops::find_session_by_token(c, s, &token_hash))
             .await
     }
 
@@ -323,7 +388,7 @@ impl SessionStore for SqliteStore {
         agent_id: &str,
     ) -> StoreResult<Option<SessionRecord>> {
         let agent_id = agent_id.to_owned();
-        self.read(move |c| ops::latest_suspended_for_agent(c, &agent_id))
+        self.read(move |c, s| ops::latest_suspended_for_agent(c, s, &agent_id))
             .await
     }
 
@@ -333,22 +398,23 @@ impl SessionStore for SqliteStore {
         to: SessionStatus,
         now: Timestamp,
     ) -> StoreResult<SessionStatus> {
-        self.write(move |c| ops::update_status(c, id, to, now))
+        self.write(move |c, _| ops::update_status(c, id, to, now))
             .await
     }
 
     async fn mark_attached(&self, id: Uuid, now: Timestamp) -> StoreResult<SessionRecord> {
-        self.write(move |c| ops::mark_attached(c, id, now)).await
+        self.write(move |c, s| ops::mark_attached(c, s, id, now))
+            .await
     }
 
     async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool> {
-        self.write(move |c| ops::suspend_if_running(c, id, now))
+        self.write(move |c, _| ops::suspend_if_running(c, id, now))
             .await
     }
 
     /// One row per status in `SessionStatus::ALL` order, zero counts included.
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
-        self.read(ops::count_sessions_by_status).await
+        self.read(|c, _| ops::count_sessions_by_status(c)).await
     }
 }
 
@@ -360,12 +426,12 @@ impl MessageStore for SqliteStore {
         after: Option<u64>,
         limit: u32,
     ) -> StoreResult<Vec<MessageRecord>> {
-        self.read(move |c| ops::list_messages(c, session_id, after, Some(limit)))
+        self.read(move |c, s| ops::list_messages(c, s, session_id, after, Some(limit)))
             .await
     }
 
     async fn history(&self, session_id: Uuid) -> StoreResult<Vec<MessageRecord>> {
-        self.read(move |c| ops::list_messages(c, session_id, None, None))
+        self.read(move |c, s| ops::list_messages(c, s, session_id, None, None))
             .await
     }
 }
@@ -377,12 +443,12 @@ impl SnapshotStore for SqliteStore {
         session_id: Uuid,
         kind: Option<SnapshotKind>,
     ) -> StoreResult<Option<SnapshotRecord>> {
-        self.read(move |c| ops::latest_snapshot(c, session_id, kind))
+        self.read(move |c, s| ops::latest_snapshot(c, s, session_id, kind))
             .await
     }
 
     async fn get_snapshot(&self, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
-        self.read(move |c| ops::get_snapshot(c, id)).await
+        self.read(move |c, s| ops::get_snapshot(c, s, id)).await
     }
 
     /// Newest first.
@@ -391,7 +457,7 @@ impl SnapshotStore for SqliteStore {
         session_id: Uuid,
         limit: u32,
     ) -> StoreResult<Vec<SnapshotRecord>> {
-        self.read(move |c| ops::list_snapshots(c, session_id, limit))
+        self.read(move |c, s| ops::list_snapshots(c, s, session_id, limit))
             .await
     }
 }
@@ -404,61 +470,64 @@ impl TetherStore for SqliteStore {
         after: Option<u64>,
         limit: u32,
     ) -> StoreResult<Vec<TetherEntry>> {
-        self.read(move |c| ops::tether_pending(c, session_id, after, limit))
+        self.read(move |c, s| ops::tether_pending(c, s, session_id, after, limit))
             .await
     }
 
     async fn tether_count(&self, session_id: Uuid) -> StoreResult<u64> {
-        self.read(move |c| ops::tether_count(c, session_id)).await
+        self.read(move |c, _| ops::tether_count(c, session_id))
+            .await
     }
 
     async fn tether_issued(&self, session_id: Uuid) -> StoreResult<u64> {
-        self.read(move |c| ops::tether_issued(c, session_id)).await
+        self.read(move |c, _| ops::tether_issued(c, session_id))
+            .await
     }
 
     async fn tether_ack(&self, session_id: Uuid, up_to: u64) -> StoreResult<u64> {
-        self.write(move |c| ops::tether_ack(c, session_id, up_to))
+        self.write(move |c, _| ops::tether_ack(c, session_id, up_to))
             .await
     }
 
     async fn tether_remove(&self, session_id: Uuid, seqs: &[u64]) -> StoreResult<u64> {
         let seqs = seqs.to_vec();
-        self.write(move |c| ops::tether_remove(c, session_id, &seqs))
+        self.write(move |c, _| ops::tether_remove(c, session_id, &seqs))
             .await
     }
 
     async fn tether_depth_total(&self) -> StoreResult<u64> {
-        self.read(ops::tether_depth_total).await
+        self.read(|c, _| ops::tether_depth_total(c)).await
     }
 }
 
 #[async_trait]
 impl TurnStore for SqliteStore {
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
-        self.write(move |c| ops::begin_turn(c, &begin)).await
+        self.write(move |c, s| ops::begin_turn(c, s, &begin)).await
     }
 
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
-        self.write(move |c| ops::finish_turn(c, &finish)).await
+        self.write(move |c, s| ops::finish_turn(c, s, &finish))
+            .await
     }
 
     async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome> {
-        self.write(move |c| ops::record_progress(c, &progress))
+        self.write(move |c, s| ops::record_progress(c, s, &progress))
             .await
     }
 
     async fn fail_turn(&self, fail: FailTurn) -> StoreResult<()> {
-        self.write(move |c| ops::fail_turn(c, &fail)).await
+        self.write(move |c, s| ops::fail_turn(c, s, &fail)).await
     }
 
     async fn recover_interrupted_turns(&self, now: Timestamp) -> StoreResult<Vec<TurnRecord>> {
-        self.write(move |c| ops::recover_interrupted_turns(c, now))
+        self.write(move |c, s| ops::recover_interrupted_turns(c, s, now))
             .await
     }
 
     async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
         let replica = replica.to_owned();
-        self.write(move |c| ops::replica_heartbeat(c, &replica, now))
+        self.write(move |c, _| ops::replica_heartbeat(c, &replica, now))
             .await
     }
 
@@ -467,12 +536,12 @@ impl TurnStore for SqliteStore {
         now: Timestamp,
         stale_before: Timestamp,
     ) -> StoreResult<Vec<TurnRecord>> {
-        self.write(move |c| ops::recover_orphaned_turns(c, now, stale_before))
+        self.write(move |c, s| ops::recover_orphaned_turns(c, s, now, stale_before))
             .await
     }
 
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
-        self.read(move |c| ops::get_turn(c, turn_id)).await
+        self.read(move |c, s| ops::get_turn(c, s, turn_id)).await
     }
 }
 
@@ -480,66 +549,69 @@ impl TurnStore for SqliteStore {
 impl IdempotencyStore for SqliteStore {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
         let key = key.to_owned();
-        self.read(move |c| ops::get_idempotency(c, &key)).await
+        self.read(move |c, s| ops::get_idempotency(c, s, &key))
+            .await
     }
 }
 
 #[async_trait]
 impl RetentionStore for SqliteStore {
     async fn sweep(&self, sweep: Sweep) -> StoreResult<Swept> {
-        self.write(move |c| roaming::sweep(c, &sweep)).await
+        self.write(move |c, _| roaming::sweep(c, &sweep)).await
     }
 }
 
 #[async_trait]
 impl RoamingStore for SqliteStore {
     async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()> {
-        self.write(move |c| roaming::create_export(c, &export, &bundle))
+        self.write(move |c, s| roaming::create_export(c, s, &export, &bundle))
             .await
     }
 
     async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>> {
-        self.read(move |c| roaming::get_export(c, id)).await
+        self.read(move |c, s| roaming::get_export(c, s, id)).await
     }
 
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
         let cid = cid.to_owned();
-        self.read(move |c| roaming::get_bundle(c, &cid)).await
+        self.read(move |c, s| roaming::get_bundle(c, s, &cid)).await
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
-        // A long history is encoded to JSON in parallel before the write, so the single writer
-        // thread (which every other write waits for) only inserts.
+        // A long history is encoded to JSON (and sealed) in parallel before the write, so the
+        // single writer thread (which every other write waits for) only inserts.
         if adopt.messages.len() < PARALLEL_ENCODE_AT {
             return self
-                .write(move |c| roaming::adopt_session(c, &adopt, None))
+                .write(move |c, s| roaming::adopt_session(c, s, &adopt, None))
                 .await;
         }
         let adopt = Arc::new(adopt);
         let half = adopt.messages.len().div_ceil(2);
+        let sid = codec::uuid(&adopt.session.id);
         let encode = |range: std::ops::Range<usize>| {
-            let adopt = Arc::clone(&adopt);
+            let (adopt, seal, sid) = (Arc::clone(&adopt), self.inner.seal.clone(), sid.clone());
             tokio::task::spawn_blocking(move || {
-                adopt.messages[range]
-                    .iter()
-                    .map(|m| codec::json(&m.body))
-                    .collect::<StoreResult<Vec<String>>>()
+                ops::encode_bodies(&seal, &sid, &adopt.messages[range])
             })
         };
         let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
         let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let mut bodies = first.map_err(failed)??;
-        bodies.extend(second.map_err(failed)??);
-        self.write(move |c| roaming::adopt_session(c, &adopt, Some(&bodies)))
+        let (mut bodies, bytes) = first.map_err(failed)??;
+        let (rest, more) = second.map_err(failed)??;
+        bodies.extend(rest);
+        let encoded = (bodies, bytes + more);
+        self.write(move |c, s| roaming::adopt_session(c, s, &adopt, Some(&encoded)))
             .await
     }
 
     async fn lineage(&self, session_id: Uuid) -> StoreResult<Lineage> {
-        self.read(move |c| roaming::lineage(c, session_id)).await
+        self.read(move |c, s| roaming::lineage(c, s, session_id))
+            .await
     }
 
     async fn get_memory(&self, session_id: Uuid) -> StoreResult<Option<MemoryRecord>> {
-        self.read(move |c| roaming::get_memory(c, session_id)).await
+        self.read(move |c, s| roaming::get_memory(c, s, session_id))
+            .await
     }
 
     async fn put_memory(
@@ -549,7 +621,7 @@ impl RoamingStore for SqliteStore {
         payload: serde_json::Value,
         now: Timestamp,
     ) -> StoreResult<MemoryRecord> {
-        self.write(move |c| roaming::put_memory(c, session_id, &schema_id, &payload, &now))
+        self.write(move |c, s| roaming::put_memory(c, s, session_id, &schema_id, &payload, &now))
             .await
     }
 }

@@ -3,7 +3,9 @@
 //! `SBP_TEST_DATABASE_URL`, dropped afterwards), and both again with the tether in Redis Streams
 //! (`SBP_TEST_REDIS_URL`, each case under a key prefix of its own, deleted afterwards) in mirror and
 //! handoff mode. `postgres_tls` connects to the same server over TLS, each `sslmode` checked
-//! against the certificate `scripts/services.sh` gave it.
+//! against the certificate `scripts/services.sh` gave it. The suite runs once more with encryption
+//! at rest on each SQL backend and on a tether, and `sealing` checks the raw rows, files and
+//! streams for plaintext, rotation and reseal.
 
 mod postgres_tls;
 mod suite;
@@ -90,6 +92,28 @@ mod sqlite {
 
     for_each_case!(sqlite_cases);
 
+    /// The suite with encryption at rest on.
+    mod sealed {
+        use super::*;
+
+        macro_rules! sealed_cases {
+            ($($case:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let dir = tempfile::tempdir().expect("temp dir");
+                    let opts = SqliteOptions {
+                        sealer: crate::sealing::sealer(1, &[]),
+                        ..SqliteOptions::new(db_path(dir.path()))
+                    };
+                    let store = SqliteStore::open(opts).await.expect("open sealed");
+                    suite::$case(Arc::new(store)).await;
+                }
+            )*};
+        }
+
+        for_each_case!(sealed_cases);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn survives_reopen() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -108,6 +132,7 @@ mod sqlite {
             path: path.clone(),
             synchronous: Synchronous::Normal,
             readers: 0,
+            sealer: sbp_store::seal::Sealer::off(),
         };
         let store = SqliteStore::open(opts.clone()).await.expect("open");
         assert!(
@@ -132,7 +157,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 5);
+        assert_eq!(version, 6);
     }
 }
 
@@ -201,6 +226,21 @@ mod postgres {
             )
         }
 
+        pub(crate) async fn open_with(
+            &self,
+            sealer: sbp_store::seal::Sealer,
+        ) -> Result<PostgresStore, StoreError> {
+            let opts = PostgresOptions {
+                sealer,
+                ..self.options()
+            };
+            PostgresStore::open(&self.url, opts).await
+        }
+
+        pub(crate) fn name(&self) -> &str {
+            &self.name
+        }
+
         /// Best effort: a schema left behind by a crash only costs space.
         pub(crate) async fn drop(self) {
             let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name);
@@ -231,6 +271,25 @@ mod postgres {
     }
 
     for_each_case!(postgres_cases);
+
+    /// The suite with encryption at rest on.
+    mod sealed {
+        use super::*;
+
+        macro_rules! sealed_cases {
+            ($($case:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let schema = TestSchema::create().await;
+                    let store = schema.open_with(crate::sealing::sealer(1, &[])).await;
+                    let store = Arc::new(store.expect("open sealed"));
+                    schema.run(suite::$case(store)).await;
+                }
+            )*};
+        }
+
+        for_each_case!(sealed_cases);
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn survives_reopen() {
@@ -404,9 +463,10 @@ mod redis_tether {
     /// One case's SQL store and Redis key prefix; [`Fixture::run`] deletes both afterwards.
     pub(crate) struct Fixture {
         backing: Backing,
-        prefix: String,
+        pub(crate) prefix: String,
         mode: TetherMode,
         relay_interval: Duration,
+        pub(crate) sealer: sbp_store::seal::Sealer,
     }
 
     impl Fixture {
@@ -422,6 +482,7 @@ mod redis_tether {
                 mode,
                 // Short, so the relay's handoffs race the cases' own calls.
                 relay_interval: Duration::from_millis(20),
+                sealer: sbp_store::seal::Sealer::off(),
             }
         }
 
@@ -430,6 +491,7 @@ mod redis_tether {
                 prefix: self.prefix.clone(),
                 mode: self.mode,
                 relay_interval: self.relay_interval,
+                sealer: self.sealer.clone(),
                 ..RedisTetherOptions::default()
             }
         }
@@ -443,11 +505,19 @@ mod redis_tether {
         pub(crate) async fn tethered(&self) -> Arc<TetheredStore<dyn Store>> {
             let inner: Arc<dyn Store> = match &self.backing {
                 Backing::Sqlite(dir) => Arc::new(
-                    SqliteStore::open(SqliteOptions::new(Self::sqlite_path(dir)))
-                        .await
-                        .expect("open sqlite store"),
+                    SqliteStore::open(SqliteOptions {
+                        sealer: self.sealer.clone(),
+                        ..SqliteOptions::new(Self::sqlite_path(dir))
+                    })
+                    .await
+                    .expect("open sqlite store"),
                 ),
-                Backing::Postgres(schema) => schema.open().await,
+                Backing::Postgres(schema) => Arc::new(
+                    schema
+                        .open_with(self.sealer.clone())
+                        .await
+                        .expect("open postgres store"),
+                ),
             };
             let url = test_redis_url();
             let store = TetheredStore::open(inner, &url, self.options())
@@ -549,6 +619,17 @@ mod redis_tether {
         use super::*;
         async fn fixture() -> Fixture {
             Fixture::new(true, TetherMode::Handoff).await
+        }
+        for_each_case!(tethered_cases);
+    }
+
+    /// Handoff (the mode where entries live only in Redis) with encryption at rest on.
+    mod sealed_sqlite_handoff {
+        use super::*;
+        async fn fixture() -> Fixture {
+            let mut fx = Fixture::new(false, TetherMode::Handoff).await;
+            fx.sealer = crate::sealing::sealer(1, &[]);
+            fx
         }
         for_each_case!(tethered_cases);
     }
@@ -790,5 +871,388 @@ mod redis_tether {
             assert_eq!(store.mode(), want);
             fx.run(async {}).await;
         }
+    }
+}
+
+/// Encryption at rest on each backend: the raw files, rows and streams hold no plaintext (and do
+/// without a key, so the search can find it), keys rotate and a reseal retires the old one, and a
+/// start with a keyring that does not fit the database is refused.
+pub(crate) mod sealing {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use sbp_store::seal::{Key, Keyring, PREFIX, SealError, Sealed, Sealer};
+    use sbp_store::sqlite::{SqliteOptions, SqliteStore};
+    use sbp_store::{Store, StoreError};
+
+    use crate::suite::sealing::{reads_everything, write_everything};
+
+    pub(crate) fn key(n: u8) -> Key {
+        Key::from_bytes(&[n; 32]).expect("32 bytes")
+    }
+
+    pub(crate) fn sealer(current: u8, previous: &[u8]) -> Sealer {
+        let previous = previous.iter().map(|n| key(*n)).collect();
+        Sealer::new(Keyring::new(key(current), previous).expect("distinct keys"))
+    }
+
+    fn marker() -> String {
+        format!("MARK-{}", uuid::Uuid::new_v4().simple())
+    }
+
+    fn contains(haystack: &[u8], needle: &str) -> bool {
+        haystack
+            .windows(needle.len())
+            .any(|w| w == needle.as_bytes())
+    }
+
+    /// Whether any file of the database (main, `-wal`, `-shm`) holds `needle`, read as raw bytes.
+    fn files_contain(dir: &Path, needle: &str) -> bool {
+        std::fs::read_dir(dir)
+            .expect("dir")
+            .map(|e| std::fs::read(e.expect("entry").path()).expect("read"))
+            .any(|bytes| contains(&bytes, needle))
+    }
+
+    async fn open_sqlite(dir: &Path, sealer: Sealer) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open(SqliteOptions {
+            sealer,
+            ..SqliteOptions::new(dir.join("sbp.sqlite3"))
+        })
+        .await
+    }
+
+    fn sealing_error(r: Result<impl Sized, StoreError>) -> SealError {
+        match r {
+            Err(StoreError::Sealing(e)) => e,
+            Err(e) => panic!("expected a sealing error, got {e:?}"),
+            Ok(_) => panic!("expected the open to be refused"),
+        }
+    }
+
+    /// Every message body and tether entry is sealed by `id`, read straight from the file.
+    fn sqlite_sealed_by(dir: &Path, id: Sealed) {
+        let conn = rusqlite::Connection::open(dir.join("sbp.sqlite3")).expect("inspect");
+        for sql in [
+            "SELECT body FROM messages",
+            "SELECT content FROM tether",
+            "SELECT state FROM snapshots",
+            "SELECT metadata FROM sessions",
+        ] {
+            let values: Vec<String> = conn
+                .prepare(sql)
+                .and_then(|mut st| st.query_map([], |r| r.get(0))?.collect())
+                .expect("values");
+            assert!(!values.is_empty(), "{sql}");
+            for v in values {
+                assert_eq!(Sealer::sealed_by(&v), id, "{sql}: {v}");
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_files_hold_no_plaintext_and_keys_rotate() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let first = marker();
+        let store: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
+        let w1 = write_everything(&store, &first).await;
+        reads_everything(&store, &w1, true).await;
+        assert!(!files_contain(dir.path(), &first), "live WAL and database");
+        drop(store);
+        assert!(!files_contain(dir.path(), &first), "after the last close");
+
+        // The same writes without a key: the search finds the marker.
+        let plain_dir = tempfile::tempdir().expect("temp dir");
+        let plain: Arc<dyn Store> = Arc::new(
+            open_sqlite(plain_dir.path(), Sealer::off())
+                .await
+                .expect("open"),
+        );
+        write_everything(&plain, &first).await;
+        assert!(
+            files_contain(plain_dir.path(), &first),
+            "the control finds its marker"
+        );
+        drop(plain);
+
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), Sealer::off()).await),
+            SealError::Locked(vec![key(1).id()])
+        );
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), sealer(3, &[])).await),
+            SealError::MissingKeys(vec![key(1).id()])
+        );
+
+        // Rotation: the new key seals, the old one still opens.
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let store: Arc<dyn Store> = Arc::new(rotated.clone());
+        reads_everything(&store, &w1, true).await;
+        let second = marker();
+        let w2 = write_everything(&store, &second).await;
+        let done = rotated.reseal().await.expect("reseal");
+        assert!(done.total() >= 20, "{done:?}");
+        assert!(
+            done.columns
+                .iter()
+                .any(|(c, n)| *c == "bundles.body" && *n == 1),
+            "{done:?}"
+        );
+        drop((store, rotated));
+        sqlite_sealed_by(dir.path(), Sealed::By(key(2).id()));
+        assert!(!files_contain(dir.path(), &second));
+
+        let store: Arc<dyn Store> = Arc::new(
+            open_sqlite(dir.path(), sealer(2, &[]))
+                .await
+                .expect("new key only"),
+        );
+        reads_everything(&store, &w1, true).await;
+        reads_everything(&store, &w2, true).await;
+        drop(store);
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), sealer(1, &[])).await),
+            SealError::MissingKeys(vec![key(2).id()])
+        );
+    }
+
+    /// A value moved into another session's row does not open: it is bound to its place.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sealed_value_moved_to_another_row_does_not_open() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
+        let a = write_everything(&store, &marker()).await;
+        let b = write_everything(&store, &marker()).await;
+        drop(store);
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("tamper");
+        conn.execute(
+            "UPDATE sessions SET last_task = (SELECT last_task FROM sessions WHERE id = ?1) \
+             WHERE id = ?2",
+            [a.session.id.to_string(), b.session.id.to_string()],
+        )
+        .expect("swap");
+        drop(conn);
+        let store = open_sqlite(dir.path(), sealer(1, &[])).await.expect("open");
+        match sbp_store::SessionStore::get_session(&store, b.session.id).await {
+            Err(StoreError::Sealing(SealError::Forged(column))) => {
+                assert_eq!(column, "sessions.last_task")
+            }
+            other => panic!("a moved value must not open: {other:?}"),
+        }
+    }
+
+    /// Turned on over a database written without a key: plain values read as they are, a reseal
+    /// seals them and leaves none of their bytes in the files, and from then on a key is needed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_turned_on_over_a_plain_database() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let old = marker();
+        let plain: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), Sealer::off()).await.expect("open"));
+        let w0 = write_everything(&plain, &old).await;
+        drop(plain);
+        assert!(files_contain(dir.path(), &old));
+        let on = open_sqlite(dir.path(), sealer(1, &[]))
+            .await
+            .expect("turn on");
+        let store: Arc<dyn Store> = Arc::new(on.clone());
+        reads_everything(&store, &w0, true).await;
+        let done = on.reseal().await.expect("reseal");
+        assert!(done.total() >= 20, "{done:?}");
+        reads_everything(&store, &w0, true).await;
+        drop((store, on));
+        assert!(!files_contain(dir.path(), &old), "no plaintext left behind");
+        sqlite_sealed_by(dir.path(), Sealed::By(key(1).id()));
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), Sealer::off()).await),
+            SealError::Locked(vec![key(1).id()])
+        );
+    }
+
+    /// Whether any row of the schema's tables holds `needle` (bundles' bytes searched as bytes).
+    async fn postgres_rows_contain(schema: &str, needle: &str) -> bool {
+        let url = sbp_test_support::test_database_url();
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        let tables: Vec<String> = client
+            .query(
+                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
+                &[&schema],
+            )
+            .await
+            .expect("tables")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(tables.len() >= 10, "{tables:?}");
+        for table in tables {
+            let rows = client
+                .query(&format!("SELECT t::text FROM {schema}.{table} t"), &[])
+                .await
+                .expect("rows");
+            if rows.iter().any(|r| r.get::<_, String>(0).contains(needle)) {
+                return true;
+            }
+        }
+        let bundles = client
+            .query(&format!("SELECT body FROM {schema}.bundles"), &[])
+            .await
+            .expect("bundles");
+        bundles
+            .iter()
+            .any(|r| contains(&r.get::<_, Vec<u8>>(0), needle))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_rows_hold_no_plaintext_and_keys_rotate() {
+        let schema = crate::postgres::TestSchema::create().await;
+        let control = crate::postgres::TestSchema::create().await;
+        let control_name = control.name().to_owned();
+        let name = schema.name().to_owned();
+        let first = marker();
+        let opened = schema.open_with(sealer(1, &[])).await;
+        let plain = control.open_with(Sealer::off()).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let store: Arc<dyn Store> = Arc::new(opened.expect("open"));
+            let w1 = write_everything(&store, &first).await;
+            reads_everything(&store, &w1, true).await;
+            assert!(!postgres_rows_contain(&name, &first).await);
+            let plain: Arc<dyn Store> = Arc::new(plain.expect("open plain"));
+            write_everything(&plain, &first).await;
+            assert!(
+                postgres_rows_contain(&control_name, &first).await,
+                "the control finds it"
+            );
+
+            assert_eq!(
+                sealing_error(again.open_with(Sealer::off()).await),
+                SealError::Locked(vec![key(1).id()])
+            );
+            assert_eq!(
+                sealing_error(again.open_with(sealer(3, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()])
+            );
+            let rotated = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let store: Arc<dyn Store> = Arc::new(rotated.clone());
+            reads_everything(&store, &w1, true).await;
+            let second = marker();
+            let w2 = write_everything(&store, &second).await;
+            let done = rotated.reseal().await.expect("reseal");
+            assert!(done.total() >= 20, "{done:?}");
+            assert!(!postgres_rows_contain(&name, &second).await);
+            let fresh: Arc<dyn Store> =
+                Arc::new(again.open_with(sealer(2, &[])).await.expect("new key only"));
+            reads_everything(&fresh, &w1, true).await;
+            reads_everything(&fresh, &w2, true).await;
+            assert_eq!(
+                sealing_error(again.open_with(sealer(1, &[])).await),
+                SealError::MissingKeys(vec![key(2).id()])
+            );
+        };
+        let outcome = tokio::spawn(case).await;
+        control.drop().await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
+    }
+
+    /// Every field of every entry in the prefix's tether streams, as raw strings.
+    async fn stream_fields(prefix: &str) -> Vec<String> {
+        let client = redis::Client::open(sbp_test_support::test_redis_url()).expect("url");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect");
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}tether:*"))
+            .query_async(&mut con)
+            .await
+            .expect("keys");
+        let mut fields = Vec::new();
+        for key in keys {
+            let kind: String = redis::cmd("TYPE")
+                .arg(&key)
+                .query_async(&mut con)
+                .await
+                .expect("type");
+            if kind != "stream" {
+                continue;
+            }
+            let entries: Vec<(String, Vec<String>)> = redis::cmd("XRANGE")
+                .arg(&key)
+                .arg("-")
+                .arg("+")
+                .query_async(&mut con)
+                .await
+                .expect("xrange");
+            fields.extend(entries.into_iter().flat_map(|(_, f)| f));
+        }
+        fields
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_streams_hold_no_plaintext_and_reseal() {
+        use sbp_store::redis_tether::TetherMode;
+        let mut fx = crate::redis_tether::Fixture::new(false, TetherMode::Handoff).await;
+        fx.sealer = sealer(1, &[]);
+        let mut control = crate::redis_tether::Fixture::new(false, TetherMode::Handoff).await;
+        control.sealer = Sealer::off();
+        let first = marker();
+        let tethered = fx.tethered().await;
+        let plain = control.tethered().await;
+        let (prefix, control_prefix) = (fx.prefix.clone(), control.prefix.clone());
+        fx.sealer = sealer(2, &[1]);
+        let fx = Arc::new(fx);
+        let again = Arc::clone(&fx);
+        let case = async move {
+            let store: Arc<dyn Store> = tethered.clone();
+            let w1 = write_everything(&store, &first).await;
+            reads_everything(&store, &w1, true).await;
+            let fields = stream_fields(&prefix).await;
+            assert!(fields.iter().any(|f| f.starts_with(PREFIX)), "{fields:?}");
+            assert!(!fields.iter().any(|f| f.contains(&first)), "{fields:?}");
+            let plain: Arc<dyn Store> = plain;
+            write_everything(&plain, &first).await;
+            let control = stream_fields(&control_prefix).await;
+            assert!(
+                control.iter().any(|f| f.contains(&first)),
+                "the control finds it"
+            );
+            drop((store, tethered));
+
+            // Rotated: the stream entry sealed under key 1 is resealed under key 2.
+            let rotated = again.tethered().await;
+            assert_eq!(rotated.reseal_streams().await.expect("reseal"), 1);
+            let fields = stream_fields(&prefix).await;
+            let sealed: Vec<&String> = fields.iter().filter(|f| f.starts_with(PREFIX)).collect();
+            assert!(!sealed.is_empty());
+            for f in sealed {
+                assert_eq!(Sealer::sealed_by(f), Sealed::By(key(2).id()));
+            }
+            let store: Arc<dyn Store> = rotated;
+            reads_everything(&store, &w1, true).await;
+        };
+        let outcome = tokio::spawn(case).await;
+        control.run(async {}).await;
+        let fx = Arc::try_unwrap(fx).unwrap_or_else(|_| panic!("shared"));
+        fx.run(async move {
+            if let Err(e) = outcome {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        })
+        .await;
     }
 }

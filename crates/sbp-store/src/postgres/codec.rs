@@ -1,6 +1,7 @@
 //! Conversions between the store's records and PostgreSQL columns: `uuid`, `timestamptz`
 //! (microseconds, like SQLite's text), JSON kept as the exact text serde_json wrote, and u64
-//! counters kept as `bigint`.
+//! counters kept as `bigint`; content columns opened with the store's [`Sealer`] (sealed when
+//! encryption at rest is on).
 
 use std::borrow::Cow;
 
@@ -12,6 +13,7 @@ use crate::codec::{parse_idem_state, parse_turn_state};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 
+use crate::seal::{Column, Sealer};
 use crate::{
     IdempotencyRecord, IdempotencyState, MessageRecord, SessionRecord, SnapshotRecord, StoreError,
     StoreResult, TetherEntry, TurnRecord, TurnState,
@@ -87,16 +89,57 @@ pub(crate) fn get<'a, T: tokio_postgres::types::FromSql<'a>>(
     row.try_get(idx).map_err(|e| bad(idx, e))
 }
 
-pub(crate) fn col_json(row: &Row, idx: usize) -> Result<Value, StoreError> {
-    let s: &str = get(row, idx)?;
-    serde_json::from_str(s).map_err(|e| bad(idx, format!("json: {e}")))
+/// Plaintext for a content column: NULs as in [`text`], then sealed to the row `key` when
+/// encryption is on.
+pub(crate) fn seal_text(
+    seal: &Sealer,
+    column: Column,
+    key: &str,
+    s: &Option<String>,
+) -> StoreResult<Option<String>> {
+    match s {
+        None => Ok(None),
+        Some(s) => Ok(Some(seal.seal(column, key, &text(s))?.into_owned())),
+    }
 }
 
-fn col_opt_json(row: &Row, idx: usize) -> Result<Option<Value>, StoreError> {
-    match get::<Option<&str>>(row, idx)? {
+/// A content column's text, opened: `key` is the row's key its value is bound to.
+pub(crate) fn col_open(
+    row: &Row,
+    idx: usize,
+    seal: &Sealer,
+    column: Column,
+    key: &str,
+) -> StoreResult<Option<String>> {
+    let stored: Option<String> = get(row, idx)?;
+    Ok(seal.open_opt(column, key, stored)?)
+}
+
+/// A content column holding JSON, opened and parsed.
+pub(crate) fn col_open_json(
+    row: &Row,
+    idx: usize,
+    seal: &Sealer,
+    column: Column,
+    key: &str,
+) -> StoreResult<Option<Value>> {
+    match col_open(row, idx, seal, column, key)? {
         None => Ok(None),
-        Some(_) => col_json(row, idx).map(Some),
+        Some(s) => serde_json::from_str(&s)
+            .map(Some)
+            .map_err(|e| bad(idx, format!("json: {e}"))),
     }
+}
+
+/// A NOT NULL content column holding JSON.
+pub(crate) fn col_sealed_json(
+    row: &Row,
+    idx: usize,
+    seal: &Sealer,
+    column: Column,
+    key: &str,
+) -> StoreResult<Value> {
+    col_open_json(row, idx, seal, column, key)?.ok_or_else(|| bad(idx, "unexpected NULL"))
 }
 
 pub(crate) fn col_u64(row: &Row, idx: usize) -> Result<u64, StoreError> {
@@ -132,20 +175,22 @@ macro_rules! session_cols {
 }
 pub(crate) use session_cols;
 
-pub(crate) fn session_row(row: &Row) -> Result<SessionRecord, StoreError> {
+pub(crate) fn session_row(row: &Row, seal: &Sealer) -> Result<SessionRecord, StoreError> {
+    let id: uuid::Uuid = get(row, 0)?;
+    let key = id.to_string();
     Ok(SessionRecord {
-        id: get(row, 0)?,
+        id,
         agent_id: get(row, 1)?,
         token_hash: get(row, 2)?,
         status: col_status(row, 3)?,
         step_count: col_u64(row, 4)?,
         message_count: col_u64(row, 5)?,
-        last_task: get(row, 6)?,
+        last_task: col_open(row, 6, seal, Column::SessionLastTask, &key)?,
         model: get(row, 7)?,
         tether_enabled: get(row, 8)?,
         created_at: get(row, 9)?,
         updated_at: get(row, 10)?,
-        metadata: col_json(row, 11)?,
+        metadata: col_sealed_json(row, 11, seal, Column::SessionMetadata, &key)?,
         message_bytes: col_u64(row, 12)?,
     })
 }
@@ -157,11 +202,16 @@ macro_rules! message_cols {
 }
 pub(crate) use message_cols;
 
-pub(crate) fn message_row(row: &Row) -> Result<MessageRecord, StoreError> {
+/// A message of the session `session` (its key, which the bodies are bound to).
+pub(crate) fn message_row(
+    row: &Row,
+    seal: &Sealer,
+    session: &str,
+) -> Result<MessageRecord, StoreError> {
     Ok(MessageRecord {
         seq: col_u64(row, 0)?,
         role: get(row, 1)?,
-        body: col_json(row, 2)?,
+        body: col_sealed_json(row, 2, seal, Column::MessageBody, session)?,
         model_used: get(row, 3)?,
         cost_usd: get(row, 4)?,
         created_at: get(row, 5)?,
@@ -175,22 +225,28 @@ macro_rules! snapshot_cols {
 }
 pub(crate) use snapshot_cols;
 
-pub(crate) fn snapshot_row(row: &Row) -> Result<SnapshotRecord, StoreError> {
-    snapshot_row_at(row, 0)
+pub(crate) fn snapshot_row(row: &Row, seal: &Sealer) -> Result<SnapshotRecord, StoreError> {
+    snapshot_row_at(row, 0, seal)
 }
 
 /// The snapshot whose columns ([`snapshot_cols`]) start at column `at` of the row.
-pub(crate) fn snapshot_row_at(row: &Row, at: usize) -> Result<SnapshotRecord, StoreError> {
+pub(crate) fn snapshot_row_at(
+    row: &Row,
+    at: usize,
+    seal: &Sealer,
+) -> Result<SnapshotRecord, StoreError> {
+    let id: uuid::Uuid = get(row, at)?;
+    let key = id.to_string();
     Ok(SnapshotRecord {
-        id: get(row, at)?,
+        id,
         session_id: get(row, at + 1)?,
         kind: col_kind(row, at + 2)?,
         step_count: col_u64(row, at + 3)?,
         message_count: col_u64(row, at + 4)?,
         model: get(row, at + 5)?,
-        current_task: get(row, at + 6)?,
+        current_task: col_open(row, at + 6, seal, Column::SnapshotTask, &key)?,
         created_at: get(row, at + 7)?,
-        state: col_json(row, at + 8)?,
+        state: col_sealed_json(row, at + 8, seal, Column::SnapshotState, &key)?,
     })
 }
 
@@ -201,12 +257,13 @@ macro_rules! tether_cols {
 }
 pub(crate) use tether_cols;
 
-pub(crate) fn tether_row(row: &Row) -> Result<TetherEntry, StoreError> {
+pub(crate) fn tether_row(row: &Row, seal: &Sealer) -> Result<TetherEntry, StoreError> {
+    let session_id: uuid::Uuid = get(row, 0)?;
     Ok(TetherEntry {
-        session_id: get(row, 0)?,
+        session_id,
         seq: col_u64(row, 1)?,
         role: get(row, 2)?,
-        content: get(row, 3)?,
+        content: col_open(row, 3, seal, Column::TetherContent, &session_id.to_string())?,
         model_used: get(row, 4)?,
         created_at: get(row, 5)?,
         chunk_id: get(row, 6)?,
@@ -220,14 +277,15 @@ macro_rules! turn_cols {
 }
 pub(crate) use turn_cols;
 
-pub(crate) fn turn_row(row: &Row) -> Result<TurnRecord, StoreError> {
+pub(crate) fn turn_row(row: &Row, seal: &Sealer) -> Result<TurnRecord, StoreError> {
+    let id: uuid::Uuid = get(row, 0)?;
     Ok(TurnRecord {
-        id: get(row, 0)?,
+        id,
         session_id: get(row, 1)?,
         state: col_turn_state(row, 2)?,
         started_at: get(row, 3)?,
         finished_at: get(row, 4)?,
-        error: get(row, 5)?,
+        error: col_open(row, 5, seal, Column::TurnError, &id.to_string())?,
         owner: get(row, 6)?,
     })
 }
@@ -240,10 +298,10 @@ macro_rules! idempotency_cols {
 }
 pub(crate) use idempotency_cols;
 
-pub(crate) fn idempotency_row(row: &Row) -> Result<IdempotencyRecord, StoreError> {
+pub(crate) fn idempotency_row(row: &Row, seal: &Sealer) -> Result<IdempotencyRecord, StoreError> {
     let status: Option<i32> = get(row, 5)?;
+    let key: String = get(row, 0)?;
     Ok(IdempotencyRecord {
-        key: get(row, 0)?,
         session_id: get(row, 1)?,
         fingerprint: get(row, 2)?,
         state: col_idem_state(row, 3)?,
@@ -251,12 +309,13 @@ pub(crate) fn idempotency_row(row: &Row) -> Result<IdempotencyRecord, StoreError
         response_status: status
             .map(|s| u16::try_from(s).map_err(|_| bad(5, format!("response status {s}"))))
             .transpose()?,
-        response_body: col_opt_json(row, 6)?,
+        response_body: col_open_json(row, 6, seal, Column::IdempotencyResponse, &key)?,
         created_at: get(row, 7)?,
         updated_at: get(row, 8)?,
         tether_seq: get::<Option<i64>>(row, 9)?
             .map(|s| u64::try_from(s).map_err(|_| bad(9, format!("tether seq {s}"))))
             .transpose()?,
+        key,
     })
 }
 

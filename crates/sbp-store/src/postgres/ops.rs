@@ -13,9 +13,12 @@ use uuid::Uuid;
 
 use super::codec::{
     col_status, col_u64, db_err, first_error, get, idem_state, idempotency_cols, idempotency_row,
-    int, json, message_cols, message_row, opt_text, rows, session_cols, session_row, snapshot_cols,
-    snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols, turn_row, turn_state,
+    int, json, message_cols, message_row, opt_text, rows, seal_text, session_cols, session_row,
+    snapshot_cols, snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols,
+    turn_row, turn_state,
 };
+pub(crate) use crate::codec::encode_bodies;
+use crate::seal::{Column, Sealer};
 use crate::{
     BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
     IdempotencyRecord, IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot,
@@ -44,18 +47,24 @@ const INSERT_SESSION: &str = "INSERT INTO sessions \
      (id, agent_id, token_hash, status, created_at, updated_at, metadata) \
      VALUES ($1, $2, $3, $4, $5, $5, $6)";
 
-pub(crate) async fn insert_session(c: &impl GenericClient, s: &NewSession) -> StoreResult<()> {
+pub(crate) async fn insert_session(
+    c: &impl GenericClient,
+    seal: &Sealer,
+    s: &NewSession,
+) -> StoreResult<()> {
     let st = prep(c, INSERT_SESSION).await?;
-    exec_insert_session(c, &st, s).await
+    exec_insert_session(c, seal, &st, s).await
 }
 
 /// Runs [`INSERT_SESSION`], prepared as `st`.
 async fn exec_insert_session(
     c: &impl GenericClient,
+    seal: &Sealer,
     st: &Statement,
     s: &NewSession,
 ) -> StoreResult<()> {
     let metadata = json(&s.metadata)?;
+    let metadata = seal.seal(Column::SessionMetadata, &s.id.to_string(), &metadata)?;
     c.execute(
         st,
         &[
@@ -74,6 +83,7 @@ async fn exec_insert_session(
 
 async fn session_where(
     c: &impl GenericClient,
+    seal: &Sealer,
     sql: &str,
     param: &(dyn tokio_postgres::types::ToSql + Sync),
 ) -> StoreResult<Option<SessionRecord>> {
@@ -81,20 +91,22 @@ async fn session_where(
     c.query_opt(&st, &[param])
         .await
         .map_err(db_err)?
-        .map(|r| session_row(&r))
+        .map(|r| session_row(&r, seal))
         .transpose()
 }
 
 pub(crate) async fn get_session(
     c: &impl GenericClient,
+    seal: &Sealer,
     id: Uuid,
 ) -> StoreResult<Option<SessionRecord>> {
     let sql = concat!("SELECT ", session_cols!(), " FROM sessions WHERE id = $1");
-    session_where(c, sql, &id).await
+    session_where(c, seal, sql, &id).await
 }
 
 pub(crate) async fn find_session_by_token(
     c: &impl GenericClient,
+    seal: &Sealer,
     token_hash: &str,
 ) -> StoreResult<Option<SessionRecord>> {
     let sql = concat!(
@@ -102,11 +114,12 @@ pub(crate) async fn find_session_by_token(
         session_cols!(),
         " FROM sessions WHERE token_hash = $1"
     );
-    session_where(c, sql, &token_hash).await
+    session_where(c, seal, sql, &token_hash).await
 }
 
 pub(crate) async fn latest_suspended_for_agent(
     c: &impl GenericClient,
+    seal: &Sealer,
     agent_id: &str,
 ) -> StoreResult<Option<SessionRecord>> {
     // `ord` breaks ties between sessions updated in the same microsecond: the later insert wins.
@@ -116,7 +129,7 @@ pub(crate) async fn latest_suspended_for_agent(
         " FROM sessions WHERE agent_id = $1 AND status = 'suspended' \
          ORDER BY updated_at DESC, ord DESC LIMIT 1"
     );
-    session_where(c, sql, &text(agent_id)).await
+    session_where(c, seal, sql, &text(agent_id)).await
 }
 
 /// The session's status, read without a lock (the callers have taken it, or only need it to name
@@ -207,6 +220,7 @@ pub(crate) async fn suspend_if_running(
 
 pub(crate) async fn mark_attached(
     c: &impl GenericClient,
+    seal: &Sealer,
     id: Uuid,
     now: Timestamp,
 ) -> StoreResult<SessionRecord> {
@@ -221,7 +235,7 @@ pub(crate) async fn mark_attached(
     )
     .await?;
     match c.query_opt(&st, &[&id, &now]).await.map_err(db_err)? {
-        Some(row) => session_row(&row),
+        Some(row) => session_row(&row, seal),
         None => Err(StoreError::NotFound),
     }
 }
@@ -253,31 +267,24 @@ pub(crate) const INSERT_MESSAGES: &str = "INSERT INTO messages \
      FROM UNNEST($3::text[], $4::text[], $5::text[], $6::float8[], $7::timestamptz[]) \
      WITH ORDINALITY AS m (role, body, model_used, cost_usd, created_at, n)";
 
-/// Inserts `messages` at seqs `start..` with `st` (prepared [`INSERT_MESSAGES`]); `bodies`, when
-/// given, are the bodies already encoded as JSON text (`bodies[i]` is the body of `messages[i]`).
+/// Inserts `messages` at seqs `start..` with `st` (prepared [`INSERT_MESSAGES`]); `bodies` are
+/// the bodies as stored ([`encode_bodies`]: `bodies[i]` is the body of `messages[i]`).
 pub(crate) async fn insert_messages(
     c: &impl GenericClient,
     st: &Statement,
     session: Uuid,
     start: i64,
     messages: &[NewMessage],
-    bodies: Option<Vec<String>>,
+    bodies: Vec<String>,
 ) -> StoreResult<()> {
     if messages.is_empty() {
         return Ok(());
     }
-    let bodies = match bodies {
-        Some(b) if b.len() == messages.len() => b,
-        Some(_) => {
-            return Err(StoreError::Backend(
-                "encoded bodies do not match the messages".to_owned(),
-            ));
-        }
-        None => messages
-            .iter()
-            .map(|m| json(&m.body))
-            .collect::<StoreResult<_>>()?,
-    };
+    if bodies.len() != messages.len() {
+        return Err(StoreError::Backend(
+            "encoded bodies do not match the messages".to_owned(),
+        ));
+    }
     let roles: Vec<Cow<'_, str>> = messages.iter().map(|m| text(&m.role)).collect();
     let models: Vec<Option<Cow<'_, str>>> =
         messages.iter().map(|m| opt_text(&m.model_used)).collect();
@@ -292,18 +299,13 @@ pub(crate) async fn insert_messages(
     Ok(())
 }
 
-/// The total size of encoded bodies, what `sessions.message_bytes` counts.
-pub(crate) fn bodies_bytes(bodies: &[String]) -> StoreResult<i64> {
-    i64::try_from(bodies.iter().map(String::len).sum::<usize>())
-        .map_err(|_| StoreError::Backend("messages too large".to_owned()))
-}
-
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
     i64::try_from(messages.len()).map_err(|_| StoreError::Backend("too many messages".to_owned()))
 }
 
 pub(crate) async fn list_messages(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     after: Option<u64>,
     limit: Option<u32>,
@@ -329,7 +331,8 @@ pub(crate) async fn list_messages(
         .query(&st, &[&session, &after, &limit])
         .await
         .map_err(db_err)?;
-    rows(&found, message_row)
+    let sid = session.to_string();
+    rows(&found, |r| message_row(r, seal, &sid))
 }
 
 // ---- snapshots ----
@@ -343,12 +346,16 @@ pub(crate) const INSERT_SNAPSHOT: &str = "INSERT INTO snapshots \
 /// Writes a snapshot with the given counts (the session's, as this transaction left them).
 pub(crate) async fn insert_snapshot(
     c: &impl GenericClient,
+    seal: &Sealer,
     st: &Statement,
     session: Uuid,
     (steps, messages): (u64, u64),
     snap: &NewSnapshot,
 ) -> StoreResult<SnapshotRecord> {
+    let key = snap.id.to_string();
     let state = json(&snap.state)?;
+    let state = seal.seal(Column::SnapshotState, &key, &state)?;
+    let task = seal_text(seal, Column::SnapshotTask, &key, &snap.current_task)?;
     let row = c
         .query_one(
             st,
@@ -359,14 +366,14 @@ pub(crate) async fn insert_snapshot(
                 &int(steps)?,
                 &int(messages)?,
                 &opt_text(&snap.model),
-                &opt_text(&snap.current_task),
+                &task,
                 &snap.created_at,
                 &state,
             ],
         )
         .await
         .map_err(db_err)?;
-    snapshot_row(&row)
+    snapshot_row(&row, seal)
 }
 
 fn counts(s: &SessionRecord) -> (u64, u64) {
@@ -375,6 +382,7 @@ fn counts(s: &SessionRecord) -> (u64, u64) {
 
 pub(crate) async fn latest_snapshot(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     kind: Option<SnapshotKind>,
 ) -> StoreResult<Option<SnapshotRecord>> {
@@ -406,11 +414,15 @@ pub(crate) async fn latest_snapshot(
             c.query_opt(&st, &[&session]).await
         }
     };
-    found.map_err(db_err)?.map(|r| snapshot_row(&r)).transpose()
+    found
+        .map_err(db_err)?
+        .map(|r| snapshot_row(&r, seal))
+        .transpose()
 }
 
 pub(crate) async fn get_snapshot(
     c: &impl GenericClient,
+    seal: &Sealer,
     id: Uuid,
 ) -> StoreResult<Option<SnapshotRecord>> {
     let st = prep(
@@ -421,12 +433,13 @@ pub(crate) async fn get_snapshot(
     c.query_opt(&st, &[&id])
         .await
         .map_err(db_err)?
-        .map(|r| snapshot_row(&r))
+        .map(|r| snapshot_row(&r, seal))
         .transpose()
 }
 
 pub(crate) async fn list_snapshots(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     limit: u32,
 ) -> StoreResult<Vec<SnapshotRecord>> {
@@ -443,13 +456,14 @@ pub(crate) async fn list_snapshots(
         .query(&st, &[&session, &i64::from(limit)])
         .await
         .map_err(db_err)?;
-    rows(&found, snapshot_row)
+    rows(&found, |r| snapshot_row(r, seal))
 }
 
 // ---- tether ----
 
 pub(crate) async fn tether_pending(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     after: Option<u64>,
     limit: u32,
@@ -472,7 +486,7 @@ pub(crate) async fn tether_pending(
         .query(&st, &[&session, &after, &i64::from(limit)])
         .await
         .map_err(db_err)?;
-    rows(&found, tether_row)
+    rows(&found, |r| tether_row(r, seal))
 }
 
 async fn count(
@@ -540,7 +554,11 @@ pub(crate) async fn tether_remove(
 
 // ---- turns ----
 
-pub(crate) async fn get_turn(c: &impl GenericClient, id: Uuid) -> StoreResult<Option<TurnRecord>> {
+pub(crate) async fn get_turn(
+    c: &impl GenericClient,
+    seal: &Sealer,
+    id: Uuid,
+) -> StoreResult<Option<TurnRecord>> {
     let st = prep(
         c,
         concat!("SELECT ", turn_cols!(), " FROM turns WHERE id = $1"),
@@ -549,7 +567,7 @@ pub(crate) async fn get_turn(c: &impl GenericClient, id: Uuid) -> StoreResult<Op
     c.query_opt(&st, &[&id])
         .await
         .map_err(db_err)?
-        .map(|r| turn_row(&r))
+        .map(|r| turn_row(&r, seal))
         .transpose()
 }
 
@@ -653,14 +671,11 @@ struct MessageArrays<'a> {
 }
 
 impl<'a> MessageArrays<'a> {
-    fn new(messages: &'a [NewMessage]) -> StoreResult<Self> {
-        let bodies: Vec<String> = messages
-            .iter()
-            .map(|m| json(&m.body))
-            .collect::<StoreResult<_>>()?;
+    fn new(seal: &Sealer, session: Uuid, messages: &'a [NewMessage]) -> StoreResult<Self> {
+        let (bodies, bytes) = encode_bodies(seal, &session.to_string(), messages)?;
         Ok(Self {
             roles: messages.iter().map(|m| text(&m.role)).collect(),
-            bytes: bodies_bytes(&bodies)?,
+            bytes,
             bodies,
             models: messages.iter().map(|m| opt_text(&m.model_used)).collect(),
             costs: messages.iter().map(|m| m.cost_usd).collect(),
@@ -683,7 +698,11 @@ pub(crate) fn finish_is_one_statement(f: &FinishTurn) -> bool {
 /// Runs on a connection with a transaction open ([`crate::postgres::PostgresStore`]'s `write`), or,
 /// when [`begin_is_one_statement`], on its own (the one statement commits by itself). The
 /// statements are sent together in order (pipelined), so a turn costs one round trip.
-pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOutcome> {
+pub(crate) async fn begin_turn(
+    c: &Tx,
+    seal: &Sealer,
+    b: BeginTurn,
+) -> StoreResult<BeginTurnOutcome> {
     if b.create.as_ref().is_some_and(|c| c.id != b.session_id) {
         return Err(conflict(ConflictKind::CreatedIdDiffers));
     }
@@ -725,14 +744,25 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
     )?;
     let appended = len_i64(&b.new_messages)?;
     let allowed = b.status.map(allowed_from);
-    let arrays = MessageArrays::new(&b.new_messages)?;
+    let arrays = MessageArrays::new(seal, b.session_id, &b.new_messages)?;
+    let sid = b.session_id.to_string();
+    let last_task = seal_text(seal, Column::SessionLastTask, &sid, &b.last_task)?;
     let pre = b.pre_action.as_ref();
-    let pre_state = pre.map(|s| json(&s.state)).transpose()?;
+    let (pre_state, pre_task) = match pre {
+        Some(s) => {
+            let key = s.id.to_string();
+            let state = json(&s.state)?;
+            let state = seal.seal(Column::SnapshotState, &key, &state)?.into_owned();
+            let task = seal_text(seal, Column::SnapshotTask, &key, &s.current_task)?;
+            (Some(state), task)
+        }
+        None => (None, None),
+    };
     let in_progress = idem_state(IdempotencyState::InProgress);
 
     let create = async {
         match (&b.create, &create_st) {
-            (Some(s), Some(st)) => exec_insert_session(c, st, s).await,
+            (Some(s), Some(st)) => exec_insert_session(c, seal, st, s).await,
             _ => Ok(()),
         }
     };
@@ -743,7 +773,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
                 &b.session_id,
                 &appended,
                 &b.status.map(SessionStatus::as_str),
-                &opt_text(&b.last_task),
+                &last_task,
                 &opt_text(&b.model),
                 &b.now,
                 &allowed,
@@ -757,7 +787,7 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
                 &pre.map(|s| s.id),
                 &pre.map(|s| s.kind.as_str()),
                 &pre.and_then(|s| opt_text(&s.model)),
-                &pre.and_then(|s| opt_text(&s.current_task)),
+                &pre_task,
                 &pre.map(|s| s.created_at),
                 &pre_state,
                 &opt_text(&b.owner),
@@ -834,9 +864,9 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
     ])?;
     let row = found.ok_or(StoreError::NotFound)?;
     Ok(BeginTurnOutcome {
-        session: session_row(row)?,
+        session: session_row(row, seal)?,
         pre_action_snapshot: match pre {
-            Some(_) => Some(snapshot_row_at(row, BEGIN_SNAPSHOT_COL)?),
+            Some(_) => Some(snapshot_row_at(row, BEGIN_SNAPSHOT_COL, seal)?),
             None => None,
         },
     })
@@ -844,7 +874,11 @@ pub(crate) async fn begin_turn(c: &Tx, b: BeginTurn) -> StoreResult<BeginTurnOut
 
 /// Like [`begin_turn`]: on a connection with a transaction open, or on its own when
 /// [`finish_is_one_statement`].
-pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurnOutcome> {
+pub(crate) async fn finish_turn(
+    c: &Tx,
+    seal: &Sealer,
+    f: FinishTurn,
+) -> StoreResult<FinishTurnOutcome> {
     let (main, idem) = tokio::try_join!(prep(c, FINISH_TURN), async {
         match &f.idempotency_done {
             Some(_) => prep(
@@ -858,7 +892,8 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         }
     })?;
     let appended = len_i64(&f.messages)?;
-    let arrays = MessageArrays::new(&f.messages)?;
+    let arrays = MessageArrays::new(seal, f.session_id, &f.messages)?;
+    let sid = f.session_id.to_string();
     // The post-action snapshot, then the checkpoint (written only at a multiple of `every`).
     let snaps: Vec<(&NewSnapshot, bool)> = f
         .post_action
@@ -874,19 +909,38 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
     let snap_kinds: Vec<&str> = snaps.iter().map(|(s, _)| s.kind.as_str()).collect();
     let snap_models: Vec<Option<Cow<'_, str>>> =
         snaps.iter().map(|(s, _)| opt_text(&s.model)).collect();
-    let snap_tasks: Vec<Option<Cow<'_, str>>> = snaps
+    let snap_tasks: Vec<Option<String>> = snaps
         .iter()
-        .map(|(s, _)| opt_text(&s.current_task))
-        .collect();
+        .map(|(s, _)| {
+            seal_text(
+                seal,
+                Column::SnapshotTask,
+                &s.id.to_string(),
+                &s.current_task,
+            )
+        })
+        .collect::<StoreResult<_>>()?;
     let snap_created: Vec<Timestamp> = snaps.iter().map(|(s, _)| s.created_at).collect();
     let snap_states: Vec<String> = snaps
         .iter()
-        .map(|(s, _)| json(&s.state))
+        .map(|(s, _)| {
+            let state = json(&s.state)?;
+            Ok(seal
+                .seal(Column::SnapshotState, &s.id.to_string(), &state)?
+                .into_owned())
+        })
         .collect::<StoreResult<_>>()?;
     let snap_checkpoint: Vec<bool> = snaps.iter().map(|(_, c)| *c).collect();
     let tether = f.tether.as_ref();
     let idem_body = match &f.idempotency_done {
-        Some((_, _, body)) => Some(json(body)?),
+        Some((key, _, body)) => Some(
+            seal.seal(Column::IdempotencyResponse, key, &json(body)?)?
+                .into_owned(),
+        ),
+        None => None,
+    };
+    let tether_content = match tether {
+        Some(t) => seal_text(seal, Column::TetherContent, &sid, &t.content)?,
         None => None,
     };
 
@@ -916,7 +970,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
                 &snap_checkpoint,
                 &every,
                 &tether.map(|t| text(&t.role)),
-                &tether.and_then(|t| opt_text(&t.content)),
+                &tether_content,
                 &tether.and_then(|t| opt_text(&t.model_used)),
                 &tether.map(|t| t.created_at),
                 &tether.map(|t| t.chunk_id),
@@ -961,7 +1015,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         });
     };
     idem?;
-    let session = session_row(first)?;
+    let session = session_row(first, seal)?;
     let next_tether: i64 = get(first, FINISH_TETHER_COL)?;
     let mut post_action = None;
     let mut checkpoint = None;
@@ -969,7 +1023,7 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
         let Some(id) = get::<Option<Uuid>>(row, FINISH_SNAPSHOT_COL)? else {
             continue;
         };
-        let snap = snapshot_row_at(row, FINISH_SNAPSHOT_COL)?;
+        let snap = snapshot_row_at(row, FINISH_SNAPSHOT_COL, seal)?;
         if f.post_action.as_ref().is_some_and(|s| s.id == id) {
             post_action = Some(snap);
         } else {
@@ -1024,7 +1078,11 @@ pub(crate) async fn finish_turn(c: &Tx, f: FinishTurn) -> StoreResult<FinishTurn
     })
 }
 
-pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<TurnProgressOutcome> {
+pub(crate) async fn record_progress(
+    tx: &Tx,
+    seal: &Sealer,
+    p: TurnProgress,
+) -> StoreResult<TurnProgressOutcome> {
     let not_running = || conflict(ConflictKind::TurnNotRunning);
     let (update, running, messages, snapshot) = tokio::try_join!(
         prep(
@@ -1045,12 +1103,7 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
     // The session row first, like `finish_turn`: once its lock is held, a finish of this turn has
     // either committed (and the check below sees it) or waits for this write.
     let appended = len_i64(&p.messages)?;
-    let bodies = p
-        .messages
-        .iter()
-        .map(|m| json(&m.body))
-        .collect::<StoreResult<Vec<_>>>()?;
-    let bytes = bodies_bytes(&bodies)?;
+    let (bodies, bytes) = encode_bodies(seal, &p.session_id.to_string(), &p.messages)?;
     let Some(row) = tx
         .query_opt(&update, &[&p.session_id, &appended, &p.now, &bytes])
         .await
@@ -1059,7 +1112,7 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
         // No session, so no turn of it can be running.
         return Err(not_running());
     };
-    let session = session_row(&row)?;
+    let session = session_row(&row, seal)?;
     let start = first_seq(&session, appended)?;
     let running = async {
         match tx
@@ -1071,20 +1124,14 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
             None => Err(not_running()),
         }
     };
-    let messages = insert_messages(
-        tx,
-        &messages,
-        p.session_id,
-        start,
-        &p.messages,
-        Some(bodies),
-    );
+    let messages = insert_messages(tx, &messages, p.session_id, start, &p.messages, bodies);
     // One after another, so they are numbered in order (a tool round writes one or two).
     let snapshots = async {
         let mut written = Vec::with_capacity(p.snapshots.len());
         for snap in &p.snapshots {
-            written
-                .push(insert_snapshot(tx, &snapshot, p.session_id, counts(&session), snap).await?);
+            written.push(
+                insert_snapshot(tx, seal, &snapshot, p.session_id, counts(&session), snap).await?,
+            );
         }
         Ok(written)
     };
@@ -1101,7 +1148,7 @@ pub(crate) async fn record_progress(tx: &Tx, p: TurnProgress) -> StoreResult<Tur
     })
 }
 
-pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
+pub(crate) async fn fail_turn(tx: &Tx, seal: &Sealer, f: FailTurn) -> StoreResult<()> {
     // The lock makes a concurrent finish either complete first (then this is `Conflict`) or wait.
     let st = prep(
         tx,
@@ -1116,7 +1163,7 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
         .query_opt(&st, &[&f.turn_id])
         .await
         .map_err(db_err)?
-        .map(|r| turn_row(&r))
+        .map(|r| turn_row(&r, seal))
         .transpose()?
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
@@ -1125,6 +1172,10 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {
+            // An upstream's error text can quote the conversation.
+            let error = seal
+                .seal(Column::TurnError, &f.turn_id.to_string(), &text(&f.error))?
+                .into_owned();
             let st = prep(
                 tx,
                 "UPDATE turns SET state = $2, finished_at = $3, error = $4 WHERE id = $1",
@@ -1132,12 +1183,7 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
             .await?;
             tx.execute(
                 &st,
-                &[
-                    &f.turn_id,
-                    &turn_state(TurnState::Failed),
-                    &f.now,
-                    &text(&f.error),
-                ],
+                &[&f.turn_id, &turn_state(TurnState::Failed), &f.now, &error],
             )
             .await
             .map_err(db_err)?;
@@ -1168,6 +1214,7 @@ pub(crate) async fn fail_turn(tx: &Tx, f: FailTurn) -> StoreResult<()> {
 
 pub(crate) async fn recover_interrupted_turns(
     tx: &Tx,
+    seal: &Sealer,
     now: Timestamp,
 ) -> StoreResult<Vec<TurnRecord>> {
     let st = prep(
@@ -1183,7 +1230,7 @@ pub(crate) async fn recover_interrupted_turns(
         .query(&st, &[&turn_state(TurnState::Failed), &now, &INTERRUPTED])
         .await
         .map_err(db_err)?;
-    let turns = rows(&found, turn_row)?;
+    let turns = rows(&found, |r| turn_row(r, seal))?;
     release_keys(tx, &turns, now).await?;
     Ok(turns)
 }
@@ -1210,6 +1257,7 @@ pub(crate) async fn replica_heartbeat(
 /// failed (and returned) by one: the others' updates wait for its row lock, then find it failed.
 pub(crate) async fn recover_orphaned_turns(
     tx: &Tx,
+    seal: &Sealer,
     now: Timestamp,
     stale_before: Timestamp,
 ) -> StoreResult<Vec<TurnRecord>> {
@@ -1236,7 +1284,7 @@ pub(crate) async fn recover_orphaned_turns(
         )
         .await
         .map_err(db_err)?;
-    let turns = rows(&found, turn_row)?;
+    let turns = rows(&found, |r| turn_row(r, seal))?;
     release_keys(tx, &turns, now).await?;
     // A replica that is gone for good would otherwise keep its row forever. One that began a turn
     // since the update above is alive after all, and keeps its row.
@@ -1281,6 +1329,7 @@ async fn release_keys(tx: &Tx, turns: &[TurnRecord], now: Timestamp) -> StoreRes
 
 pub(crate) async fn get_idempotency(
     c: &impl GenericClient,
+    seal: &Sealer,
     key: &str,
 ) -> StoreResult<Option<IdempotencyRecord>> {
     let st = prep(
@@ -1295,6 +1344,6 @@ pub(crate) async fn get_idempotency(
     c.query_opt(&st, &[&key])
         .await
         .map_err(db_err)?
-        .map(|r| idempotency_row(&r))
+        .map(|r| idempotency_row(&r, seal))
         .transpose()
 }

@@ -7,13 +7,14 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::codec::{
-    bad, col_json, col_u64, db_err, first_error, get, int, json, opt_text, rows, session_cols,
-    session_row, text,
+    bad, col_open, col_sealed_json, col_u64, db_err, first_error, get, int, json, opt_text, rows,
+    seal_text, session_cols, session_row, text,
 };
 use super::ops::{
-    INSERT_MESSAGES, INSERT_SNAPSHOT, Tx, allowed_from, bodies_bytes, insert_messages,
+    INSERT_MESSAGES, INSERT_SNAPSHOT, Tx, allowed_from, encode_bodies, insert_messages,
     insert_snapshot, len_i64, prep, refused_transition,
 };
+use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
     NewBundle, NewExport, StoreError, StoreResult, Sweep, Swept, Timestamp,
@@ -26,12 +27,13 @@ macro_rules! export_cols {
     };
 }
 
-fn export_row(row: &Row) -> StoreResult<ExportRecord> {
+fn export_row(row: &Row, seal: &Sealer) -> StoreResult<ExportRecord> {
+    let id: Uuid = get(row, 0)?;
     Ok(ExportRecord {
-        id: get(row, 0)?,
+        id,
         session_id: get(row, 1)?,
         bundle_cid: get(row, 2)?,
-        label: get(row, 3)?,
+        label: col_open(row, 3, seal, Column::ExportLabel, &id.to_string())?,
         message_count: col_u64(row, 4)?,
         created_at: get(row, 5)?,
         expires_at: get(row, 6)?,
@@ -48,22 +50,24 @@ macro_rules! link_cols {
     };
 }
 
-fn link_row(row: &Row) -> StoreResult<LinkRecord> {
+fn link_row(row: &Row, seal: &Sealer) -> StoreResult<LinkRecord> {
+    let id: Uuid = get(row, 0)?;
+    let key = id.to_string();
     let kind: &str = get(row, 1)?;
     let fork_point = match get::<Option<i64>>(row, 9)? {
         None => None,
         Some(_) => Some(col_u64(row, 9)?),
     };
     Ok(LinkRecord {
-        id: get(row, 0)?,
+        id,
         kind: LinkKind::parse(kind).ok_or_else(|| bad(1, format!("link kind {kind:?}")))?,
         from_session: get(row, 2)?,
         to_session: get(row, 3)?,
         from_agent: get(row, 4)?,
         to_agent: get(row, 5)?,
         export_id: get(row, 6)?,
-        label: get(row, 7)?,
-        reason: get(row, 8)?,
+        label: col_open(row, 7, seal, Column::LinkLabel, &key)?,
+        reason: col_open(row, 8, seal, Column::LinkReason, &key)?,
         fork_point,
         reused: get(row, 10)?,
         created_at: get(row, 11)?,
@@ -78,18 +82,26 @@ const INSERT_EXPORT: &str = "INSERT INTO exports (id, session_id, bundle_cid, la
      created_at, expires_at, foreign_origin) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
      ON CONFLICT (id) DO NOTHING";
 
-async fn insert_bundle(tx: &Tx, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
+async fn insert_bundle(
+    tx: &Tx,
+    seal: &Sealer,
+    bundle: &NewBundle,
+    now: &Timestamp,
+) -> StoreResult<()> {
     let st = prep(tx, INSERT_BUNDLE).await?;
-    tx.execute(&st, &[&bundle.cid, &bundle.bytes, now])
+    // The CID stays the digest of the plaintext: the bundle is sealed after it was computed.
+    let body = seal.seal_bytes(Column::BundleBody, &bundle.cid, &bundle.bytes)?;
+    tx.execute(&st, &[&bundle.cid, &body.as_ref(), now])
         .await
         .map_err(db_err)?;
     Ok(())
 }
 
 /// Inserts the export unless one with its id exists; returns whether it inserted.
-async fn insert_export(tx: &Tx, e: &NewExport) -> StoreResult<bool> {
+async fn insert_export(tx: &Tx, seal: &Sealer, e: &NewExport) -> StoreResult<bool> {
     let st = prep(tx, INSERT_EXPORT).await?;
     let message_count = int(e.message_count)?;
+    let label = seal_text(seal, Column::ExportLabel, &e.id.to_string(), &e.label)?;
     let n = tx
         .execute(
             &st,
@@ -97,7 +109,7 @@ async fn insert_export(tx: &Tx, e: &NewExport) -> StoreResult<bool> {
                 &e.id,
                 &e.session_id,
                 &e.bundle_cid,
-                &opt_text(&e.label),
+                &label,
                 &message_count,
                 &e.created_at,
                 &e.expires_at,
@@ -111,11 +123,12 @@ async fn insert_export(tx: &Tx, e: &NewExport) -> StoreResult<bool> {
 
 pub(crate) async fn create_export(
     tx: &Tx,
+    seal: &Sealer,
     export: NewExport,
     bundle: NewBundle,
 ) -> StoreResult<()> {
-    insert_bundle(tx, &bundle, &export.created_at).await?;
-    if insert_export(tx, &export).await? {
+    insert_bundle(tx, seal, &bundle, &export.created_at).await?;
+    if insert_export(tx, seal, &export).await? {
         Ok(())
     } else {
         Err(StoreError::Conflict(crate::ConflictKind::Duplicate(
@@ -126,6 +139,7 @@ pub(crate) async fn create_export(
 
 pub(crate) async fn get_export(
     c: &impl GenericClient,
+    seal: &Sealer,
     id: Uuid,
 ) -> StoreResult<Option<ExportRecord>> {
     let st = prep(
@@ -136,22 +150,35 @@ pub(crate) async fn get_export(
     c.query_opt(&st, &[&id])
         .await
         .map_err(db_err)?
-        .map(|r| export_row(&r))
+        .map(|r| export_row(&r, seal))
         .transpose()
 }
 
-pub(crate) async fn get_bundle(c: &impl GenericClient, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+pub(crate) async fn get_bundle(
+    c: &impl GenericClient,
+    seal: &Sealer,
+    cid: &str,
+) -> StoreResult<Option<Vec<u8>>> {
     let st = prep(c, "SELECT body FROM bundles WHERE cid = $1").await?;
-    c.query_opt(&st, &[&cid])
-        .await
-        .map_err(db_err)?
-        .map(|r| get(&r, 0))
-        .transpose()
+    match c.query_opt(&st, &[&cid]).await.map_err(db_err)? {
+        None => Ok(None),
+        Some(r) => Ok(Some(seal.open_bytes(
+            Column::BundleBody,
+            cid,
+            get(&r, 0)?,
+        )?)),
+    }
 }
 
 /// The single-use check: the conditional UPDATE locks the export row, so of concurrent imports one
 /// sets `imported_at` and the others, once it commits, find it set and change nothing.
-async fn consume_export(tx: &Tx, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
+async fn consume_export(
+    tx: &Tx,
+    seal: &Sealer,
+    export: Uuid,
+    by: Uuid,
+    now: &Timestamp,
+) -> StoreResult<()> {
     let st = prep(
         tx,
         "UPDATE exports SET imported_at = $2, import_session_id = $3 \
@@ -165,7 +192,7 @@ async fn consume_export(tx: &Tx, export: Uuid, by: Uuid, now: &Timestamp) -> Sto
     if changed == 1 {
         return Ok(());
     }
-    match get_export(tx, export).await? {
+    match get_export(tx, seal, export).await? {
         Some(_) => Err(StoreError::Consumed),
         None => Err(StoreError::NotFound),
     }
@@ -175,9 +202,12 @@ const INSERT_LINK: &str = "INSERT INTO lineage (id, kind, from_session, to_sessi
      to_agent, export_id, label, reason, fork_point, reused, created_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-async fn insert_link(tx: &Tx, l: &LinkRecord) -> StoreResult<()> {
+async fn insert_link(tx: &Tx, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
     let st = prep(tx, INSERT_LINK).await?;
     let fork_point = l.fork_point.map(int).transpose()?;
+    let key = l.id.to_string();
+    let label = seal_text(seal, Column::LinkLabel, &key, &l.label)?;
+    let reason = seal_text(seal, Column::LinkReason, &key, &l.reason)?;
     tx.execute(
         &st,
         &[
@@ -188,8 +218,8 @@ async fn insert_link(tx: &Tx, l: &LinkRecord) -> StoreResult<()> {
             &opt_text(&l.from_agent),
             &opt_text(&l.to_agent),
             &l.export_id,
-            &opt_text(&l.label),
-            &opt_text(&l.reason),
+            &label,
+            &reason,
             &fork_point,
             &l.reused,
             &l.created_at,
@@ -209,6 +239,7 @@ const UPSERT_MEMORY: &str = "INSERT INTO session_memory (session_id, schema_id, 
 
 async fn upsert_memory(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     schema_id: &str,
     payload: &serde_json::Value,
@@ -216,38 +247,42 @@ async fn upsert_memory(
 ) -> StoreResult<Option<MemoryRecord>> {
     let st = prep(c, UPSERT_MEMORY).await?;
     let payload = json(payload)?;
-    c.query_opt(&st, &[&session, &text(schema_id), &payload, now])
+    let payload = seal.seal(Column::MemoryPayload, &session.to_string(), &payload)?;
+    c.query_opt(&st, &[&session, &text(schema_id), &payload.as_ref(), now])
         .await
         .map_err(db_err)?
-        .map(|r| memory_row(&r))
+        .map(|r| memory_row(&r, seal, session))
         .transpose()
 }
 
-fn memory_row(row: &Row) -> StoreResult<MemoryRecord> {
+fn memory_row(row: &Row, seal: &Sealer, session: Uuid) -> StoreResult<MemoryRecord> {
     Ok(MemoryRecord {
         schema_id: get(row, 0)?,
-        payload: col_json(row, 1)?,
+        payload: col_sealed_json(row, 1, seal, Column::MemoryPayload, &session.to_string())?,
         updated_at: get(row, 2)?,
     })
 }
 
-/// `bodies`: the messages' bodies encoded as JSON text ahead of the write, or `None`.
+/// `encoded`: the messages' bodies as stored and their plaintext size ([`encode_bodies`]),
+/// encoded ahead of the write, or `None`.
 pub(crate) async fn adopt_session(
     tx: &Tx,
+    seal: &Sealer,
     a: AdoptSession,
-    bodies: Option<Vec<String>>,
+    encoded: Option<(Vec<String>, i64)>,
 ) -> StoreResult<AdoptOutcome> {
     let new_id = a.session.id;
+    let sid = new_id.to_string();
     if let Some(bundle) = &a.bundle {
-        insert_bundle(tx, bundle, &a.now).await?;
+        insert_bundle(tx, seal, bundle, &a.now).await?;
     }
     if let Some(export) = &a.export {
         // A foreign export already recorded by an earlier import stays as it is.
-        insert_export(tx, export).await?;
+        insert_export(tx, seal, export).await?;
     }
     // First, so a losing import fails before writing thousands of messages.
     if let Some(export) = a.consume_export {
-        consume_export(tx, export, new_id, &a.now).await?;
+        consume_export(tx, seal, export, new_id, &a.now).await?;
     }
     if let Some(source) = a.suspend {
         let st = prep(
@@ -278,16 +313,13 @@ pub(crate) async fn adopt_session(
         prep(tx, INSERT_SNAPSHOT),
     )?;
     let (steps, count) = (int(a.step_count)?, len_i64(&a.messages)?);
-    let bodies = match bodies {
-        Some(b) => b,
-        None => a
-            .messages
-            .iter()
-            .map(|m| json(&m.body))
-            .collect::<StoreResult<Vec<_>>>()?,
+    let (bodies, bytes) = match encoded {
+        Some(e) => e,
+        None => encode_bodies(seal, &sid, &a.messages)?,
     };
-    let bytes = bodies_bytes(&bodies)?;
     let metadata = json(&a.session.metadata)?;
+    let metadata = seal.seal(Column::SessionMetadata, &sid, &metadata)?;
+    let last_task = seal_text(seal, Column::SessionLastTask, &sid, &a.last_task)?;
     // The session first (the rest refers to it); everything after it is sent at once.
     let session = async {
         let row = tx
@@ -300,23 +332,24 @@ pub(crate) async fn adopt_session(
                     &a.status.as_str(),
                     &steps,
                     &count,
-                    &opt_text(&a.last_task),
+                    &last_task,
                     &opt_text(&a.model),
                     &a.session.created_at,
                     &a.now,
-                    &metadata,
+                    &metadata.as_ref(),
                     &bytes,
                 ],
             )
             .await
             .map_err(db_err)?;
-        session_row(&row)
+        session_row(&row, seal)
     };
-    let messages = insert_messages(tx, &messages, new_id, 0, &a.messages, Some(bodies));
+    let messages = insert_messages(tx, &messages, new_id, 0, &a.messages, bodies);
     let snapshot = async {
         match &a.snapshot {
             Some(r) => insert_snapshot(
                 tx,
+                seal,
                 &snapshot,
                 new_id,
                 (r.step_count, r.message_count),
@@ -329,15 +362,17 @@ pub(crate) async fn adopt_session(
     };
     let memory = async {
         match &a.memory {
-            Some((schema_id, payload)) => upsert_memory(tx, new_id, schema_id, payload, &a.now)
-                .await
-                .map(drop),
+            Some((schema_id, payload)) => {
+                upsert_memory(tx, seal, new_id, schema_id, payload, &a.now)
+                    .await
+                    .map(drop)
+            }
             None => Ok(()),
         }
     };
     let link = async {
         match &a.link {
-            Some(link) => insert_link(tx, link).await,
+            Some(link) => insert_link(tx, seal, link).await,
             None => Ok(()),
         }
     };
@@ -353,7 +388,11 @@ pub(crate) async fn adopt_session(
     session
 }
 
-pub(crate) async fn lineage(c: &impl GenericClient, session: Uuid) -> StoreResult<Lineage> {
+pub(crate) async fn lineage(
+    c: &impl GenericClient,
+    seal: &Sealer,
+    session: Uuid,
+) -> StoreResult<Lineage> {
     let (exports, outgoing, incoming) = tokio::try_join!(
         prep(
             c,
@@ -386,14 +425,15 @@ pub(crate) async fn lineage(c: &impl GenericClient, session: Uuid) -> StoreResul
         async { c.query(&incoming, &[&session]).await.map_err(db_err) },
     )?;
     Ok(Lineage {
-        exports: rows(&exports, export_row)?,
-        outgoing: rows(&outgoing, link_row)?,
-        incoming: rows(&incoming, link_row)?,
+        exports: rows(&exports, |r| export_row(r, seal))?,
+        outgoing: rows(&outgoing, |r| link_row(r, seal))?,
+        incoming: rows(&incoming, |r| link_row(r, seal))?,
     })
 }
 
 pub(crate) async fn get_memory(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
 ) -> StoreResult<Option<MemoryRecord>> {
     let st = prep(
@@ -404,19 +444,20 @@ pub(crate) async fn get_memory(
     c.query_opt(&st, &[&session])
         .await
         .map_err(db_err)?
-        .map(|r| memory_row(&r))
+        .map(|r| memory_row(&r, seal, session))
         .transpose()
 }
 
 /// One statement: it writes only when the session exists, and `NotFound` otherwise.
 pub(crate) async fn put_memory(
     c: &impl GenericClient,
+    seal: &Sealer,
     session: Uuid,
     schema_id: &str,
     payload: &serde_json::Value,
     now: &Timestamp,
 ) -> StoreResult<MemoryRecord> {
-    upsert_memory(c, session, schema_id, payload, now)
+    upsert_memory(c, seal, session, schema_id, payload, now)
         .await?
         .ok_or(StoreError::NotFound)
 }

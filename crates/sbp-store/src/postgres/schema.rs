@@ -5,6 +5,7 @@
 use deadpool_postgres::Client;
 
 use super::codec::db_err;
+use crate::seal::Sealer;
 use crate::{StoreError, StoreResult};
 
 /// First key of the advisory lock that serialises migrations ("sbp" in ASCII); the second is a
@@ -189,6 +190,14 @@ const MIGRATIONS: &[&str] = &[
         FROM (SELECT session_id, SUM(octet_length(body)) AS bytes FROM messages GROUP BY session_id) m
         WHERE m.session_id = sessions.id;
     "#,
+    // v6: encryption at rest (SQLite v6). A row per key that content here is (or may be) sealed
+    // under, with a value sealed under it that every start opens.
+    r#"
+    CREATE TABLE sealing_keys (
+        key_id      text PRIMARY KEY,
+        check_value text NOT NULL
+    );
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
@@ -239,6 +248,44 @@ pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
         .await
         .map_err(db_err)?;
         tracing::info!(version, "applied postgres migration");
+    }
+    tx.commit().await.map_err(db_err)
+}
+
+/// The keys the database records as sealing its content: `(key id, check value)`.
+pub(crate) async fn recorded_keys(
+    c: &impl deadpool_postgres::GenericClient,
+) -> StoreResult<Vec<(String, String)>> {
+    let rows = c
+        .query(
+            "SELECT key_id, check_value FROM sealing_keys ORDER BY key_id",
+            &[],
+        )
+        .await
+        .map_err(db_err)?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// At open: refuses a keyring (or its absence) that does not fit the keys the database records,
+/// then records the current key before anything is sealed under it. Under the migration lock, so
+/// replicas starting at once with a new key record it once.
+pub(crate) async fn check_keys(client: &mut Client, seal: &Sealer) -> StoreResult<()> {
+    let tx = client.transaction().await.map_err(db_err)?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))",
+        &[&LOCK_CLASS],
+    )
+    .await
+    .map_err(db_err)?;
+    if let Some((id, check)) = seal.check(&recorded_keys(&tx).await?)? {
+        tx.execute(
+            "INSERT INTO sealing_keys (key_id, check_value) VALUES ($1, $2) \
+             ON CONFLICT (key_id) DO NOTHING",
+            &[&id, &check],
+        )
+        .await
+        .map_err(db_err)?;
+        tracing::info!(key_id = %id, "encryption at rest: new key recorded");
     }
     tx.commit().await.map_err(db_err)
 }

@@ -10,6 +10,8 @@ use super::codec::{
     col_status, db_err, idem_state, idempotency_row, int, json, message_row, session_row,
     snapshot_row, tether_row, ts, turn_row, turn_state, uuid,
 };
+pub(crate) use crate::codec::encode_bodies;
+use crate::seal::{Column, Sealer};
 use crate::{
     BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
     IdempotencyRecord, IdempotencyState, MessageRecord, NewMessage, NewSession, NewSnapshot,
@@ -26,9 +28,10 @@ fn conflict(kind: ConflictKind) -> StoreError {
 
 // ---- sessions ----
 
-pub(crate) fn insert_session(conn: &Connection, s: &NewSession) -> StoreResult<()> {
+pub(crate) fn insert_session(conn: &Connection, seal: &Sealer, s: &NewSession) -> StoreResult<()> {
     let created = ts(&s.created_at);
     let metadata = json(&s.metadata)?;
+    let metadata = seal.seal(Column::SessionMetadata, &uuid(&s.id), &metadata)?;
     conn.prepare_cached(
         "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, metadata) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6)",
@@ -47,27 +50,39 @@ pub(crate) fn insert_session(conn: &Connection, s: &NewSession) -> StoreResult<(
     Ok(())
 }
 
-pub(crate) fn get_session(conn: &Connection, id: Uuid) -> StoreResult<Option<SessionRecord>> {
+pub(crate) fn get_session(
+    conn: &Connection,
+    seal: &Sealer,
+    id: Uuid,
+) -> StoreResult<Option<SessionRecord>> {
     conn.prepare_cached(&format!(
         "SELECT {SESSION_COLS} FROM sessions WHERE id = ?1"
     ))
-    .and_then(|mut st| st.query_row([uuid(&id)], session_row).optional())
+    .and_then(|mut st| {
+        st.query_row([uuid(&id)], |r| session_row(r, seal))
+            .optional()
+    })
     .map_err(db_err)
 }
 
 pub(crate) fn find_session_by_token(
     conn: &Connection,
+    seal: &Sealer,
     token_hash: &str,
 ) -> StoreResult<Option<SessionRecord>> {
     conn.prepare_cached(&format!(
         "SELECT {SESSION_COLS} FROM sessions WHERE token_hash = ?1"
     ))
-    .and_then(|mut st| st.query_row([token_hash], session_row).optional())
+    .and_then(|mut st| {
+        st.query_row([token_hash], |r| session_row(r, seal))
+            .optional()
+    })
     .map_err(db_err)
 }
 
 pub(crate) fn latest_suspended_for_agent(
     conn: &Connection,
+    seal: &Sealer,
     agent_id: &str,
 ) -> StoreResult<Option<SessionRecord>> {
     // `rowid` breaks ties between sessions updated in the same microsecond: the later insert wins.
@@ -75,7 +90,10 @@ pub(crate) fn latest_suspended_for_agent(
         "SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND status = 'suspended' \
          ORDER BY updated_at DESC, rowid DESC LIMIT 1"
     ))
-    .and_then(|mut st| st.query_row([agent_id], session_row).optional())
+    .and_then(|mut st| {
+        st.query_row([agent_id], |r| session_row(r, seal))
+            .optional()
+    })
     .map_err(db_err)
 }
 
@@ -110,6 +128,7 @@ pub(crate) fn update_status(
 
 pub(crate) fn mark_attached(
     conn: &Connection,
+    seal: &Sealer,
     id: Uuid,
     now: Timestamp,
 ) -> StoreResult<SessionRecord> {
@@ -119,7 +138,7 @@ pub(crate) fn mark_attached(
          WHERE id = ?1 RETURNING {SESSION_COLS}"
     ))
     .and_then(|mut st| {
-        st.query_row(params![uuid(&id), ts(&now)], session_row)
+        st.query_row(params![uuid(&id), ts(&now)], |r| session_row(r, seal))
             .optional()
     })
     .map_err(db_err)?
@@ -161,29 +180,24 @@ pub(crate) fn count_sessions_by_status(
 // ---- messages ----
 
 /// Inserts `messages` at seqs `start..` (the caller has already moved `message_count` past them),
-/// with the bodies already encoded as JSON text when given (`bodies[i]` is the body of
-/// `messages[i]`), e.g. by the caller in parallel before the write.
+/// with the bodies already encoded as they are stored ([`encode_bodies`]: `bodies[i]` is the body
+/// of `messages[i]`), e.g. by the caller in parallel before the write.
 pub(crate) fn insert_encoded_messages(
     conn: &Connection,
     sid: &str,
     start: i64,
     messages: &[NewMessage],
-    bodies: Option<&[String]>,
+    bodies: &[String],
 ) -> StoreResult<()> {
     if messages.is_empty() {
         return Ok(());
     }
-    if bodies.is_some_and(|b| b.len() != messages.len()) {
+    if bodies.len() != messages.len() {
         return Err(StoreError::Backend(
             "encoded bodies do not match the messages".to_owned(),
         ));
     }
-    let body_of = |i: usize, m: &NewMessage| -> StoreResult<std::borrow::Cow<'_, str>> {
-        Ok(match bodies {
-            Some(b) => std::borrow::Cow::Borrowed(b[i].as_str()),
-            None => std::borrow::Cow::Owned(json(&m.body)?),
-        })
-    };
+    let body_of = |i: usize, _: &NewMessage| -> StoreResult<&str> { Ok(bodies[i].as_str()) };
     // Long histories go in statements of many rows: a statement's fixed cost (reset, bind, VDBE
     // start) is most of a small row's insert.
     let bulk = if messages.len() >= ROWS_PER_INSERT {
@@ -255,28 +269,13 @@ fn too_many() -> StoreError {
     StoreError::Backend("too many messages".to_owned())
 }
 
-/// The messages' bodies encoded as they are stored, and their total size in bytes (what
-/// `sessions.message_bytes` counts).
-pub(crate) fn encode_bodies(messages: &[NewMessage]) -> StoreResult<(Vec<String>, i64)> {
-    let bodies = messages
-        .iter()
-        .map(|m| json(&m.body))
-        .collect::<StoreResult<Vec<_>>>()?;
-    let bytes = bodies_bytes(&bodies)?;
-    Ok((bodies, bytes))
-}
-
-pub(crate) fn bodies_bytes(bodies: &[String]) -> StoreResult<i64> {
-    i64::try_from(bodies.iter().map(String::len).sum::<usize>())
-        .map_err(|_| StoreError::Backend("messages too large".to_owned()))
-}
-
 pub(crate) fn len_i64(messages: &[NewMessage]) -> StoreResult<i64> {
     i64::try_from(messages.len()).map_err(|_| StoreError::Backend("too many messages".to_owned()))
 }
 
 pub(crate) fn list_messages(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     after: Option<u64>,
     limit: Option<u32>,
@@ -292,7 +291,8 @@ pub(crate) fn list_messages(
         "SELECT {MESSAGE_COLS} FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
     ))
     .and_then(|mut st| {
-        st.query_map(params![uuid(&session), after, limit], message_row)?
+        let sid = uuid(&session);
+        st.query_map(params![sid, after, limit], |r| message_row(r, seal, &sid))?
             .collect()
     })
     .map_err(db_err)
@@ -303,10 +303,14 @@ pub(crate) fn list_messages(
 /// Writes a snapshot carrying the session's counts as they are now in this transaction.
 fn insert_snapshot(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     snap: &NewSnapshot,
 ) -> StoreResult<SnapshotRecord> {
+    let key = uuid(&snap.id);
     let state = json(&snap.state)?;
+    let state = seal.seal(Column::SnapshotState, &key, &state)?;
+    let task = seal.seal_opt(Column::SnapshotTask, &key, snap.current_task.as_deref())?;
     conn.prepare_cached(&format!(
         "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, current_task, \
          created_at, state) \
@@ -319,12 +323,12 @@ fn insert_snapshot(
                 uuid(&snap.id),
                 snap.kind.as_str(),
                 snap.model,
-                snap.current_task,
+                task,
                 ts(&snap.created_at),
                 state,
                 uuid(&session),
             ],
-            snapshot_row,
+            |r| snapshot_row(r, seal),
         )
         .optional()
     })
@@ -334,6 +338,7 @@ fn insert_snapshot(
 
 pub(crate) fn latest_snapshot(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     kind: Option<sbp_protocol::SnapshotKind>,
 ) -> StoreResult<Option<SnapshotRecord>> {
@@ -344,26 +349,34 @@ pub(crate) fn latest_snapshot(
                 "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 AND kind = ?2 \
                  ORDER BY ord DESC LIMIT 1"
             ))
-            .and_then(|mut st| st.query_row(params![sid, kind.as_str()], snapshot_row).optional()),
+            .and_then(|mut st| st.query_row(params![sid, kind.as_str()], |r| snapshot_row(r, seal)).optional()),
         None => conn
             .prepare_cached(&format!(
                 "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT 1"
             ))
-            .and_then(|mut st| st.query_row([sid], snapshot_row).optional()),
+            .and_then(|mut st| st.query_row([sid], |r| snapshot_row(r, seal)).optional()),
     };
     found.map_err(db_err)
 }
 
-pub(crate) fn get_snapshot(conn: &Connection, id: Uuid) -> StoreResult<Option<SnapshotRecord>> {
+pub(crate) fn get_snapshot(
+    conn: &Connection,
+    seal: &Sealer,
+    id: Uuid,
+) -> StoreResult<Option<SnapshotRecord>> {
     conn.prepare_cached(&format!(
         "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?1"
     ))
-    .and_then(|mut st| st.query_row([uuid(&id)], snapshot_row).optional())
+    .and_then(|mut st| {
+        st.query_row([uuid(&id)], |r| snapshot_row(r, seal))
+            .optional()
+    })
     .map_err(db_err)
 }
 
 pub(crate) fn list_snapshots(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     limit: u32,
 ) -> StoreResult<Vec<SnapshotRecord>> {
@@ -371,16 +384,24 @@ pub(crate) fn list_snapshots(
         "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT ?2"
     ))
     .and_then(|mut st| {
-        st.query_map(params![uuid(&session), i64::from(limit)], snapshot_row)?
-            .collect()
+        st.query_map(params![uuid(&session), i64::from(limit)], |r| {
+            snapshot_row(r, seal)
+        })?
+        .collect()
     })
     .map_err(db_err)
 }
 
 // ---- tether ----
 
-fn insert_tether(conn: &Connection, session: Uuid, entry: &NewTetherEntry) -> StoreResult<u64> {
+fn insert_tether(
+    conn: &Connection,
+    seal: &Sealer,
+    session: Uuid,
+    entry: &NewTetherEntry,
+) -> StoreResult<u64> {
     let sid = uuid(&session);
+    let content = seal.seal_opt(Column::TetherContent, &sid, entry.content.as_deref())?;
     // Taking the seq from the session row (not MAX(seq) of the table) keeps it growing after the
     // newest entries were acknowledged or removed.
     let seq: i64 = conn
@@ -397,7 +418,7 @@ fn insert_tether(conn: &Connection, session: Uuid, entry: &NewTetherEntry) -> St
             sid,
             seq,
             entry.role,
-            entry.content,
+            content,
             entry.model_used,
             ts(&entry.created_at),
             uuid(&entry.chunk_id)
@@ -409,6 +430,7 @@ fn insert_tether(conn: &Connection, session: Uuid, entry: &NewTetherEntry) -> St
 
 pub(crate) fn tether_pending(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     after: Option<u64>,
     limit: u32,
@@ -421,8 +443,10 @@ pub(crate) fn tether_pending(
         "SELECT {TETHER_COLS} FROM tether WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
     ))
     .and_then(|mut st| {
-        st.query_map(params![uuid(&session), after, i64::from(limit)], tether_row)?
-            .collect()
+        st.query_map(params![uuid(&session), after, i64::from(limit)], |r| {
+            tether_row(r, seal)
+        })?
+        .collect()
     })
     .map_err(db_err)
 }
@@ -486,29 +510,38 @@ pub(crate) fn tether_remove(conn: &Connection, session: Uuid, seqs: &[u64]) -> S
 
 // ---- turns ----
 
-pub(crate) fn get_turn(conn: &Connection, id: Uuid) -> StoreResult<Option<TurnRecord>> {
+pub(crate) fn get_turn(
+    conn: &Connection,
+    seal: &Sealer,
+    id: Uuid,
+) -> StoreResult<Option<TurnRecord>> {
     conn.prepare_cached(&format!("SELECT {TURN_COLS} FROM turns WHERE id = ?1"))
-        .and_then(|mut st| st.query_row([uuid(&id)], turn_row).optional())
+        .and_then(|mut st| st.query_row([uuid(&id)], |r| turn_row(r, seal)).optional())
         .map_err(db_err)
 }
 
 /// The session row after a turn's update: `message_count` already includes the new messages.
 fn updated_session(
     conn: &Connection,
+    seal: &Sealer,
     sql: &str,
     p: impl rusqlite::Params,
     appended: i64,
 ) -> StoreResult<(SessionRecord, i64)> {
     let session = conn
         .prepare_cached(sql)
-        .and_then(|mut st| st.query_row(p, session_row).optional())
+        .and_then(|mut st| st.query_row(p, |r| session_row(r, seal)).optional())
         .map_err(db_err)?
         .ok_or(StoreError::NotFound)?;
     let end = int(session.message_count)?;
     Ok((session, end - appended))
 }
 
-pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginTurnOutcome> {
+pub(crate) fn begin_turn(
+    conn: &Connection,
+    seal: &Sealer,
+    b: &BeginTurn,
+) -> StoreResult<BeginTurnOutcome> {
     let now = ts(&b.now);
     let sid = uuid(&b.session_id);
     let turn_id = uuid(&b.turn_id);
@@ -516,7 +549,7 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
         if create.id != b.session_id {
             return Err(conflict(ConflictKind::CreatedIdDiffers));
         }
-        insert_session(conn, create)?;
+        insert_session(conn, seal, create)?;
     }
     let current = current_status(conn, &sid)?;
     if let Some(to) = b.status {
@@ -580,9 +613,11 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     })
     .map_err(db_err)?;
     let appended = len_i64(&b.new_messages)?;
-    let (bodies, bytes) = encode_bodies(&b.new_messages)?;
+    let (bodies, bytes) = encode_bodies(seal, &sid, &b.new_messages)?;
+    let last_task = seal.seal_opt(Column::SessionLastTask, &sid, b.last_task.as_deref())?;
     let (session, start) = updated_session(
         conn,
+        seal,
         &format!(
             "UPDATE sessions SET message_count = message_count + ?2, status = COALESCE(?3, status), \
              last_task = COALESCE(?4, last_task), model = COALESCE(?5, model), updated_at = ?6, \
@@ -592,17 +627,17 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
             sid,
             appended,
             b.status.map(SessionStatus::as_str),
-            b.last_task,
+            last_task,
             b.model,
             now,
             bytes
         ],
         appended,
     )?;
-    insert_encoded_messages(conn, &sid, start, &b.new_messages, Some(&bodies))?;
+    insert_encoded_messages(conn, &sid, start, &b.new_messages, &bodies)?;
     // After the messages, so the snapshot covers the prompt it is about to act on.
     let pre_action_snapshot = match &b.pre_action {
-        Some(snap) => Some(insert_snapshot(conn, b.session_id, snap)?),
+        Some(snap) => Some(insert_snapshot(conn, seal, b.session_id, snap)?),
         None => None,
     };
     Ok(BeginTurnOutcome {
@@ -611,15 +646,20 @@ pub(crate) fn begin_turn(conn: &Connection, b: &BeginTurn) -> StoreResult<BeginT
     })
 }
 
-pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<FinishTurnOutcome> {
+pub(crate) fn finish_turn(
+    conn: &Connection,
+    seal: &Sealer,
+    f: &FinishTurn,
+) -> StoreResult<FinishTurnOutcome> {
     let now = ts(&f.now);
     let sid = uuid(&f.session_id);
     // One update moves the counts past the new messages and the step, so the snapshots below read
     // the final values; a missing session is `NotFound` before anything else is checked.
     let appended = len_i64(&f.messages)?;
-    let (bodies, bytes) = encode_bodies(&f.messages)?;
+    let (bodies, bytes) = encode_bodies(seal, &sid, &f.messages)?;
     let (session, start) = updated_session(
         conn,
+        seal,
         &format!(
             "UPDATE sessions SET message_count = message_count + ?2, step_count = step_count + ?3, \
              updated_at = ?4, message_bytes = message_bytes + ?5 WHERE id = ?1 \
@@ -644,22 +684,22 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
             return Err(conflict(ConflictKind::TurnNotRunning));
         }
     }
-    insert_encoded_messages(conn, &sid, start, &f.messages, Some(&bodies))?;
+    insert_encoded_messages(conn, &sid, start, &f.messages, &bodies)?;
     let post_action_snapshot = match &f.post_action {
-        Some(snap) => Some(insert_snapshot(conn, f.session_id, snap)?),
+        Some(snap) => Some(insert_snapshot(conn, seal, f.session_id, snap)?),
         None => None,
     };
     let checkpoint_snapshot = match &f.checkpoint {
         Some((snap, every))
             if f.count_step && *every > 0 && session.step_count % u64::from(*every) == 0 =>
         {
-            Some(insert_snapshot(conn, f.session_id, snap)?)
+            Some(insert_snapshot(conn, seal, f.session_id, snap)?)
         }
         _ => None,
     };
     let tether_seq = match &f.tether {
         Some(entry) if session.tether_enabled || !f.tether_only_if_enabled => {
-            Some(insert_tether(conn, f.session_id, entry)?)
+            Some(insert_tether(conn, seal, f.session_id, entry)?)
         }
         _ => None,
     };
@@ -668,6 +708,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
     {
         let tether = tether_seq.map(int).transpose()?;
         let body = json(body)?;
+        let body = seal.seal(Column::IdempotencyResponse, key, &body)?;
         let created = conn
             .prepare_cached(
                 "INSERT INTO idempotency (key, session_id, turn_id, fingerprint, state, \
@@ -693,6 +734,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
         }
     } else if let Some((key, status, body)) = &f.idempotency_done {
         let body = json(body)?;
+        let body = seal.seal(Column::IdempotencyResponse, key, &body)?;
         let n = conn
             .prepare_cached(
                 "UPDATE idempotency SET state = ?3, response_status = ?4, response_body = ?5, \
@@ -725,6 +767,7 @@ pub(crate) fn finish_turn(conn: &Connection, f: &FinishTurn) -> StoreResult<Fini
 
 pub(crate) fn record_progress(
     conn: &Connection,
+    seal: &Sealer,
     p: &TurnProgress,
 ) -> StoreResult<TurnProgressOutcome> {
     let sid = uuid(&p.session_id);
@@ -738,9 +781,10 @@ pub(crate) fn record_progress(
         return Err(conflict(ConflictKind::TurnNotRunning));
     }
     let appended = len_i64(&p.messages)?;
-    let (bodies, bytes) = encode_bodies(&p.messages)?;
+    let (bodies, bytes) = encode_bodies(seal, &sid, &p.messages)?;
     let (session, start) = updated_session(
         conn,
+        seal,
         &format!(
             "UPDATE sessions SET message_count = message_count + ?2, updated_at = ?3, \
              message_bytes = message_bytes + ?4 WHERE id = ?1 RETURNING {SESSION_COLS}"
@@ -748,11 +792,11 @@ pub(crate) fn record_progress(
         params![sid, appended, ts(&p.now), bytes],
         appended,
     )?;
-    insert_encoded_messages(conn, &sid, start, &p.messages, Some(&bodies))?;
+    insert_encoded_messages(conn, &sid, start, &p.messages, &bodies)?;
     let snapshots = p
         .snapshots
         .iter()
-        .map(|snap| insert_snapshot(conn, p.session_id, snap))
+        .map(|snap| insert_snapshot(conn, seal, p.session_id, snap))
         .collect::<StoreResult<Vec<_>>>()?;
     Ok(TurnProgressOutcome {
         session,
@@ -762,10 +806,10 @@ pub(crate) fn record_progress(
     })
 }
 
-pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
+pub(crate) fn fail_turn(conn: &Connection, seal: &Sealer, f: &FailTurn) -> StoreResult<()> {
     let now = ts(&f.now);
     let sid = uuid(&f.session_id);
-    let turn = get_turn(conn, f.turn_id)?
+    let turn = get_turn(conn, seal, f.turn_id)?
         .filter(|t| t.session_id == f.session_id)
         .ok_or(StoreError::NotFound)?;
     match turn.state {
@@ -773,6 +817,8 @@ pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
         // Already failed (e.g. by restart recovery): keep its first error, still release the key.
         TurnState::Failed => {}
         TurnState::Running => {
+            // An upstream's error text can quote the conversation.
+            let error = seal.seal(Column::TurnError, &uuid(&f.turn_id), &f.error)?;
             conn.prepare_cached(
                 "UPDATE turns SET state = ?2, finished_at = ?3, error = ?4 WHERE id = ?1",
             )
@@ -781,7 +827,7 @@ pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
                     uuid(&f.turn_id),
                     turn_state(TurnState::Failed),
                     now,
-                    f.error
+                    error
                 ])
             })
             .map_err(db_err)?;
@@ -808,6 +854,7 @@ pub(crate) fn fail_turn(conn: &Connection, f: &FailTurn) -> StoreResult<()> {
 
 pub(crate) fn recover_interrupted_turns(
     conn: &Connection,
+    seal: &Sealer,
     now: Timestamp,
 ) -> StoreResult<Vec<TurnRecord>> {
     let now = ts(&now);
@@ -819,7 +866,7 @@ pub(crate) fn recover_interrupted_turns(
         .and_then(|mut st| {
             st.query_map(
                 params![turn_state(TurnState::Failed), now, INTERRUPTED],
-                turn_row,
+                |r| turn_row(r, seal),
             )?
             .collect()
         })
@@ -846,6 +893,7 @@ pub(crate) fn replica_heartbeat(
 /// without a heartbeat at or after `stale_before`.
 pub(crate) fn recover_orphaned_turns(
     conn: &Connection,
+    seal: &Sealer,
     now: Timestamp,
     stale_before: Timestamp,
 ) -> StoreResult<Vec<TurnRecord>> {
@@ -866,7 +914,7 @@ pub(crate) fn recover_orphaned_turns(
                     INTERRUPTED,
                     stale_before
                 ],
-                turn_row,
+                |r| turn_row(r, seal),
             )?
             .collect()
         })
@@ -909,11 +957,12 @@ fn release_keys(conn: &Connection, turns: &[TurnRecord], now: &str) -> StoreResu
 
 pub(crate) fn get_idempotency(
     conn: &Connection,
+    seal: &Sealer,
     key: &str,
 ) -> StoreResult<Option<IdempotencyRecord>> {
     conn.prepare_cached(&format!(
         "SELECT {IDEMPOTENCY_COLS} FROM idempotency WHERE key = ?1"
     ))
-    .and_then(|mut st| st.query_row([key], idempotency_row).optional())
+    .and_then(|mut st| st.query_row([key], |r| idempotency_row(r, seal)).optional())
     .map_err(db_err)
 }

@@ -6,13 +6,14 @@ use sbp_protocol::SessionStatus;
 use uuid::Uuid;
 
 use super::codec::{
-    SESSION_COLS, bad, col_json, col_opt_ts, col_ts, col_u64, col_uuid, db_err, int, json,
-    session_row, ts, uuid,
+    SESSION_COLS, bad, col_open, col_opt_ts, col_sealed_json, col_ts, col_u64, col_uuid, db_err,
+    int, json, sealed, session_row, ts, uuid,
 };
 use super::ops::{
-    bodies_bytes, check_transition, current_status, encode_bodies, insert_encoded_messages,
-    insert_session, len_i64,
+    check_transition, current_status, encode_bodies, insert_encoded_messages, insert_session,
+    len_i64,
 };
+use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
     NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Sweep, Swept, Timestamp,
@@ -28,12 +29,13 @@ fn col_opt_uuid(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Uuid>> {
     }
 }
 
-fn export_row(row: &Row<'_>) -> rusqlite::Result<ExportRecord> {
+fn export_row(row: &Row<'_>, seal: &Sealer) -> rusqlite::Result<ExportRecord> {
+    let id = col_uuid(row, 0)?;
     Ok(ExportRecord {
-        id: col_uuid(row, 0)?,
+        id,
         session_id: col_uuid(row, 1)?,
         bundle_cid: row.get(2)?,
-        label: row.get(3)?,
+        label: col_open(row, 3, seal, Column::ExportLabel, &uuid(&id))?,
         message_count: col_u64(row, 4)?,
         created_at: col_ts(row, 5)?,
         expires_at: col_ts(row, 6)?,
@@ -46,42 +48,52 @@ fn export_row(row: &Row<'_>) -> rusqlite::Result<ExportRecord> {
 const LINK_COLS: &str = "id, kind, from_session, to_session, from_agent, to_agent, export_id, \
     label, reason, fork_point, reused, created_at";
 
-fn link_row(row: &Row<'_>) -> rusqlite::Result<LinkRecord> {
+fn link_row(row: &Row<'_>, seal: &Sealer) -> rusqlite::Result<LinkRecord> {
+    let id = col_uuid(row, 0)?;
+    let key = uuid(&id);
     let kind: String = row.get(1)?;
     let fork_point = match row.get::<_, Option<i64>>(9)? {
         None => None,
         Some(_) => Some(col_u64(row, 9)?),
     };
     Ok(LinkRecord {
-        id: col_uuid(row, 0)?,
+        id,
         kind: LinkKind::parse(&kind).ok_or_else(|| bad(1, format!("link kind {kind:?}")))?,
         from_session: col_opt_uuid(row, 2)?,
         to_session: col_uuid(row, 3)?,
         from_agent: row.get(4)?,
         to_agent: row.get(5)?,
         export_id: col_opt_uuid(row, 6)?,
-        label: row.get(7)?,
-        reason: row.get(8)?,
+        label: col_open(row, 7, seal, Column::LinkLabel, &key)?,
+        reason: col_open(row, 8, seal, Column::LinkReason, &key)?,
         fork_point,
         reused: row.get(10)?,
         created_at: col_ts(row, 11)?,
     })
 }
 
-fn insert_bundle(conn: &Connection, bundle: &NewBundle, now: &Timestamp) -> StoreResult<()> {
+fn insert_bundle(
+    conn: &Connection,
+    seal: &Sealer,
+    bundle: &NewBundle,
+    now: &Timestamp,
+) -> StoreResult<()> {
+    // The CID stays the digest of the plaintext: the bundle is sealed after it was computed.
+    let body = seal.seal_bytes(Column::BundleBody, &bundle.cid, &bundle.bytes)?;
     // Content-addressed: an equal CID means equal content, so an existing row is kept as it is.
     conn.prepare_cached(
         "INSERT INTO bundles (cid, body, created_at) VALUES (?1, ?2, ?3) \
          ON CONFLICT (cid) DO NOTHING",
     )
-    .and_then(|mut st| st.execute(params![bundle.cid, bundle.bytes, ts(now)]))
+    .and_then(|mut st| st.execute(params![bundle.cid, body, ts(now)]))
     .map_err(db_err)?;
     Ok(())
 }
 
 /// Inserts the export unless one with its id exists; returns whether it inserted.
-fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<bool> {
+fn insert_export(conn: &Connection, seal: &Sealer, e: &NewExport) -> StoreResult<bool> {
     let message_count = int(e.message_count)?;
+    let label = seal.seal_opt(Column::ExportLabel, &uuid(&e.id), e.label.as_deref())?;
     conn.prepare_cached(
         "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, created_at, \
          expires_at, foreign_origin) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
@@ -92,7 +104,7 @@ fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<bool> {
             uuid(&e.id),
             uuid(&e.session_id),
             e.bundle_cid,
-            e.label,
+            label,
             message_count,
             ts(&e.created_at),
             ts(&e.expires_at),
@@ -105,11 +117,12 @@ fn insert_export(conn: &Connection, e: &NewExport) -> StoreResult<bool> {
 
 pub(crate) fn create_export(
     conn: &Connection,
+    seal: &Sealer,
     export: &NewExport,
     bundle: &NewBundle,
 ) -> StoreResult<()> {
-    insert_bundle(conn, bundle, &export.created_at)?;
-    if insert_export(conn, export)? {
+    insert_bundle(conn, seal, bundle, &export.created_at)?;
+    if insert_export(conn, seal, export)? {
         Ok(())
     } else {
         Err(StoreError::Conflict(crate::ConflictKind::Duplicate(
@@ -118,19 +131,42 @@ pub(crate) fn create_export(
     }
 }
 
-pub(crate) fn get_export(conn: &Connection, id: Uuid) -> StoreResult<Option<ExportRecord>> {
+pub(crate) fn get_export(
+    conn: &Connection,
+    seal: &Sealer,
+    id: Uuid,
+) -> StoreResult<Option<ExportRecord>> {
     conn.prepare_cached(&format!("SELECT {EXPORT_COLS} FROM exports WHERE id = ?1"))
-        .and_then(|mut st| st.query_row([uuid(&id)], export_row).optional())
+        .and_then(|mut st| {
+            st.query_row([uuid(&id)], |r| export_row(r, seal))
+                .optional()
+        })
         .map_err(db_err)
 }
 
-pub(crate) fn get_bundle(conn: &Connection, cid: &str) -> StoreResult<Option<Vec<u8>>> {
+pub(crate) fn get_bundle(
+    conn: &Connection,
+    seal: &Sealer,
+    cid: &str,
+) -> StoreResult<Option<Vec<u8>>> {
     conn.prepare_cached("SELECT body FROM bundles WHERE cid = ?1")
-        .and_then(|mut st| st.query_row([cid], |r| r.get(0)).optional())
+        .and_then(|mut st| {
+            st.query_row([cid], |r| {
+                seal.open_bytes(Column::BundleBody, cid, r.get(0)?)
+                    .map_err(sealed)
+            })
+            .optional()
+        })
         .map_err(db_err)
 }
 
-fn consume_export(conn: &Connection, export: Uuid, by: Uuid, now: &Timestamp) -> StoreResult<()> {
+fn consume_export(
+    conn: &Connection,
+    seal: &Sealer,
+    export: Uuid,
+    by: Uuid,
+    now: &Timestamp,
+) -> StoreResult<()> {
     let changed = conn
         .prepare_cached(
             "UPDATE exports SET imported_at = ?2, import_session_id = ?3 \
@@ -141,14 +177,17 @@ fn consume_export(conn: &Connection, export: Uuid, by: Uuid, now: &Timestamp) ->
     if changed == 1 {
         return Ok(());
     }
-    match get_export(conn, export)? {
+    match get_export(conn, seal, export)? {
         Some(_) => Err(StoreError::Consumed),
         None => Err(StoreError::NotFound),
     }
 }
 
-fn insert_link(conn: &Connection, l: &LinkRecord) -> StoreResult<()> {
+fn insert_link(conn: &Connection, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
     let fork_point = l.fork_point.map(int).transpose()?;
+    let key = uuid(&l.id);
+    let label = seal.seal_opt(Column::LinkLabel, &key, l.label.as_deref())?;
+    let reason = seal.seal_opt(Column::LinkReason, &key, l.reason.as_deref())?;
     conn.prepare_cached(
         "INSERT INTO lineage (id, kind, from_session, to_session, from_agent, to_agent, export_id, \
          label, reason, fork_point, reused, created_at) \
@@ -163,8 +202,8 @@ fn insert_link(conn: &Connection, l: &LinkRecord) -> StoreResult<()> {
             l.from_agent,
             l.to_agent,
             l.export_id.as_ref().map(uuid),
-            l.label,
-            l.reason,
+            label,
+            reason,
             fork_point,
             l.reused,
             ts(&l.created_at),
@@ -176,11 +215,15 @@ fn insert_link(conn: &Connection, l: &LinkRecord) -> StoreResult<()> {
 
 fn insert_restored_snapshot(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     r: &RestoredSnapshot,
 ) -> StoreResult<()> {
     let s = &r.snapshot;
+    let key = uuid(&s.id);
     let (steps, messages, state) = (int(r.step_count)?, int(r.message_count)?, json(&s.state)?);
+    let state = seal.seal(Column::SnapshotState, &key, &state)?;
+    let task = seal.seal_opt(Column::SnapshotTask, &key, s.current_task.as_deref())?;
     conn.prepare_cached(
         "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, \
          current_task, created_at, state) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
@@ -193,7 +236,7 @@ fn insert_restored_snapshot(
             steps,
             messages,
             s.model,
-            s.current_task,
+            task,
             ts(&s.created_at),
             state,
         ])
@@ -204,12 +247,14 @@ fn insert_restored_snapshot(
 
 fn upsert_memory(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     schema_id: &str,
     payload: &serde_json::Value,
     now: &Timestamp,
 ) -> StoreResult<()> {
     let payload = json(payload)?;
+    let payload = seal.seal(Column::MemoryPayload, &uuid(&session), &payload)?;
     conn.prepare_cached(
         "INSERT INTO session_memory (session_id, schema_id, payload, updated_at) \
          VALUES (?1, ?2, ?3, ?4) ON CONFLICT (session_id) DO UPDATE SET \
@@ -222,24 +267,26 @@ fn upsert_memory(
     Ok(())
 }
 
-/// `bodies`: the messages' bodies encoded as JSON text ahead of the write, or `None`.
+/// `encoded`: the messages' bodies as stored and their plaintext size ([`encode_bodies`]),
+/// encoded ahead of the write, or `None`.
 pub(crate) fn adopt_session(
     conn: &Connection,
+    seal: &Sealer,
     a: &AdoptSession,
-    bodies: Option<&[String]>,
+    encoded: Option<&(Vec<String>, i64)>,
 ) -> StoreResult<AdoptOutcome> {
     let new_id = a.session.id;
     let sid = uuid(&new_id);
     if let Some(bundle) = &a.bundle {
-        insert_bundle(conn, bundle, &a.now)?;
+        insert_bundle(conn, seal, bundle, &a.now)?;
     }
     if let Some(export) = &a.export {
         // A foreign export already recorded by an earlier import stays as it is.
-        insert_export(conn, export)?;
+        insert_export(conn, seal, export)?;
     }
     // First, so a losing import fails before writing thousands of messages.
     if let Some(export) = a.consume_export {
-        consume_export(conn, export, new_id, &a.now)?;
+        consume_export(conn, seal, export, new_id, &a.now)?;
     }
     if let Some(source) = a.suspend {
         let current = current_status(conn, &uuid(&source))?;
@@ -254,18 +301,18 @@ pub(crate) fn adopt_session(
             })
             .map_err(db_err)?;
     }
-    insert_session(conn, &a.session)?;
-    let encoded;
-    let bodies = match bodies {
-        Some(b) => b,
+    insert_session(conn, seal, &a.session)?;
+    let here;
+    let (bodies, bytes) = match encoded {
+        Some(e) => e,
         None => {
-            encoded = encode_bodies(&a.messages)?.0;
-            &encoded
+            here = encode_bodies(seal, &sid, &a.messages)?;
+            &here
         }
     };
-    insert_encoded_messages(conn, &sid, 0, &a.messages, Some(bodies))?;
+    insert_encoded_messages(conn, &sid, 0, &a.messages, bodies)?;
     let (steps, messages) = (int(a.step_count)?, len_i64(&a.messages)?);
-    let bytes = bodies_bytes(bodies)?;
+    let last_task = seal.seal_opt(Column::SessionLastTask, &sid, a.last_task.as_deref())?;
     let session = conn
         .prepare_cached(&format!(
             "UPDATE sessions SET status = ?2, step_count = ?3, message_count = ?4, last_task = ?5, \
@@ -278,40 +325,40 @@ pub(crate) fn adopt_session(
                     a.status.as_str(),
                     steps,
                     messages,
-                    a.last_task,
+                    last_task,
                     a.model,
                     ts(&a.now),
                     bytes,
                 ],
-                session_row,
+                |r| session_row(r, seal),
             )
         })
         .map_err(db_err)?;
     if let Some(snapshot) = &a.snapshot {
-        insert_restored_snapshot(conn, new_id, snapshot)?;
+        insert_restored_snapshot(conn, seal, new_id, snapshot)?;
     }
     if let Some((schema_id, payload)) = &a.memory {
-        upsert_memory(conn, new_id, schema_id, payload, &a.now)?;
+        upsert_memory(conn, seal, new_id, schema_id, payload, &a.now)?;
     }
     if let Some(link) = &a.link {
-        insert_link(conn, link)?;
+        insert_link(conn, seal, link)?;
     }
     Ok(session)
 }
 
-pub(crate) fn lineage(conn: &Connection, session: Uuid) -> StoreResult<Lineage> {
+pub(crate) fn lineage(conn: &Connection, seal: &Sealer, session: Uuid) -> StoreResult<Lineage> {
     let sid = uuid(&session);
     let exports = conn
         .prepare_cached(&format!(
             "SELECT {EXPORT_COLS} FROM exports WHERE session_id = ?1 ORDER BY created_at, id"
         ))
-        .and_then(|mut st| st.query_map([&sid], export_row)?.collect())
+        .and_then(|mut st| st.query_map([&sid], |r| export_row(r, seal))?.collect())
         .map_err(db_err)?;
     let links = |col: &str| -> StoreResult<Vec<LinkRecord>> {
         conn.prepare_cached(&format!(
             "SELECT {LINK_COLS} FROM lineage WHERE {col} = ?1 ORDER BY created_at, id"
         ))
-        .and_then(|mut st| st.query_map([&sid], link_row)?.collect())
+        .and_then(|mut st| st.query_map([&sid], |r| link_row(r, seal))?.collect())
         .map_err(db_err)
     };
     Ok(Lineage {
@@ -321,15 +368,20 @@ pub(crate) fn lineage(conn: &Connection, session: Uuid) -> StoreResult<Lineage> 
     })
 }
 
-pub(crate) fn get_memory(conn: &Connection, session: Uuid) -> StoreResult<Option<MemoryRecord>> {
+pub(crate) fn get_memory(
+    conn: &Connection,
+    seal: &Sealer,
+    session: Uuid,
+) -> StoreResult<Option<MemoryRecord>> {
+    let sid = uuid(&session);
     conn.prepare_cached(
         "SELECT schema_id, payload, updated_at FROM session_memory WHERE session_id = ?1",
     )
     .and_then(|mut st| {
-        st.query_row([uuid(&session)], |r| {
+        st.query_row([&sid], |r| {
             Ok(MemoryRecord {
                 schema_id: r.get(0)?,
-                payload: col_json(r, 1)?,
+                payload: col_sealed_json(r, 1, seal, Column::MemoryPayload, &sid)?,
                 updated_at: col_ts(r, 2)?,
             })
         })
@@ -340,14 +392,15 @@ pub(crate) fn get_memory(conn: &Connection, session: Uuid) -> StoreResult<Option
 
 pub(crate) fn put_memory(
     conn: &Connection,
+    seal: &Sealer,
     session: Uuid,
     schema_id: &str,
     payload: &serde_json::Value,
     now: &Timestamp,
 ) -> StoreResult<MemoryRecord> {
     current_status(conn, &uuid(&session))?;
-    upsert_memory(conn, session, schema_id, payload, now)?;
-    get_memory(conn, session)?.ok_or(StoreError::NotFound)
+    upsert_memory(conn, seal, session, schema_id, payload, now)?;
+    get_memory(conn, seal, session)?.ok_or(StoreError::NotFound)
 }
 
 pub(crate) fn sweep(conn: &Connection, sweep: &Sweep) -> StoreResult<Swept> {

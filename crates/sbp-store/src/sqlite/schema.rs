@@ -4,6 +4,7 @@
 use rusqlite::Connection;
 
 use super::codec::db_err;
+use crate::seal::Sealer;
 use crate::{StoreError, StoreResult};
 
 /// Migration `i` moves the schema from version `i` to `i + 1`.
@@ -168,6 +169,15 @@ const MIGRATIONS: &[&str] = &[
         WHERE messages.session_id = sessions.id
     );
     "#,
+    // v6: encryption at rest. A row per key that content here is (or may be) sealed under, with a
+    // value sealed under it that every start opens: a start without a key, or without one of
+    // these keys, is refused before it could read a value it cannot open. No row: nothing sealed.
+    r#"
+    CREATE TABLE sealing_keys (
+        key_id      TEXT PRIMARY KEY NOT NULL,
+        check_value TEXT NOT NULL
+    );
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -195,6 +205,31 @@ pub(crate) fn migrate(conn: &mut Connection) -> StoreResult<()> {
         // PRAGMA takes no bound parameters; `known` is a small integer we own.
         tx.execute_batch(&format!("PRAGMA user_version = {known}"))
             .map_err(db_err)?;
+    }
+    tx.commit().map_err(db_err)
+}
+
+/// The keys the database records as sealing its content: `(key id, check value)`.
+pub(crate) fn recorded_keys(conn: &Connection) -> StoreResult<Vec<(String, String)>> {
+    conn.prepare("SELECT key_id, check_value FROM sealing_keys ORDER BY key_id")
+        .and_then(|mut st| st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
+        .map_err(db_err)
+}
+
+/// At open: refuses a keyring (or its absence) that does not fit the keys the database records,
+/// then records the current key before anything is sealed under it.
+pub(crate) fn check_keys(conn: &mut Connection, seal: &Sealer) -> StoreResult<()> {
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(db_err)?;
+    if let Some((id, check)) = seal.check(&recorded_keys(&tx)?)? {
+        tx.execute(
+            "INSERT INTO sealing_keys (key_id, check_value) VALUES (?1, ?2) \
+             ON CONFLICT (key_id) DO NOTHING",
+            [&id, &check],
+        )
+        .map_err(db_err)?;
+        tracing::info!(key_id = %id, "encryption at rest: new key recorded");
     }
     tx.commit().map_err(db_err)
 }

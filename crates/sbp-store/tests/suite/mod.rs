@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 mod replicas;
 mod roaming;
+pub mod sealing;
 pub use replicas::*;
 pub use roaming::*;
 

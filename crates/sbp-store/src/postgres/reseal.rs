@@ -1,0 +1,127 @@
+//! Re-sealing a PostgreSQL database under the keyring's current key (`sbp store reseal`): every
+//! content column, page by page in key order, each page one transaction that locks its rows,
+//! rewrites them and commits; then the database stops recording the earlier keys.
+
+use super::codec::db_err;
+use super::ops::{Tx, prep};
+use crate::seal::{Column, Sealer};
+use crate::{StoreError, StoreResult};
+
+/// Rows read and rewritten per transaction.
+const PAGE: i64 = 256;
+
+/// The columns that order a table's rows (its primary key), with their SQL types.
+fn order(table: &str, key: &str) -> &'static [(&'static str, &'static str)] {
+    match (table, key) {
+        ("messages" | "tether", _) => &[("session_id", "uuid"), ("seq", "bigint")],
+        (_, "session_id") => &[("session_id", "uuid")],
+        (_, "key") => &[("key", "text")],
+        (_, "cid") => &[("cid", "text")],
+        _ => &[("id", "uuid")],
+    }
+}
+
+/// One page of `table.column` after `after` (the order columns of the last row done, as text):
+/// rewrites the values that are plain or sealed under an earlier key. Returns how many it rewrote
+/// and where the next page starts (`None`: the table is done).
+pub(crate) async fn reseal_page(
+    tx: &Tx,
+    seal: &Sealer,
+    (column, table, name, key): (Column, &str, &str, &str),
+    after: Option<Vec<String>>,
+) -> StoreResult<(u64, Option<Vec<String>>)> {
+    let order = order(table, key);
+    let cols = order.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(", ");
+    let as_text = order
+        .iter()
+        .map(|(c, _)| format!("{c}::text"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let marks = |from: usize| {
+        order
+            .iter()
+            .enumerate()
+            // Bound as text, so one parameter type serves every key column.
+            .map(|(i, (_, t))| format!("${}::text::{t}", from + i))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let after_clause = match after {
+        Some(_) => format!("AND ({cols}) > ({})", marks(1)),
+        None => String::new(),
+    };
+    let bytes = column == Column::BundleBody;
+    let select = format!(
+        "SELECT {key}::text, {name}, {as_text} FROM {table} WHERE {name} IS NOT NULL \
+         {after_clause} ORDER BY {cols} LIMIT {PAGE} FOR UPDATE"
+    );
+    let st = prep(tx, &select).await?;
+    let after = after.unwrap_or_default();
+    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = after
+        .iter()
+        .map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect();
+    let rows = tx.query(&st, &params).await.map_err(db_err)?;
+    let update = prep(
+        tx,
+        &format!(
+            "UPDATE {table} SET {name} = $1 WHERE ({cols}) = ({})",
+            marks(2)
+        ),
+    )
+    .await?;
+    let mut rewritten = 0;
+    let mut last = None;
+    for row in &rows {
+        let row_key: String = row.try_get(0).map_err(db_err)?;
+        let at = (0..order.len())
+            .map(|i| row.try_get::<_, String>(2 + i).map_err(db_err))
+            .collect::<StoreResult<Vec<String>>>()?;
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::new();
+        let new_text;
+        let new_bytes;
+        if bytes {
+            let stored: Vec<u8> = row.try_get(1).map_err(db_err)?;
+            if seal.needs_reseal(Sealer::sealed_by_bytes(&stored)) {
+                let plain = seal.open_bytes(column, &row_key, stored)?;
+                new_bytes = seal.seal_bytes(column, &row_key, &plain)?.into_owned();
+                params.push(&new_bytes);
+            }
+        } else {
+            let stored: String = row.try_get(1).map_err(db_err)?;
+            if seal.needs_reseal(Sealer::sealed_by(&stored)) {
+                let plain = seal.open(column, &row_key, stored)?;
+                new_text = seal.seal(column, &row_key, &plain)?.into_owned();
+                params.push(&new_text);
+            }
+        }
+        if !params.is_empty() {
+            params.extend(
+                at.iter()
+                    .map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync)),
+            );
+            tx.execute(&update, &params).await.map_err(db_err)?;
+            rewritten += 1;
+        }
+        last = Some(at);
+    }
+    let next = if (rows.len() as i64) < PAGE {
+        None
+    } else {
+        last
+    };
+    Ok((rewritten, next))
+}
+
+/// After every column is resealed: the database records only the current key.
+pub(crate) async fn forget_earlier_keys(tx: &Tx, seal: &Sealer) -> StoreResult<u64> {
+    let current = seal
+        .current()
+        .ok_or_else(|| StoreError::Backend("a reseal needs an encryption key".to_owned()))?;
+    tx.execute(
+        "DELETE FROM sealing_keys WHERE key_id <> $1",
+        &[&current.to_string()],
+    )
+    .await
+    .map_err(db_err)
+}

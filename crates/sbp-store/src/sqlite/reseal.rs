@@ -1,0 +1,107 @@
+//! Re-sealing a SQLite database under the keyring's current key (`sbp store reseal`): every
+//! content column, page by page in key order, each page one writer job that reads and rewrites it;
+//! then the database stops recording the earlier keys, so they can be retired.
+
+use rusqlite::types::Value;
+use rusqlite::{Connection, params_from_iter};
+
+use super::codec::db_err;
+use crate::seal::{Column, Sealer};
+use crate::{StoreError, StoreResult};
+
+/// Rows read and rewritten per writer job.
+const PAGE: i64 = 256;
+
+/// The columns that order a table's rows for paging (its primary key).
+pub(crate) fn order(table: &str, key: &str) -> &'static [&'static str] {
+    match (table, key) {
+        ("messages" | "tether", _) => &["session_id", "seq"],
+        (_, "session_id") => &["session_id"],
+        (_, "key") => &["key"],
+        (_, "cid") => &["cid"],
+        _ => &["id"],
+    }
+}
+
+/// One page of `table.column` after `after` (the order columns' values of the last row done):
+/// rewrites the values that are plain or sealed under an earlier key. Returns how many it rewrote
+/// and the last row's order values (`None`: the table is done).
+pub(crate) fn reseal_page(
+    conn: &Connection,
+    seal: &Sealer,
+    (column, table, name, key): (Column, &str, &str, &str),
+    after: Option<&[Value]>,
+) -> StoreResult<(u64, Option<Vec<Value>>)> {
+    let order = order(table, key);
+    let cols = order.join(", ");
+    let marks = vec!["?"; order.len()].join(", ");
+    let after_clause = match after {
+        Some(_) => format!("AND ({cols}) > ({marks})"),
+        None => String::new(),
+    };
+    let sql = format!(
+        "SELECT {key}, {name}, {cols} FROM {table} WHERE {name} IS NOT NULL {after_clause} \
+         ORDER BY {cols} LIMIT {PAGE}"
+    );
+    let rows: Vec<(String, Value, Vec<Value>)> = conn
+        .prepare_cached(&sql)
+        .and_then(|mut st| {
+            st.query_map(params_from_iter(after.unwrap_or(&[])), |r| {
+                let at = (0..order.len())
+                    .map(|i| r.get::<_, Value>(2 + i))
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok((r.get(0)?, r.get(1)?, at))
+            })?
+            .collect()
+        })
+        .map_err(db_err)?;
+    let update = format!("UPDATE {table} SET {name} = ? WHERE ({cols}) = ({marks})");
+    let mut rewritten = 0;
+    for (row_key, stored, at) in &rows {
+        let new = match stored {
+            Value::Text(text) => {
+                if !seal.needs_reseal(Sealer::sealed_by(text)) {
+                    continue;
+                }
+                let plain = seal.open(column, row_key, text.clone())?;
+                Value::Text(seal.seal(column, row_key, &plain)?.into_owned())
+            }
+            Value::Blob(bytes) => {
+                if !seal.needs_reseal(Sealer::sealed_by_bytes(bytes)) {
+                    continue;
+                }
+                let plain = seal.open_bytes(column, row_key, bytes.clone())?;
+                Value::Blob(seal.seal_bytes(column, row_key, &plain)?.into_owned())
+            }
+            _ => {
+                return Err(StoreError::Backend(format!(
+                    "{table}.{name} holds a value that is neither text nor bytes"
+                )));
+            }
+        };
+        let params = std::iter::once(&new).chain(at.iter());
+        conn.prepare_cached(&update)
+            .and_then(|mut st| st.execute(params_from_iter(params)))
+            .map_err(db_err)?;
+        rewritten += 1;
+    }
+    let next = match rows.len() as i64 {
+        n if n < PAGE => None,
+        _ => rows.last().map(|(_, _, at)| at.clone()),
+    };
+    Ok((rewritten, next))
+}
+
+/// After every column is resealed: the database records only the current key.
+pub(crate) fn forget_earlier_keys(conn: &Connection, seal: &Sealer) -> StoreResult<u64> {
+    let current = seal
+        .current()
+        .ok_or_else(|| StoreError::Backend("a reseal needs an encryption key".to_owned()))?;
+    let n = conn
+        .execute(
+            "DELETE FROM sealing_keys WHERE key_id <> ?1",
+            [current.to_string()],
+        )
+        .map_err(db_err)?;
+    Ok(n as u64)
+}
