@@ -199,8 +199,16 @@ ensure_python3() {
   apt_install python3
 }
 
+# The fuzz targets' libFuzzer (checked by scripts/test.sh) is C++.
+ensure_cxx() {
+  if command -v c++ >/dev/null; then return 0; fi
+  echo "services: installing g++" >&2
+  apt_install g++
+}
+
 ensure_postgres
 ensure_postgres_tls
 ensure_redis
 ensure_python3
+ensure_cxx
 echo "services: PostgreSQL (TLS: $PG_TLS_DIR/ca.crt) and Redis are up; python3 is present" >&2

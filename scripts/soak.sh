@@ -73,9 +73,10 @@ fuzz() {
       failed=1
     fi
     local runs execs cov corp crashes
-    runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{print $2}' | tail -n 1)
-    execs=$(grep -o 'stat::average_exec_per_sec: *[0-9]*' "$log" | awk '{print $2}' | tail -n 1)
-    cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+' "$log" | tail -n 1)
+    # A target that did not build has none of these lines: no match must not end the script.
+    runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{print $2}' | tail -n 1 || true)
+    execs=$(grep -o 'stat::average_exec_per_sec: *[0-9]*' "$log" | awk '{print $2}' | tail -n 1 || true)
+    cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+' "$log" | tail -n 1 || true)
     corp=$(find "$work" -type f | wc -l)
     crashes=$(find "$art" -type f | wc -l)
     lines+=("fuzz $t: $status ${secs} s, ${runs:-?} runs (${execs:-?}/s), ${cov:-cov ?}, corpus $corp new + $(find "fuzz/corpus/$t" -type f | wc -l) seeds, crashes $crashes")

@@ -11,4 +11,7 @@ export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 # The CA of the test server's certificate (services.sh makes it; its directory also holds
 # wrong-ca.crt, client.crt and client.key).
 export SBP_TEST_PG_CA="${SBP_TEST_PG_CA:-/var/lib/postgresql/sbp-test-tls/ca.crt}"
+# The fuzz targets (a workspace of their own, run by scripts/soak.sh on nightly) must keep
+# compiling against the protocol crate they fuzz.
+cargo check --locked --quiet --manifest-path fuzz/Cargo.toml --bins --examples
 cargo test --workspace --all-targets --locked "$@"

@@ -55,6 +55,7 @@ fn frames() -> Vec<(&'static str, Vec<u8>)> {
         sbp_level: "L5".into(),
         surface_context: Some(SurfaceContext::from_value(&ctx)),
         extensions: vec!["ack".into(), "last_seq".into()],
+        last_seq_reset: false,
     }));
     let server = [
         attached,

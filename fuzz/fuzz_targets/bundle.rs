@@ -47,7 +47,7 @@ fuzz_target!(|data: &[u8]| {
             bundle::verify_and_seal(&mut again).is_ok(),
             verified.is_ok()
         );
-        if let Some(snap) = map.get("state_snapshot") {
+        if let Some(snap) = map.get("state_snapshot").and_then(Value::as_object) {
             let _ = BundleSnapshot::read(snap);
         }
     }
