@@ -48,6 +48,7 @@ macro_rules! for_each_case {
             memory_put_get,
             adopt_long_history_in_order,
             retention_sweeps_what_no_longer_serves,
+            reserved_prefix_values_round_trip,
         );
     };
 }
@@ -1071,6 +1072,55 @@ pub(crate) mod sealing {
             sealing_error(open_sqlite(dir.path(), Sealer::off()).await),
             SealError::Locked(vec![key(1).id()])
         );
+    }
+
+    /// A database written before reserved values were escaped holds a prompt that starts with the
+    /// seal prefix as it is: it reads as the plain value without a key, with one, and after a
+    /// reseal (which seals it like any plain value).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn legacy_values_with_the_prefix_read_plain_and_reseal() {
+        use sbp_store::{SessionStore, TetherStore};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plain: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), Sealer::off()).await.expect("open"));
+        let w = write_everything(&plain, &marker()).await;
+        let id = w.session.id;
+        drop(plain);
+        let legacy = ["sbp:enc:v1:hello", "sbp:enc:v1:AAAAAAAA"];
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("legacy");
+        conn.execute(
+            "UPDATE sessions SET last_task = ?1 WHERE id = ?2",
+            [legacy[0], &id.to_string()],
+        )
+        .expect("legacy task");
+        conn.execute("UPDATE tether SET content = ?1", [legacy[1]])
+            .expect("legacy tether");
+        drop(conn);
+        let check = async |store: &SqliteStore| {
+            let s = store
+                .get_session(id)
+                .await
+                .expect("readable")
+                .expect("there");
+            assert_eq!(s.last_task.as_deref(), Some(legacy[0]));
+            let pending = store.tether_pending(id, None, 10).await.expect("readable");
+            assert!(!pending.is_empty());
+            assert!(
+                pending
+                    .iter()
+                    .all(|e| e.content.as_deref() == Some(legacy[1]))
+            );
+        };
+        let off = open_sqlite(dir.path(), Sealer::off()).await.expect("off");
+        check(&off).await;
+        drop(off);
+        let on = open_sqlite(dir.path(), sealer(1, &[])).await.expect("on");
+        check(&on).await;
+        let done = on.reseal().await.expect("reseal");
+        assert!(done.total() >= 2, "{done:?}");
+        check(&on).await;
+        drop(on);
+        sqlite_sealed_by(dir.path(), Sealed::By(key(1).id()));
     }
 
     /// Whether any row of the schema's tables holds `needle` (bundles' bytes searched as bytes).
