@@ -305,17 +305,92 @@ pub const SEALED_COLUMNS: &[(Column, &str, &str, &str)] = &[
 ];
 
 /// What a reseal rewrote: per column (`table.column`), the values it sealed under the current key
-/// (plain ones, and ones sealed under an earlier key).
+/// (plain ones, and ones sealed under an earlier key); the values it could not open; and whether
+/// the database then forgot the earlier keys.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Resealed {
     pub columns: Vec<(&'static str, u64)>,
+    /// Values left as they were because they do not open (unknown key, altered, moved): while any
+    /// remains, the earlier keys are kept. At most [`MAX_UNOPENED`] are listed.
+    pub unopened: Vec<Unopened>,
+    /// How many unopened values there were in all (the list stops at [`MAX_UNOPENED`]).
+    pub unopened_total: u64,
+    /// How many earlier keys the database forgot; `None` when it kept them (see `kept`).
+    pub forgotten: Option<u64>,
+    /// Why the earlier keys were kept, when they were.
+    pub kept: Option<Kept>,
+}
+
+/// The most unopened values a reseal lists (it counts them all).
+pub const MAX_UNOPENED: usize = 1000;
+
+/// A value a reseal could not open: where it is and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unopened {
+    /// `table.column`, or `redis tether.content` for a stream entry.
+    pub column: String,
+    /// The row's primary key (its columns' values joined with `/`), or `session/entry id`.
+    pub row: String,
+    pub error: SealError,
+}
+
+/// Why a reseal kept the earlier keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Some values do not open: retiring a key would lose whatever they hold.
+    Unopened,
+    /// A Redis tether seals under this keyring and its streams were not resealed in this run.
+    TetherNotResealed,
+    /// The caller asked to keep them (the tether's reseal was not clean).
+    Asked,
+}
+
+/// When a reseal may make the database forget the earlier keys: always only after a clean run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// After a clean run, unless a Redis tether seals under the keyring here.
+    IfClean,
+    /// After a clean run, the Redis tether's streams having just been resealed cleanly too.
+    IfCleanWithTether,
+    /// Never (rewrite only).
+    Never,
 }
 
 impl Resealed {
+    pub fn note_unopened(&mut self, column: impl Into<String>, row: String, error: SealError) {
+        self.unopened_total += 1;
+        if self.unopened.len() < MAX_UNOPENED {
+            self.unopened.push(Unopened {
+                column: column.into(),
+                row,
+                error,
+            });
+        }
+    }
+
+    /// Adds another part's counts and unopened values (a page, or the tether's streams).
+    pub fn merge(&mut self, other: Resealed) {
+        for (column, n) in other.columns {
+            self.add_named(column, n);
+        }
+        self.unopened_total += other.unopened_total;
+        let room = MAX_UNOPENED.saturating_sub(self.unopened.len());
+        self.unopened.extend(other.unopened.into_iter().take(room));
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.unopened_total == 0
+    }
+
     pub fn add(&mut self, column: Column, n: u64) {
-        match self.columns.iter_mut().find(|(c, _)| *c == column.name()) {
+        self.add_named(column.name(), n);
+    }
+
+    /// [`Resealed::add`] for a place that is not a SQL column (the tether's streams).
+    pub fn add_named(&mut self, name: &'static str, n: u64) {
+        match self.columns.iter_mut().find(|(c, _)| *c == name) {
             Some((_, total)) => *total += n,
-            None => self.columns.push((column.name(), n)),
+            None => self.columns.push((name, n)),
         }
     }
 

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use self::codec::db_err;
 use self::writer::JobSender;
-use crate::seal::Sealer;
+use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -296,32 +296,50 @@ impl SqliteStore {
     }
 
     /// Re-seals every content value under the keyring's current key (plain values included), then
-    /// drops the earlier keys from the database's record, so a start without them is accepted.
-    /// Each page of rows is one write: run it with the gateways stopped, or while every running
-    /// one already seals under the current key (their writes then need no reseal). Ends with a
-    /// `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free pages or the WAL.
-    pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
+    /// drops the earlier keys from the database's record, so a start without them is accepted
+    /// ([`SqliteStore::reseal_with`] with [`Forget::IfClean`]).
+    pub async fn reseal(&self) -> StoreResult<Resealed> {
+        self.reseal_with(Forget::IfClean).await
+    }
+
+    /// Re-seals every content value under the keyring's current key (plain values included); a
+    /// value that does not open is left as it is and listed. Then, as `forget` allows and only if
+    /// every value opened, drops the earlier keys from the database's record, so a start without
+    /// them is accepted. Each page of rows is one write: run it with the gateways stopped, or
+    /// while every running one already seals under the current key (their writes then need no
+    /// reseal). Ends with a `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free
+    /// pages or the WAL.
+    pub async fn reseal_with(&self, forget: Forget) -> StoreResult<Resealed> {
         if !self.inner.seal.is_on() {
             return Err(StoreError::Backend(
                 "a reseal needs an encryption key".to_owned(),
             ));
         }
-        let mut done = crate::seal::Resealed::default();
+        let mut done = Resealed::default();
         for &target in crate::seal::SEALED_COLUMNS {
             let mut after: Option<Vec<rusqlite::types::Value>> = None;
             loop {
                 let from = after.take();
-                let (n, next) = self
+                let (page, next) = self
                     .write(move |c, s| reseal::reseal_page(c, s, target, from.as_deref()))
                     .await?;
-                done.add(target.0, n);
+                done.merge(page);
                 match next {
                     Some(at) => after = Some(at),
                     None => break,
                 }
             }
         }
-        let forgotten = self.write(reseal::forget_earlier_keys).await?;
+        done.kept = if !done.is_clean() {
+            Some(Kept::Unopened)
+        } else if forget == Forget::Never {
+            Some(Kept::Asked)
+        } else {
+            None
+        };
+        if done.kept.is_none() {
+            done.forgotten = Some(self.write(reseal::forget_earlier_keys).await?);
+        }
         // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
         // the live (sealed) content, then empty the WAL.
         let path = self.inner.readers.path.clone();
@@ -336,7 +354,8 @@ impl SqliteStore {
         .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;
         tracing::info!(
             values = done.total(),
-            earlier_keys = forgotten,
+            unopened = done.unopened_total,
+            earlier_keys_forgotten = ?done.forgotten,
             "sqlite store resealed"
         );
         Ok(done)

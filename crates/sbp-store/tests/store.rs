@@ -1117,10 +1117,119 @@ pub(crate) mod sealing {
         let on = open_sqlite(dir.path(), sealer(1, &[])).await.expect("on");
         check(&on).await;
         let done = on.reseal().await.expect("reseal");
-        assert!(done.total() >= 2, "{done:?}");
+        assert!(done.unopened.is_empty(), "{done:?}");
         check(&on).await;
         drop(on);
         sqlite_sealed_by(dir.path(), Sealed::By(key(1).id()));
+    }
+
+    /// A value that does not open (sealed under a key nobody has) does not stop a reseal: every
+    /// other value is resealed, that one is listed with its place, and the earlier keys are kept
+    /// until it is gone; the next clean run forgets them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_reseal_lists_what_does_not_open_and_keeps_the_keys() {
+        use sbp_store::seal::{Column, Kept};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
+        let w = write_everything(&store, &marker()).await;
+        drop(store);
+        let id = w.session.id.to_string();
+        let stray = sealer(9, &[])
+            .seal(Column::SessionLastTask, &id, "lost")
+            .expect("seal")
+            .into_owned();
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("plant");
+        conn.execute(
+            "UPDATE sessions SET last_task = ?1 WHERE id = ?2",
+            [&stray, &id],
+        )
+        .expect("plant");
+        drop(conn);
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = rotated.reseal().await.expect("the run goes on");
+        assert!(done.total() >= 20, "every other value: {done:?}");
+        assert_eq!(done.unopened_total, 1, "{done:?}");
+        assert_eq!(done.unopened[0].column, "sessions.last_task");
+        assert_eq!(done.unopened[0].row, id);
+        assert_eq!(
+            done.unopened[0].error,
+            SealError::UnknownKey("sessions.last_task", key(9).id())
+        );
+        assert_eq!((done.kept, done.forgotten), (Some(Kept::Unopened), None));
+        drop(rotated);
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), sealer(2, &[])).await),
+            SealError::MissingKeys(vec![key(1).id()]),
+            "key 1 is still recorded"
+        );
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("repair");
+        conn.execute("UPDATE sessions SET last_task = NULL WHERE id = ?1", [&id])
+            .expect("repair");
+        drop(conn);
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = rotated.reseal().await.expect("clean run");
+        assert!(done.unopened.is_empty(), "{done:?}");
+        assert_eq!((done.kept, done.forgotten), (None, Some(1)));
+        drop(rotated);
+        open_sqlite(dir.path(), sealer(2, &[]))
+            .await
+            .expect("key 2 alone starts");
+    }
+
+    /// As the SQLite case, on PostgreSQL: a stray value is listed and the earlier keys kept.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_reseal_lists_what_does_not_open_and_keeps_the_keys() {
+        use sbp_store::seal::{Column, Kept};
+        let schema = crate::postgres::TestSchema::create().await;
+        let name = schema.name().to_owned();
+        let first = schema.open_with(sealer(1, &[])).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let store: Arc<dyn Store> = Arc::new(first.expect("open"));
+            let w = write_everything(&store, &marker()).await;
+            let stray = sealer(9, &[])
+                .seal(Column::SnapshotState, &w.snapshot.id.to_string(), "{}")
+                .expect("seal")
+                .into_owned();
+            let url = sbp_test_support::test_database_url();
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .expect("connect");
+            tokio::spawn(conn);
+            client
+                .execute(
+                    &format!("UPDATE {name}.snapshots SET state = $1 WHERE id = $2::text::uuid"),
+                    &[&stray, &w.snapshot.id.to_string()],
+                )
+                .await
+                .expect("plant");
+            let rotated = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let done = rotated.reseal().await.expect("the run goes on");
+            assert!(done.total() >= 20, "{done:?}");
+            assert_eq!(done.unopened_total, 1, "{done:?}");
+            assert_eq!(done.unopened[0].column, "snapshots.state");
+            assert_eq!(done.unopened[0].row, w.snapshot.id.to_string());
+            assert_eq!((done.kept, done.forgotten), (Some(Kept::Unopened), None));
+            assert_eq!(
+                sealing_error(again.open_with(sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()])
+            );
+        };
+        let outcome = tokio::spawn(case).await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
     }
 
     /// Whether any row of the schema's tables holds `needle` (bundles' bytes searched as bytes).
@@ -1285,7 +1394,7 @@ pub(crate) mod sealing {
 
             // Rotated: the stream entry sealed under key 1 is resealed under key 2.
             let rotated = again.tethered().await;
-            assert_eq!(rotated.reseal_streams().await.expect("reseal"), 1);
+            assert_eq!(rotated.reseal_streams().await.expect("reseal").total(), 1);
             let fields = stream_fields(&prefix).await;
             let sealed: Vec<&String> = fields.iter().filter(|f| f.starts_with(PREFIX)).collect();
             assert!(!sealed.is_empty());

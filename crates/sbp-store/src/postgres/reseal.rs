@@ -4,7 +4,7 @@
 
 use super::codec::db_err;
 use super::ops::{Tx, prep};
-use crate::seal::{Column, Sealer};
+use crate::seal::{Column, Resealed, Sealer};
 use crate::{StoreError, StoreResult};
 
 /// Rows read and rewritten per transaction.
@@ -22,14 +22,15 @@ fn order(table: &str, key: &str) -> &'static [(&'static str, &'static str)] {
 }
 
 /// One page of `table.column` after `after` (the order columns of the last row done, as text):
-/// rewrites the values that are plain or sealed under an earlier key. Returns how many it rewrote
-/// and where the next page starts (`None`: the table is done).
+/// rewrites the values that are plain or sealed under an earlier key, and notes (and leaves) the
+/// ones that do not open. Returns what it did and where the next page starts (`None`: the table
+/// is done).
 pub(crate) async fn reseal_page(
     tx: &Tx,
     seal: &Sealer,
     (column, table, name, key): (Column, &str, &str, &str),
     after: Option<Vec<String>>,
-) -> StoreResult<(u64, Option<Vec<String>>)> {
+) -> StoreResult<(Resealed, Option<Vec<String>>)> {
     let order = order(table, key);
     let cols = order.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(", ");
     let as_text = order
@@ -70,6 +71,7 @@ pub(crate) async fn reseal_page(
         ),
     )
     .await?;
+    let mut done = Resealed::default();
     let mut rewritten = 0;
     let mut last = None;
     for row in &rows {
@@ -83,16 +85,24 @@ pub(crate) async fn reseal_page(
         if bytes {
             let stored: Vec<u8> = row.try_get(1).map_err(db_err)?;
             if seal.needs_reseal(Sealer::sealed_by_bytes(&stored)) {
-                let plain = seal.open_bytes(column, &row_key, stored)?;
-                new_bytes = seal.seal_bytes(column, &row_key, &plain)?.into_owned();
-                params.push(&new_bytes);
+                match seal.open_bytes(column, &row_key, stored) {
+                    Ok(plain) => {
+                        new_bytes = seal.seal_bytes(column, &row_key, &plain)?.into_owned();
+                        params.push(&new_bytes);
+                    }
+                    Err(e) => done.note_unopened(column.name(), at.join("/"), e),
+                }
             }
         } else {
             let stored: String = row.try_get(1).map_err(db_err)?;
             if seal.needs_reseal(Sealer::sealed_by(&stored)) {
-                let plain = seal.open(column, &row_key, stored)?;
-                new_text = seal.seal(column, &row_key, &plain)?.into_owned();
-                params.push(&new_text);
+                match seal.open(column, &row_key, stored) {
+                    Ok(plain) => {
+                        new_text = seal.seal(column, &row_key, &plain)?.into_owned();
+                        params.push(&new_text);
+                    }
+                    Err(e) => done.note_unopened(column.name(), at.join("/"), e),
+                }
             }
         }
         if !params.is_empty() {
@@ -110,7 +120,8 @@ pub(crate) async fn reseal_page(
     } else {
         last
     };
-    Ok((rewritten, next))
+    done.add(column, rewritten);
+    Ok((done, next))
 }
 
 /// After every column is resealed: the database records only the current key.

@@ -6,7 +6,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, params_from_iter};
 
 use super::codec::db_err;
-use crate::seal::{Column, Sealer};
+use crate::seal::{Column, Resealed, Sealer};
 use crate::{StoreError, StoreResult};
 
 /// Rows read and rewritten per writer job.
@@ -24,14 +24,15 @@ pub(crate) fn order(table: &str, key: &str) -> &'static [&'static str] {
 }
 
 /// One page of `table.column` after `after` (the order columns' values of the last row done):
-/// rewrites the values that are plain or sealed under an earlier key. Returns how many it rewrote
-/// and the last row's order values (`None`: the table is done).
+/// rewrites the values that are plain or sealed under an earlier key, and notes (and leaves) the
+/// ones that do not open, so one bad value does not stop the run. Returns what it did and the last
+/// row's order values (`None`: the table is done).
 pub(crate) fn reseal_page(
     conn: &Connection,
     seal: &Sealer,
     (column, table, name, key): (Column, &str, &str, &str),
     after: Option<&[Value]>,
-) -> StoreResult<(u64, Option<Vec<Value>>)> {
+) -> StoreResult<(Resealed, Option<Vec<Value>>)> {
     let order = order(table, key);
     let cols = order.join(", ");
     let marks = vec!["?"; order.len()].join(", ");
@@ -56,27 +57,39 @@ pub(crate) fn reseal_page(
         })
         .map_err(db_err)?;
     let update = format!("UPDATE {table} SET {name} = ? WHERE ({cols}) = ({marks})");
+    let mut done = Resealed::default();
     let mut rewritten = 0;
     for (row_key, stored, at) in &rows {
-        let new = match stored {
+        let opened = match stored {
             Value::Text(text) => {
                 if !seal.needs_reseal(Sealer::sealed_by(text)) {
                     continue;
                 }
-                let plain = seal.open(column, row_key, text.clone())?;
-                Value::Text(seal.seal(column, row_key, &plain)?.into_owned())
+                seal.open(column, row_key, text.clone()).map(Opened::Text)
             }
             Value::Blob(bytes) => {
                 if !seal.needs_reseal(Sealer::sealed_by_bytes(bytes)) {
                     continue;
                 }
-                let plain = seal.open_bytes(column, row_key, bytes.clone())?;
-                Value::Blob(seal.seal_bytes(column, row_key, &plain)?.into_owned())
+                seal.open_bytes(column, row_key, bytes.clone())
+                    .map(Opened::Bytes)
             }
             _ => {
                 return Err(StoreError::Backend(format!(
                     "{table}.{name} holds a value that is neither text nor bytes"
                 )));
+            }
+        };
+        let new = match opened {
+            Ok(Opened::Text(plain)) => {
+                Value::Text(seal.seal(column, row_key, &plain)?.into_owned())
+            }
+            Ok(Opened::Bytes(plain)) => {
+                Value::Blob(seal.seal_bytes(column, row_key, &plain)?.into_owned())
+            }
+            Err(e) => {
+                done.note_unopened(column.name(), row_name(at), e);
+                continue;
             }
         };
         let params = std::iter::once(&new).chain(at.iter());
@@ -85,11 +98,29 @@ pub(crate) fn reseal_page(
             .map_err(db_err)?;
         rewritten += 1;
     }
+    done.add(column, rewritten);
     let next = match rows.len() as i64 {
         n if n < PAGE => None,
         _ => rows.last().map(|(_, _, at)| at.clone()),
     };
-    Ok((rewritten, next))
+    Ok((done, next))
+}
+
+enum Opened {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// A row's primary key for a report: its columns' values joined with `/`.
+fn row_name(at: &[Value]) -> String {
+    at.iter()
+        .map(|v| match v {
+            Value::Text(t) => t.clone(),
+            Value::Integer(i) => i.to_string(),
+            other => format!("{other:?}"),
+        })
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// After every column is resealed: the database records only the current key.
