@@ -251,6 +251,12 @@ impl PostgresStore {
             Some(Kept::Unopened)
         } else if forget == Forget::Never {
             Some(Kept::Asked)
+        } else if forget == Forget::IfClean
+            && self
+                .write(|tx| Box::pin(async move { reseal::has_tether(tx).await }))
+                .await?
+        {
+            Some(Kept::TetherNotResealed)
         } else {
             None
         };
@@ -473,6 +479,12 @@ impl SnapshotStore for PostgresStore {
 
 #[async_trait]
 impl TetherStore for PostgresStore {
+    async fn record_sealing_tether(&self, prefix: &str) -> StoreResult<()> {
+        let prefix = prefix.to_owned();
+        self.write(move |tx| Box::pin(async move { reseal::record_tether(tx, &prefix).await }))
+            .await
+    }
+
     async fn tether_pending(
         &self,
         session_id: Uuid,

@@ -268,6 +268,10 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
         let mut redis = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(redis_err)?;
+        check_keys(&mut redis, &opts.prefix, &opts.sealer).await?;
+        if opts.sealer.is_on() {
+            inner.record_sealing_tether(&opts.prefix).await?;
+        }
         let (aof, fsync) = persistence(&mut redis).await;
         let handoff = match opts.mode {
             TetherMode::Handoff => {
@@ -362,6 +366,31 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
         for session in sessions {
             done.merge(sh.reseal_stream(session).await?);
         }
+        if done.is_clean() {
+            // Every entry is under the current key now: the streams no longer need the others.
+            let current = sh
+                .seal
+                .current()
+                .map(|id| id.to_string())
+                .unwrap_or_default();
+            let key = keys_key(&sh.prefix);
+            let ids: Vec<String> = redis::cmd("HKEYS")
+                .arg(&key)
+                .query_async(&mut sh.redis.clone())
+                .await
+                .map_err(redis_err)?;
+            let earlier: Vec<&String> = ids.iter().filter(|id| **id != current).collect();
+            if !earlier.is_empty() {
+                let _: i64 = redis::cmd("HDEL")
+                    .arg(&key)
+                    .arg(&earlier)
+                    .query_async(&mut sh.redis.clone())
+                    .await
+                    .map_err(redis_err)?;
+            }
+        } else {
+            done.kept = Some(crate::seal::Kept::Unopened);
+        }
         Ok(done)
     }
 
@@ -371,6 +400,36 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
     pub async fn relay_once(&self) -> StoreResult<u64> {
         self.shared.relay_once().await
     }
+}
+
+/// The hash recording the keys this prefix's streams are (or may be) sealed under: key id -> a
+/// check value sealed under it, as the SQL stores' `sealing_keys`.
+fn keys_key(prefix: &str) -> String {
+    format!("{prefix}tether:keys")
+}
+
+/// At open, as the SQL stores do: refuses a keyring (or its absence) that does not fit the keys
+/// this prefix's streams record, then records the current key before anything is sealed under it.
+async fn check_keys(redis: &mut ConnectionManager, prefix: &str, seal: &Sealer) -> StoreResult<()> {
+    let key = keys_key(prefix);
+    let recorded: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query_async(redis)
+        .await
+        .map_err(redis_err)?;
+    let mut recorded: Vec<(String, String)> = recorded.into_iter().collect();
+    recorded.sort();
+    if let Some((id, check)) = seal.check(&recorded)? {
+        let _: i64 = redis::cmd("HSETNX")
+            .arg(&key)
+            .arg(&id)
+            .arg(&check)
+            .query_async(redis)
+            .await
+            .map_err(redis_err)?;
+        tracing::info!(key_id = %id, "encryption at rest: new key recorded for the redis tether");
+    }
+    Ok(())
 }
 
 /// `CONFIG GET appendonly` and `appendfsync`; `None` where Redis does not say (CONFIG disabled).

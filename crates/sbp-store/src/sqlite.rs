@@ -334,6 +334,8 @@ impl SqliteStore {
             Some(Kept::Unopened)
         } else if forget == Forget::Never {
             Some(Kept::Asked)
+        } else if forget == Forget::IfClean && self.read(|c, _| reseal::has_tether(c)).await? {
+            Some(Kept::TetherNotResealed)
         } else {
             None
         };
@@ -483,6 +485,12 @@ impl SnapshotStore for SqliteStore {
 
 #[async_trait]
 impl TetherStore for SqliteStore {
+    async fn record_sealing_tether(&self, prefix: &str) -> StoreResult<()> {
+        let prefix = prefix.to_owned();
+        self.write(move |c, _| reseal::record_tether(c, &prefix))
+            .await
+    }
+
     async fn tether_pending(
         &self,
         session_id: Uuid,

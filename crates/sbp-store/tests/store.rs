@@ -158,7 +158,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 6);
+        assert_eq!(version, 7);
     }
 }
 
@@ -1360,6 +1360,134 @@ pub(crate) mod sealing {
             fields.extend(entries.into_iter().flat_map(|(_, f)| f));
         }
         fields
+    }
+
+    /// Handed-off tether entries live only in Redis, sealed under key 1. A reseal of the database
+    /// alone keeps key 1 (the database records that a Redis tether seals here), and the tether
+    /// itself refuses a start without key 1; resealing the streams first lets both forget it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reseal_without_the_tether_keeps_the_keys_its_entries_need() {
+        use sbp_store::redis_tether::{RedisTetherOptions, TetherMode, TetheredStore};
+        use sbp_store::seal::{Forget, Kept};
+        use sbp_store::{FinishTurn, SessionStore, TetherStore, TurnStore};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = sbp_test_support::test_redis_url();
+        let prefix = format!("sbptest:{}:", uuid::Uuid::new_v4().simple());
+        let (url_in, prefix_in) = (url.clone(), prefix.clone());
+        let case = async move {
+            let (url, prefix) = (url_in, prefix_in);
+            let opts = |s: Sealer| RedisTetherOptions {
+                prefix: prefix.clone(),
+                mode: TetherMode::Handoff,
+                // The test runs the relay itself.
+                relay_interval: std::time::Duration::from_secs(3600),
+                sealer: s,
+                ..RedisTetherOptions::default()
+            };
+            let tethered = async |sql: Sealer, redis: Sealer| {
+                let inner: Arc<dyn Store> = Arc::new(open_sqlite(dir.path(), sql).await?);
+                TetheredStore::open(inner, &url, opts(redis)).await
+            };
+            let store = tethered(sealer(1, &[]), sealer(1, &[]))
+                .await
+                .expect("open");
+            let s = sbp_store::NewSession {
+                id: uuid::Uuid::new_v4(),
+                agent_id: "agent".to_owned(),
+                token_hash: uuid::Uuid::new_v4().simple().to_string(),
+                created_at: chrono::Utc::now(),
+                metadata: serde_json::json!({}),
+            };
+            store.create_session(s.clone()).await.expect("create");
+            store
+                .mark_attached(s.id, chrono::Utc::now())
+                .await
+                .expect("attach");
+            let entry = sbp_store::NewTetherEntry {
+                role: "assistant".to_owned(),
+                content: Some("pending reply".to_owned()),
+                model_used: None,
+                created_at: chrono::Utc::now(),
+                chunk_id: uuid::Uuid::new_v4(),
+            };
+            store
+                .finish_turn(FinishTurn {
+                    session_id: s.id,
+                    turn_id: None,
+                    messages: vec![],
+                    count_step: false,
+                    post_action: None,
+                    checkpoint: None,
+                    tether: Some(entry),
+                    tether_only_if_enabled: false,
+                    idempotency_done: None,
+                    idempotency_claim: None,
+                    now: chrono::Utc::now(),
+                })
+                .await
+                .expect("finish");
+            store.relay_once().await.expect("hand off");
+            assert_eq!(
+                store.inner().tether_count(s.id).await.expect("outbox"),
+                0,
+                "handed off: the entry lives only in Redis"
+            );
+            drop(store);
+
+            // `sbp store reseal` without --tether.
+            let sql = open_sqlite(dir.path(), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let done = sql.reseal().await.expect("reseal");
+            assert!(done.is_clean(), "{done:?}");
+            assert_eq!(
+                (done.kept, done.forgotten),
+                (Some(Kept::TetherNotResealed), None)
+            );
+            drop(sql);
+            assert_eq!(
+                sealing_error(open_sqlite(dir.path(), sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()])
+            );
+            assert_eq!(
+                sealing_error(tethered(sealer(2, &[1]), sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()]),
+                "the tether records key 1 too"
+            );
+            assert_eq!(
+                sealing_error(tethered(sealer(2, &[1]), Sealer::off()).await),
+                SealError::Locked(vec![key(1).id()]),
+            );
+
+            // With --tether: the streams first, then the database.
+            let store = tethered(sealer(2, &[1]), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let streams = store.reseal_streams().await.expect("streams");
+            assert_eq!(streams.total(), 1, "{streams:?}");
+            assert!(streams.is_clean());
+            drop(store);
+            let sql = open_sqlite(dir.path(), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let done = sql
+                .reseal_with(Forget::IfCleanWithTether)
+                .await
+                .expect("reseal");
+            assert_eq!((done.kept, done.forgotten), (None, Some(1)));
+            drop(sql);
+            let store = tethered(sealer(2, &[]), sealer(2, &[]))
+                .await
+                .expect("key 2 alone");
+            let pending = store.tether_pending(s.id, None, 10).await.expect("opens");
+            assert_eq!(pending.len(), 1);
+            assert_eq!(pending[0].content.as_deref(), Some("pending reply"));
+        };
+        let outcome = tokio::spawn(case).await;
+        let _ = sbp_test_support::delete_prefix(&url, &prefix).await;
+        if let Err(e) = outcome {
+            std::panic::resume_unwind(e.into_panic());
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

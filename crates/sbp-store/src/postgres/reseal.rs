@@ -136,3 +136,23 @@ pub(crate) async fn forget_earlier_keys(tx: &Tx, seal: &Sealer) -> StoreResult<u
     .await
     .map_err(db_err)
 }
+
+/// [`crate::TetherStore::record_sealing_tether`].
+pub(crate) async fn record_tether(tx: &Tx, prefix: &str) -> StoreResult<()> {
+    tx.execute(
+        "INSERT INTO sealing_tethers (prefix) VALUES ($1) ON CONFLICT (prefix) DO NOTHING",
+        &[&prefix],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// Whether a Redis tether seals under this keyring.
+pub(crate) async fn has_tether(tx: &Tx) -> StoreResult<bool> {
+    let row = tx
+        .query_one("SELECT EXISTS (SELECT 1 FROM sealing_tethers)", &[])
+        .await
+        .map_err(db_err)?;
+    row.try_get(0).map_err(db_err)
+}

@@ -136,3 +136,21 @@ pub(crate) fn forget_earlier_keys(conn: &Connection, seal: &Sealer) -> StoreResu
         .map_err(db_err)?;
     Ok(n as u64)
 }
+
+/// [`crate::TetherStore::record_sealing_tether`].
+pub(crate) fn record_tether(conn: &Connection, prefix: &str) -> StoreResult<()> {
+    conn.execute(
+        "INSERT INTO sealing_tethers (prefix) VALUES (?1) ON CONFLICT (prefix) DO NOTHING",
+        [prefix],
+    )
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// Whether a Redis tether seals under this keyring.
+pub(crate) fn has_tether(conn: &Connection) -> StoreResult<bool> {
+    conn.query_row("SELECT EXISTS (SELECT 1 FROM sealing_tethers)", [], |r| {
+        r.get(0)
+    })
+    .map_err(db_err)
+}
