@@ -162,6 +162,45 @@ fn open_reader(path: &Path) -> StoreResult<Connection> {
     Ok(conn)
 }
 
+/// Times a reseal tries the truncating checkpoint while a reader holds the WAL.
+const CHECKPOINT_ATTEMPTS: u32 = 5;
+/// Pause between those attempts (each already waits up to the busy timeout).
+const CHECKPOINT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Copies the WAL into the database file and empties it, so the earlier bytes a reseal replaced
+/// are in neither. SQLite answers `(busy, log frames, checkpointed frames)` rather than failing
+/// when a reader's snapshot holds frames back: that is retried a few times, then refused.
+fn truncate_wal(conn: &Connection) -> StoreResult<()> {
+    // A reader that holds its snapshot for seconds is a running gateway: waiting the full busy
+    // timeout on every attempt would only delay the answer.
+    conn.busy_timeout(CHECKPOINT_PAUSE * 5).map_err(db_err)?;
+    for attempt in 1..=CHECKPOINT_ATTEMPTS {
+        let (busy, log, done): (i64, i64, i64) = conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .map_err(db_err)?;
+        if busy == 0 {
+            return Ok(());
+        }
+        tracing::debug!(
+            attempt,
+            log,
+            done,
+            "wal checkpoint busy: a reader holds the wal"
+        );
+        if attempt < CHECKPOINT_ATTEMPTS {
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+    }
+    Err(StoreError::Backend(
+        "every value is resealed, but another connection (a running gateway?) holds the database \
+         open, so the write-ahead log still holds earlier bytes: stop the gateways and run \
+         sbp store reseal again"
+            .to_owned(),
+    ))
+}
+
 /// Creates missing parent directories (owner only, 0700) and the database file (owner only, 0600)
 /// before SQLite opens it: SQLite gives the `-wal` and `-shm` files the database file's mode. An
 /// existing database, WAL or shared-memory file that others may read is narrowed to 0600 (logged).
@@ -315,6 +354,9 @@ impl SqliteStore {
                 "a reseal needs an encryption key".to_owned(),
             ));
         }
+        // Cells the rewrites free are zeroed, not left holding the earlier bytes until reused.
+        self.write(|c, _| c.pragma_update(None, "secure_delete", "ON").map_err(db_err))
+            .await?;
         let mut done = Resealed::default();
         for &target in crate::seal::SEALED_COLUMNS {
             let mut after: Option<Vec<rusqlite::types::Value>> = None;
@@ -348,9 +390,10 @@ impl SqliteStore {
         tokio::task::spawn_blocking(move || -> StoreResult<()> {
             let conn = Connection::open(&path).map_err(db_err)?;
             configure(&conn)?;
+            conn.pragma_update(None, "secure_delete", "ON")
+                .map_err(db_err)?;
             conn.execute_batch("VACUUM").map_err(db_err)?;
-            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-                .map_err(db_err)
+            truncate_wal(&conn)
         })
         .await
         .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;

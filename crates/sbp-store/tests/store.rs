@@ -1020,6 +1020,45 @@ pub(crate) mod sealing {
         );
     }
 
+    /// A reader (a running gateway's) holds its snapshot while a reseal runs: the truncating
+    /// checkpoint cannot empty the WAL, and the reseal says so instead of reporting success with
+    /// plaintext left in the files; once the reader is gone, running it again leaves none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_reseal_with_a_reader_refuses_then_cleans_up() {
+        use sbp_store::SessionStore;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mark = marker();
+        let plain = open_sqlite(dir.path(), Sealer::off()).await.expect("open");
+        let s = sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({ "note": mark }),
+        };
+        plain.create_session(s.clone()).await.expect("create");
+        drop(plain);
+        let on = open_sqlite(dir.path(), sealer(1, &[])).await.expect("on");
+        let reader = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("reader");
+        reader.execute_batch("BEGIN").expect("begin");
+        let _: i64 = reader
+            .query_row("SELECT count(*) FROM sessions", [], |r| r.get(0))
+            .expect("read");
+        match on.reseal().await {
+            Err(StoreError::Backend(message)) => {
+                assert!(message.contains("stop the gateways"), "{message}")
+            }
+            other => panic!("a held WAL must not pass for clean: {other:?}"),
+        }
+        reader.execute_batch("COMMIT").expect("end");
+        drop(reader);
+        let done = on.reseal().await.expect("reseal again");
+        assert!(done.unopened.is_empty(), "{done:?}");
+        assert!(!files_contain(dir.path(), &mark), "no plaintext left");
+        let back = on.get_session(s.id).await.expect("read").expect("there");
+        assert_eq!(back.metadata["note"], mark);
+    }
+
     /// A value moved into another session's row does not open: it is bound to its place.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sealed_value_moved_to_another_row_does_not_open() {
