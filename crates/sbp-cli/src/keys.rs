@@ -221,6 +221,9 @@ fn report(
             "{} values do not open: the earlier keys are kept (repair or delete those rows, then run sbp store reseal again)",
             done.unopened_total
         ),
+        Some(Kept::WrittenMeanwhile) => bail!(
+            "values sealed under an earlier key were written while the reseal ran (a gateway still seals under one): the earlier keys are kept; give every gateway the new --encryption-key, then run sbp store reseal again"
+        ),
         Some(Kept::TetherNotResealed) => bail!(
             "a Redis tether seals under these keys: the earlier keys are kept; run sbp store reseal again with --tether (or the tether in --config)"
         ),

@@ -267,7 +267,16 @@ impl PostgresStore {
                     Box::pin(async move { reseal::forget_earlier_keys(tx, &seal).await })
                 })
                 .await?;
-            done.forgotten = Some(forgotten);
+            match forgotten {
+                Ok(n) => done.forgotten = Some(n),
+                Err(stale) => {
+                    done.kept = Some(Kept::WrittenMeanwhile);
+                    tracing::warn!(
+                        values = stale,
+                        "values sealed under an earlier key were written during the reseal"
+                    );
+                }
+            }
         }
         tracing::info!(
             values = done.total(),
@@ -574,7 +583,11 @@ impl TurnStore for PostgresStore {
     }
 
     async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
-        ops::replica_heartbeat(&self.client().await?, replica, now).await
+        let client = self.client().await?;
+        if self.seal.is_on() {
+            reseal::check_current(&client, &self.seal).await?;
+        }
+        ops::replica_heartbeat(&client, replica, now).await
     }
 
     async fn recover_orphaned_turns(

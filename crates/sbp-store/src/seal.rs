@@ -25,6 +25,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine as _;
 use chacha20poly1305::aead::{Aead, Generate, KeyInit, Payload};
@@ -81,6 +82,12 @@ pub enum SealError {
         KeyId::list(.0)
     )]
     MissingKeys(Vec<KeyId>),
+    /// The current key is no longer recorded by the database: a reseal run elsewhere retired it
+    /// while this process kept it as current. Nothing more is sealed under it.
+    #[error(
+        "encryption key {0} was retired by a reseal (the database no longer records it): restart this gateway with the current --encryption-key"
+    )]
+    Retired(KeyId),
     /// A key has the id of one the database recorded, and yet does not open its check value.
     #[error("encryption key {0} does not open this database's check value for that key id")]
     WrongKey(KeyId),
@@ -343,6 +350,9 @@ pub enum Kept {
     TetherNotResealed,
     /// The caller asked to keep them (the tether's reseal was not clean).
     Asked,
+    /// Values sealed under an earlier key were written while the reseal ran (a gateway still
+    /// seals under one): run it again once every gateway seals under the current key.
+    WrittenMeanwhile,
 }
 
 /// When a reseal may make the database forget the earlier keys: always only after a clean run.
@@ -414,6 +424,9 @@ fn aad(column: Column, row: &str) -> Vec<u8> {
 #[derive(Clone, Default)]
 pub struct Sealer {
     keys: Option<Arc<Keyring>>,
+    /// Set (for every clone) once the backend finds the current key no longer recorded: from then
+    /// on nothing is sealed, so no value is written under a key the database has forgotten.
+    retired: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for Sealer {
@@ -435,13 +448,44 @@ pub enum Sealed {
 impl Sealer {
     /// Encryption off: values are stored and read as they are.
     pub fn off() -> Self {
-        Self { keys: None }
+        Self::default()
     }
 
     pub fn new(keyring: Keyring) -> Self {
         Self {
             keys: Some(Arc::new(keyring)),
+            retired: Arc::default(),
         }
+    }
+
+    /// The backend found the current key no longer recorded (a reseal retired it): every clone
+    /// refuses to seal from now on ([`SealError::Retired`]).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// The error a backend answers with once the current key is retired, `None` while it is not.
+    pub fn retired(&self) -> Option<SealError> {
+        let current = self.current()?;
+        self.retired
+            .load(Ordering::Relaxed)
+            .then_some(SealError::Retired(current))
+    }
+
+    /// How a value sealed under the current key starts, as text (the prefix and the base64
+    /// characters that only the key id determines) and as bytes (the prefix and the key id): lets
+    /// a backend find the values sealed under other keys without decoding every value.
+    pub fn current_heads(&self) -> Option<(String, Vec<u8>)> {
+        let id = self.current()?;
+        let b64 = B64.encode(id.0);
+        // 32 bits of key id: the first 5 characters (30 bits) depend on nothing else.
+        let text = format!("{PREFIX}{}", b64.get(..5)?);
+        Some((text, [PREFIX.as_bytes(), &id.0].concat()))
+    }
+
+    /// Whether `id` is a key other than the current one (so a reseal has not reached the value).
+    pub fn is_earlier(&self, sealed: Sealed) -> bool {
+        matches!((self.current(), sealed), (Some(current), Sealed::By(id)) if id != current)
     }
 
     pub fn is_on(&self) -> bool {
@@ -463,6 +507,9 @@ impl Sealer {
         let Some(keys) = &self.keys else {
             return Ok(None);
         };
+        if let Some(e) = self.retired() {
+            return Err(e);
+        }
         seal_with(&keys.current, column, row, plain).map(Some)
     }
 

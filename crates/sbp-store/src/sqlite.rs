@@ -328,7 +328,15 @@ impl SqliteStore {
     {
         let closed = || StoreError::Backend("sqlite writer stopped".to_owned());
         let seal = self.inner.seal.clone();
-        let (job, reply) = writer::job(move |c: &Connection| work(c, &seal));
+        let (job, reply) = writer::job(move |c: &Connection| {
+            // Inside the write transaction: a reseal's forgetting of this key (another process,
+            // also one write transaction) is either before this check or after this job's values,
+            // which its final scan then finds.
+            if seal.is_on() {
+                reseal::check_current(c, &seal)?;
+            }
+            work(c, &seal)
+        });
         let jobs = self.inner.jobs.as_ref().ok_or_else(closed)?;
         jobs.send(job).map_err(|_| closed())?;
         reply.await.map_err(|_| closed())?
@@ -382,7 +390,16 @@ impl SqliteStore {
             None
         };
         if done.kept.is_none() {
-            done.forgotten = Some(self.write(reseal::forget_earlier_keys).await?);
+            match self.write(reseal::forget_earlier_keys).await? {
+                Ok(n) => done.forgotten = Some(n),
+                Err(stale) => {
+                    done.kept = Some(Kept::WrittenMeanwhile);
+                    tracing::warn!(
+                        values = stale,
+                        "values sealed under an earlier key were written during the reseal"
+                    );
+                }
+            }
         }
         // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
         // the live (sealed) content, then empty the WAL.

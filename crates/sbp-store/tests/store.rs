@@ -1059,6 +1059,143 @@ pub(crate) mod sealing {
         assert_eq!(back.metadata["note"], mark);
     }
 
+    /// A gateway still on key 1 after a reseal elsewhere retired it: its next write is refused
+    /// (nothing is sealed under a key the database no longer records), and a start with key 2
+    /// alone reads everything.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_a_retired_key_seals_nothing_more() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let old: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("old"));
+        let w = write_everything(&old, &marker()).await;
+        let new = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = new.reseal().await.expect("reseal");
+        assert_eq!(done.forgotten, Some(1), "{done:?}");
+        drop(new);
+        match write_refused(&old).await {
+            StoreError::Sealing(SealError::Retired(id)) => assert_eq!(id, key(1).id()),
+            other => panic!("{other:?}"),
+        }
+        drop(old);
+        let store: Arc<dyn Store> = Arc::new(
+            open_sqlite(dir.path(), sealer(2, &[]))
+                .await
+                .expect("key 2 alone"),
+        );
+        reads_everything(&store, &w, true).await;
+    }
+
+    async fn write_refused(store: &Arc<dyn Store>) -> StoreError {
+        let s = sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({}),
+        };
+        store.create_session(s).await.expect_err("refused")
+    }
+
+    /// A gateway still on key 1 keeps running while a reseal elsewhere retires key 1: it writes
+    /// away during the reseal. Whatever it managed to write stays readable (the reseal either
+    /// resealed it, or its last scan found it and kept key 1), and once key 1 is forgotten it
+    /// refuses to seal anything more under it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_stale_gateway_during_a_reseal_loses_nothing() {
+        use sbp_store::SessionStore;
+        use sbp_store::seal::Kept;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let old: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("old"));
+        let new = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let session = |n: u32| sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({ "n": n }),
+        };
+        let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+        let writer = {
+            let old = Arc::clone(&old);
+            tokio::spawn(async move {
+                let mut first_tx = Some(first_tx);
+                let mut written = Vec::new();
+                for n in 0..10_000 {
+                    if let Some(tx) = (!written.is_empty()).then(|| first_tx.take()).flatten() {
+                        let _ = tx.send(());
+                    }
+                    if stop_rx.try_recv().is_ok() {
+                        break;
+                    }
+                    let s = session(n);
+                    match old.create_session(s.clone()).await {
+                        Ok(()) => written.push(s.id),
+                        Err(StoreError::Sealing(SealError::Retired(id))) => {
+                            assert_eq!(id, key(1).id());
+                            break;
+                        }
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                written
+            })
+        };
+        // The reseal starts once the stale gateway is writing.
+        first_rx.await.expect("the stale gateway wrote");
+        let done = new.reseal().await.expect("reseal");
+        let _ = stop_tx.send(());
+        let written = writer.await.expect("writer");
+        eprintln!("written {} kept {:?}", written.len(), done.kept);
+        assert!(!written.is_empty());
+        match (done.kept, done.forgotten) {
+            (None, Some(1)) => {
+                // Forgotten: the stale gateway can no longer write under key 1.
+                match old.create_session(session(0)).await {
+                    Err(StoreError::Sealing(SealError::Retired(id))) => {
+                        assert_eq!(id, key(1).id())
+                    }
+                    other => panic!("a retired key must not seal: {other:?}"),
+                }
+            }
+            (Some(Kept::WrittenMeanwhile), None) => {
+                // Caught by the last scan: key 1 stays until a run with nobody on it.
+                drop(old);
+                let again = new.reseal().await.expect("again");
+                assert_eq!((again.kept, again.forgotten), (None, Some(1)), "{again:?}");
+                drop(new);
+                let only_new = open_sqlite(dir.path(), sealer(2, &[]))
+                    .await
+                    .expect("key 2 alone");
+                for id in &written {
+                    only_new
+                        .get_session(*id)
+                        .await
+                        .expect("opens")
+                        .expect("there");
+                }
+                return;
+            }
+            other => panic!("{other:?} {done:?}"),
+        }
+        drop((old, new));
+        let only_new = open_sqlite(dir.path(), sealer(2, &[]))
+            .await
+            .expect("key 2 alone");
+        for id in &written {
+            only_new
+                .get_session(*id)
+                .await
+                .expect("everything written opens under key 2")
+                .expect("there");
+        }
+    }
+
     /// A value moved into another session's row does not open: it is bound to its place.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sealed_value_moved_to_another_row_does_not_open() {
@@ -1357,6 +1494,42 @@ pub(crate) mod sealing {
         };
         let outcome = tokio::spawn(case).await;
         control.drop().await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
+    }
+
+    /// PostgreSQL: a replica still on key 1 after a reseal elsewhere retired it notices on its
+    /// next heartbeat (which itself still succeeds) and seals nothing more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_retired_key_seals_nothing_more_after_a_heartbeat() {
+        let schema = crate::postgres::TestSchema::create().await;
+        let first = schema.open_with(sealer(1, &[])).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let old: Arc<dyn Store> = Arc::new(first.expect("old"));
+            let w = write_everything(&old, &marker()).await;
+            let new = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let done = new.reseal().await.expect("reseal");
+            assert_eq!(done.forgotten, Some(1), "{done:?}");
+            old.replica_heartbeat("stale", chrono::Utc::now())
+                .await
+                .expect("the heartbeat goes on");
+            match write_refused(&old).await {
+                StoreError::Sealing(SealError::Retired(id)) => assert_eq!(id, key(1).id()),
+                other => panic!("{other:?}"),
+            }
+            let fresh: Arc<dyn Store> =
+                Arc::new(again.open_with(sealer(2, &[])).await.expect("key 2 alone"));
+            reads_everything(&fresh, &w, true).await;
+        };
+        let outcome = tokio::spawn(case).await;
         let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
         schema
             .run(async move {

@@ -123,18 +123,78 @@ fn row_name(at: &[Value]) -> String {
         .join("/")
 }
 
-/// After every column is resealed: the database records only the current key.
-pub(crate) fn forget_earlier_keys(conn: &Connection, seal: &Sealer) -> StoreResult<u64> {
-    let current = seal
+/// After every column is resealed, in one write transaction (no other process writes meanwhile):
+/// a last scan that no value is sealed under an earlier key (a gateway still on it may have
+/// written some during the reseal), then the database records only the current key. `Ok(Err(n))`:
+/// `n` such values, nothing forgotten.
+pub(crate) fn forget_earlier_keys(
+    conn: &Connection,
+    seal: &Sealer,
+) -> StoreResult<Result<u64, u64>> {
+    let (current, (text_head, byte_head)) = seal
         .current()
+        .zip(seal.current_heads())
         .ok_or_else(|| StoreError::Backend("a reseal needs an encryption key".to_owned()))?;
+    let mut stale = 0;
+    for &(_, table, name, _) in crate::seal::SEALED_COLUMNS {
+        // Only values that do not start as the current key's do: after a reseal, next to none.
+        let sql = format!(
+            "SELECT {name} FROM {table} WHERE \
+             (typeof({name}) = 'text' AND substr({name}, 1, 11) = ?1 AND substr({name}, 1, 16) <> ?2) \
+             OR (typeof({name}) = 'blob' AND substr({name}, 1, 11) = CAST(?1 AS BLOB) \
+                 AND substr({name}, 1, 15) <> ?3)"
+        );
+        let values: Vec<Value> = conn
+            .prepare(&sql)
+            .and_then(|mut st| {
+                st.query_map(
+                    rusqlite::params![crate::seal::PREFIX, text_head, byte_head],
+                    |r| r.get(0),
+                )?
+                .collect()
+            })
+            .map_err(db_err)?;
+        stale += values
+            .iter()
+            .filter(|v| match v {
+                Value::Text(t) => seal.is_earlier(Sealer::sealed_by(t)),
+                Value::Blob(b) => seal.is_earlier(Sealer::sealed_by_bytes(b)),
+                _ => false,
+            })
+            .count() as u64;
+    }
+    if stale > 0 {
+        return Ok(Err(stale));
+    }
     let n = conn
         .execute(
             "DELETE FROM sealing_keys WHERE key_id <> ?1",
             [current.to_string()],
         )
         .map_err(db_err)?;
-    Ok(n as u64)
+    Ok(Ok(n as u64))
+}
+
+/// Before every write job with encryption on: the current key must still be recorded. A reseal
+/// elsewhere may have retired it (this process still seals under it): then nothing more is
+/// written, and every later seal refuses too.
+pub(crate) fn check_current(conn: &Connection, seal: &Sealer) -> StoreResult<()> {
+    if let Some(e) = seal.retired() {
+        return Err(e.into());
+    }
+    let Some(current) = seal.current() else {
+        return Ok(());
+    };
+    let recorded: bool = conn
+        .prepare_cached("SELECT EXISTS (SELECT 1 FROM sealing_keys WHERE key_id = ?1)")
+        .and_then(|mut st| st.query_row([current.to_string()], |r| r.get(0)))
+        .map_err(db_err)?;
+    if recorded {
+        return Ok(());
+    }
+    seal.retire();
+    tracing::error!(key_id = %current, "the current encryption key was retired by a reseal");
+    Err(crate::seal::SealError::Retired(current).into())
 }
 
 /// [`crate::TetherStore::record_sealing_tether`].
