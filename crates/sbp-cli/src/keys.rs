@@ -30,9 +30,11 @@ pub enum KeyCommand {
 pub enum StoreCommand {
     /// Re-seal every stored value under --encryption-key (values sealed under a
     /// --previous-encryption-key, and values written before encryption was on), then make the
-    /// database forget the earlier keys, so `sbp serve` starts without them. Run it with the
-    /// gateways stopped, or once every running gateway already seals under the new key. On SQLite
-    /// it ends with a VACUUM, so no earlier bytes stay in the file.
+    /// database forget the earlier keys, so `sbp serve` starts without them. Values that do not
+    /// open are listed and keep the earlier keys (exit status non-zero), as does a Redis tether
+    /// the database records but --tether does not give. Run it with the gateways stopped, or once
+    /// every running gateway already seals under the new key. On SQLite it ends with a VACUUM and
+    /// an emptied WAL, so no earlier bytes stay in the files.
     Reseal(Box<ResealArgs>),
 }
 
