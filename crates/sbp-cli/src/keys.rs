@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use sbp_store::postgres::{PostgresOptions, PostgresStore, redacted_url};
 use sbp_store::redis_tether::{RedisTetherOptions, TetheredStore, redacted_redis_url};
-use sbp_store::seal::{Key, Resealed, Sealer};
+use sbp_store::seal::{Forget, Kept, Key, Resealed, Sealer};
 use sbp_store::sqlite::{SqliteOptions, SqliteStore};
 
 use crate::config::{Database, ServeArgs, Settings, TetherSettings, load_keyring};
@@ -30,9 +30,11 @@ pub enum KeyCommand {
 pub enum StoreCommand {
     /// Re-seal every stored value under --encryption-key (values sealed under a
     /// --previous-encryption-key, and values written before encryption was on), then make the
-    /// database forget the earlier keys, so `sbp serve` starts without them. Run it with the
-    /// gateways stopped, or once every running gateway already seals under the new key. On SQLite
-    /// it ends with a VACUUM, so no earlier bytes stay in the file.
+    /// database forget the earlier keys, so `sbp serve` starts without them. Values that do not
+    /// open are listed and keep the earlier keys (exit status non-zero), as does a Redis tether
+    /// the database records but --tether does not give. Run it with the gateways stopped, or once
+    /// every running gateway already seals under the new key. On SQLite it ends with a VACUUM and
+    /// an emptied WAL, so no earlier bytes stay in the files.
     Reseal(Box<ResealArgs>),
 }
 
@@ -125,7 +127,10 @@ pub async fn reseal(args: ResealArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("opening {}", path.display()))?;
             let streamed =
                 reseal_streams(Arc::new(store.clone()), s.tether.as_ref(), &sealer).await?;
-            let done = store.reseal().await.context("resealing")?;
+            let done = store
+                .reseal_with(forget(streamed.as_ref()))
+                .await
+                .context("resealing")?;
             (done, streamed)
         }
         Database::Postgres(url) => {
@@ -138,12 +143,24 @@ pub async fn reseal(args: ResealArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("opening {}", redacted_url(url)))?;
             let streamed =
                 reseal_streams(Arc::new(store.clone()), s.tether.as_ref(), &sealer).await?;
-            let done = store.reseal().await.context("resealing")?;
+            let done = store
+                .reseal_with(forget(streamed.as_ref()))
+                .await
+                .context("resealing")?;
             (done, streamed)
         }
     };
-    report(&done, streamed, current);
-    Ok(())
+    report(done, streamed, current)
+}
+
+/// The database forgets the earlier keys only after the tether's streams (when given) were
+/// resealed with every entry opened.
+fn forget(streamed: Option<&Resealed>) -> Forget {
+    match streamed {
+        None => Forget::IfClean,
+        Some(t) if t.is_clean() => Forget::IfCleanWithTether,
+        Some(_) => Forget::Never,
+    }
 }
 
 /// The tether's streams first: once the database forgets the earlier keys, nothing may be left
@@ -152,7 +169,7 @@ async fn reseal_streams<S: sbp_store::Store + 'static>(
     store: Arc<S>,
     tether: Option<&TetherSettings>,
     sealer: &Sealer,
-) -> anyhow::Result<Option<u64>> {
+) -> anyhow::Result<Option<Resealed>> {
     let Some(t) = tether else {
         return Ok(None);
     };
@@ -166,22 +183,51 @@ async fn reseal_streams<S: sbp_store::Store + 'static>(
     let tethered = TetheredStore::open(store, &t.url, opts)
         .await
         .with_context(|| format!("opening the tether at {label}"))?;
-    let n = tethered
+    let done = tethered
         .reseal_streams()
         .await
         .with_context(|| format!("resealing the tether at {label}"))?;
-    Ok(Some(n))
+    Ok(Some(done))
 }
 
-fn report(done: &Resealed, streamed: Option<u64>, current: sbp_store::seal::KeyId) {
-    println!(
-        "resealed {} values under key {current}; earlier keys are no longer needed",
-        done.total()
-    );
+/// Prints what was rewritten and every value that did not open; fails (non-zero exit) unless the
+/// earlier keys were forgotten.
+fn report(
+    mut done: Resealed,
+    streamed: Option<Resealed>,
+    current: sbp_store::seal::KeyId,
+) -> anyhow::Result<()> {
+    let kept = done.kept;
+    if let Some(t) = streamed {
+        done.merge(t);
+    }
+    println!("resealed {} values under key {current}", done.total());
     for (column, n) in &done.columns {
         println!("  {column}: {n}");
     }
-    if let Some(n) = streamed {
-        println!("  tether streams: {n}");
+    for u in &done.unopened {
+        println!("  does not open: {} row {}: {}", u.column, u.row, u.error);
+    }
+    if done.unopened_total > done.unopened.len() as u64 {
+        println!(
+            "  ... and {} more that do not open",
+            done.unopened_total - done.unopened.len() as u64
+        );
+    }
+    match kept {
+        None => {
+            println!("earlier keys are no longer needed");
+            Ok(())
+        }
+        Some(Kept::Unopened) | Some(Kept::Asked) => bail!(
+            "{} values do not open: the earlier keys are kept (repair or delete those rows, then run sbp store reseal again)",
+            done.unopened_total
+        ),
+        Some(Kept::WrittenMeanwhile) => bail!(
+            "values sealed under an earlier key were written while the reseal ran (a gateway still seals under one): the earlier keys are kept; give every gateway the new --encryption-key, then run sbp store reseal again"
+        ),
+        Some(Kept::TetherNotResealed) => bail!(
+            "a Redis tether seals under these keys: the earlier keys are kept; run sbp store reseal again with --tether (or the tether in --config)"
+        ),
     }
 }

@@ -164,6 +164,11 @@ pub trait TetherStore: Send + Sync {
     /// Removes the listed entries (delivered to a surface that does not ACK).
     async fn tether_remove(&self, session_id: Uuid, seqs: &[u64]) -> StoreResult<u64>;
     async fn tether_depth_total(&self) -> StoreResult<u64>;
+    /// Records that a Redis tether with this key prefix seals under the store's keyring, so a
+    /// reseal without it keeps the earlier keys. Backends without a key record ignore it.
+    async fn record_sealing_tether(&self, _prefix: &str) -> StoreResult<()> {
+        Ok(())
+    }
 }
 
 /// The atomic units of work of a turn.

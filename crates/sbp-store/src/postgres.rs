@@ -29,7 +29,7 @@ pub use self::tls::{Check, HandshakeError, TlsFileError};
 
 use self::codec::db_err;
 use self::ops::Tx;
-use crate::seal::Sealer;
+use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -212,42 +212,76 @@ impl PostgresStore {
     }
 
     /// Re-seals every content value under the keyring's current key (plain values included), then
-    /// drops the earlier keys from the database's record, so a start without them is accepted.
-    /// Each page of rows is one transaction that locks them: run it with the gateways stopped, or
-    /// while every running one already seals under the current key.
-    pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
+    /// drops the earlier keys from the database's record ([`PostgresStore::reseal_with`] with
+    /// [`Forget::IfClean`]).
+    pub async fn reseal(&self) -> StoreResult<Resealed> {
+        self.reseal_with(Forget::IfClean).await
+    }
+
+    /// Re-seals every content value under the keyring's current key (plain values included); a
+    /// value that does not open is left as it is and listed. Then, as `forget` allows and only if
+    /// every value opened, drops the earlier keys from the database's record, so a start without
+    /// them is accepted. Each page of rows is one transaction that locks them: run it with the
+    /// gateways stopped, or while every running one already seals under the current key.
+    pub async fn reseal_with(&self, forget: Forget) -> StoreResult<Resealed> {
         if !self.seal.is_on() {
             return Err(StoreError::Backend(
                 "a reseal needs an encryption key".to_owned(),
             ));
         }
-        let mut done = crate::seal::Resealed::default();
+        let mut done = Resealed::default();
         for &target in crate::seal::SEALED_COLUMNS {
             let mut after: Option<Vec<String>> = None;
             loop {
                 let from = after.take();
-                let (n, next) = self
+                let (page, next) = self
                     .write(move |tx| {
                         let seal = self.seal.clone();
                         Box::pin(async move { reseal::reseal_page(tx, &seal, target, from).await })
                     })
                     .await?;
-                done.add(target.0, n);
+                done.merge(page);
                 match next {
                     Some(at) => after = Some(at),
                     None => break,
                 }
             }
         }
-        let forgotten = self
-            .write(move |tx| {
-                let seal = self.seal.clone();
-                Box::pin(async move { reseal::forget_earlier_keys(tx, &seal).await })
-            })
-            .await?;
+        done.kept = if !done.is_clean() {
+            Some(Kept::Unopened)
+        } else if forget == Forget::Never {
+            Some(Kept::Asked)
+        } else if forget == Forget::IfClean
+            && self
+                .write(|tx| Box::pin(async move { reseal::has_tether(tx).await }))
+                .await?
+        {
+            Some(Kept::TetherNotResealed)
+        } else {
+            None
+        };
+        if done.kept.is_none() {
+            let forgotten = self
+                .write(move |tx| {
+                    let seal = self.seal.clone();
+                    Box::pin(async move { reseal::forget_earlier_keys(tx, &seal).await })
+                })
+                .await?;
+            match forgotten {
+                Ok(n) => done.forgotten = Some(n),
+                Err(stale) => {
+                    done.kept = Some(Kept::WrittenMeanwhile);
+                    tracing::warn!(
+                        values = stale,
+                        "values sealed under an earlier key were written during the reseal"
+                    );
+                }
+            }
+        }
         tracing::info!(
             values = done.total(),
-            earlier_keys = forgotten,
+            unopened = done.unopened_total,
+            earlier_keys_forgotten = ?done.forgotten,
             "postgres store resealed"
         );
         Ok(done)
@@ -454,6 +488,12 @@ impl SnapshotStore for PostgresStore {
 
 #[async_trait]
 impl TetherStore for PostgresStore {
+    async fn record_sealing_tether(&self, prefix: &str) -> StoreResult<()> {
+        let prefix = prefix.to_owned();
+        self.write(move |tx| Box::pin(async move { reseal::record_tether(tx, &prefix).await }))
+            .await
+    }
+
     async fn tether_pending(
         &self,
         session_id: Uuid,
@@ -543,7 +583,11 @@ impl TurnStore for PostgresStore {
     }
 
     async fn replica_heartbeat(&self, replica: &str, now: Timestamp) -> StoreResult<()> {
-        ops::replica_heartbeat(&self.client().await?, replica, now).await
+        let client = self.client().await?;
+        if self.seal.is_on() {
+            reseal::check_current(&client, &self.seal).await?;
+        }
+        ops::replica_heartbeat(&client, replica, now).await
     }
 
     async fn recover_orphaned_turns(

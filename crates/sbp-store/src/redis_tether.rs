@@ -71,7 +71,7 @@ use sbp_protocol::{SessionStatus, SnapshotKind};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::seal::{Column, Sealer};
+use crate::seal::{Column, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -214,6 +214,9 @@ end
 return 1
 ";
 
+/// How a reseal names the streams' entries in its report.
+const STREAM_COLUMN: &str = "redis tether.content";
+
 /// Times a reseal reads a stream again when it changed while being resealed.
 const RESEAL_ATTEMPTS: usize = 5;
 
@@ -265,6 +268,10 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
         let mut redis = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(redis_err)?;
+        check_keys(&mut redis, &opts.prefix, &opts.sealer).await?;
+        if opts.sealer.is_on() {
+            inner.record_sealing_tether(&opts.prefix).await?;
+        }
         let (aof, fsync) = persistence(&mut redis).await;
         let handoff = match opts.mode {
             TetherMode::Handoff => {
@@ -319,9 +326,10 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
 
     /// Re-seals the content of every entry in this prefix's streams under the keyring's current
     /// key (plain ones included): a stream is rewritten with the same ids in one script, unless it
-    /// changed in between (then read again). Run it before the wrapped store's reseal, which makes
-    /// the database forget the earlier keys. Returns how many entries it rewrote.
-    pub async fn reseal_streams(&self) -> StoreResult<u64> {
+    /// changed in between (then read again). An entry that does not open is left as it is and
+    /// listed. Run it before the wrapped store's reseal, which makes the database forget the
+    /// earlier keys only if this was clean. Returns what it rewrote (as `tether streams`).
+    pub async fn reseal_streams(&self) -> StoreResult<Resealed> {
         let sh = &self.shared;
         if !sh.seal.is_on() {
             return Err(StoreError::Backend(
@@ -354,11 +362,36 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
         }
         sessions.sort();
         sessions.dedup();
-        let mut rewritten = 0;
+        let mut done = Resealed::default();
         for session in sessions {
-            rewritten += sh.reseal_stream(session).await?;
+            done.merge(sh.reseal_stream(session).await?);
         }
-        Ok(rewritten)
+        if done.is_clean() {
+            // Every entry is under the current key now: the streams no longer need the others.
+            let current = sh
+                .seal
+                .current()
+                .map(|id| id.to_string())
+                .unwrap_or_default();
+            let key = keys_key(&sh.prefix);
+            let ids: Vec<String> = redis::cmd("HKEYS")
+                .arg(&key)
+                .query_async(&mut sh.redis.clone())
+                .await
+                .map_err(redis_err)?;
+            let earlier: Vec<&String> = ids.iter().filter(|id| **id != current).collect();
+            if !earlier.is_empty() {
+                let _: i64 = redis::cmd("HDEL")
+                    .arg(&key)
+                    .arg(&earlier)
+                    .query_async(&mut sh.redis.clone())
+                    .await
+                    .map_err(redis_err)?;
+            }
+        } else {
+            done.kept = Some(crate::seal::Kept::Unopened);
+        }
+        Ok(done)
     }
 
     /// One round of the relay (the task runs it every `relay_interval`): streams the sessions whose
@@ -367,6 +400,36 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
     pub async fn relay_once(&self) -> StoreResult<u64> {
         self.shared.relay_once().await
     }
+}
+
+/// The hash recording the keys this prefix's streams are (or may be) sealed under: key id -> a
+/// check value sealed under it, as the SQL stores' `sealing_keys`.
+fn keys_key(prefix: &str) -> String {
+    format!("{prefix}tether:keys")
+}
+
+/// At open, as the SQL stores do: refuses a keyring (or its absence) that does not fit the keys
+/// this prefix's streams record, then records the current key before anything is sealed under it.
+async fn check_keys(redis: &mut ConnectionManager, prefix: &str, seal: &Sealer) -> StoreResult<()> {
+    let key = keys_key(prefix);
+    let recorded: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query_async(redis)
+        .await
+        .map_err(redis_err)?;
+    let mut recorded: Vec<(String, String)> = recorded.into_iter().collect();
+    recorded.sort();
+    if let Some((id, check)) = seal.check(&recorded)? {
+        let _: i64 = redis::cmd("HSETNX")
+            .arg(&key)
+            .arg(&id)
+            .arg(&check)
+            .query_async(redis)
+            .await
+            .map_err(redis_err)?;
+        tracing::info!(key_id = %id, "encryption at rest: new key recorded for the redis tether");
+    }
+    Ok(())
 }
 
 /// `CONFIG GET appendonly` and `appendfsync`; `None` where Redis does not say (CONFIG disabled).
@@ -430,7 +493,7 @@ impl<S: Store + ?Sized> Shared<S> {
     }
 
     /// [`TetheredStore::reseal_streams`] for one session's stream.
-    async fn reseal_stream(&self, session: Uuid) -> StoreResult<u64> {
+    async fn reseal_stream(&self, session: Uuid) -> StoreResult<Resealed> {
         let key = self.stream_key(session);
         let row = session.to_string();
         for _ in 0..RESEAL_ATTEMPTS {
@@ -442,6 +505,7 @@ impl<S: Store + ?Sized> Shared<S> {
                 .await
                 .map_err(redis_err)?;
             let mut changed = 0;
+            let mut done = Resealed::default();
             let mut entries = Vec::with_capacity(reply.ids.len());
             for s in &reply.ids {
                 let mut fields = Vec::with_capacity(s.map.len());
@@ -449,22 +513,31 @@ impl<S: Store + ?Sized> Shared<S> {
                     let value: String = redis::from_redis_value_ref(value).map_err(|_| {
                         StoreError::Backend(format!("redis tether entry {}: bad {name}", s.id))
                     })?;
-                    let value =
-                        if name == "content" && self.seal.needs_reseal(Sealer::sealed_by(&value)) {
-                            changed += 1;
-                            let plain = self.seal.open(Column::TetherContent, &row, value)?;
-                            self.seal
-                                .seal(Column::TetherContent, &row, &plain)?
-                                .into_owned()
-                        } else {
-                            value
-                        };
+                    let value = if name == "content"
+                        && self.seal.needs_reseal(Sealer::sealed_by(&value))
+                    {
+                        match self.seal.open(Column::TetherContent, &row, value.clone()) {
+                            Ok(plain) => {
+                                changed += 1;
+                                self.seal
+                                    .seal(Column::TetherContent, &row, &plain)?
+                                    .into_owned()
+                            }
+                            // Left as it is (the rewrite keeps it), and listed.
+                            Err(e) => {
+                                done.note_unopened(STREAM_COLUMN, format!("{session}/{}", s.id), e);
+                                value
+                            }
+                        }
+                    } else {
+                        value
+                    };
                     fields.push((name.clone(), value));
                 }
                 entries.push((s.id.clone(), fields));
             }
             if changed == 0 {
-                return Ok(0);
+                return Ok(done);
             }
             let script = Script::new(REWRITE_LUA);
             let mut call = script.prepare_invoke();
@@ -478,12 +551,13 @@ impl<S: Store + ?Sized> Shared<S> {
                     call.arg(name.as_str()).arg(value.as_str());
                 }
             }
-            let done: i64 = call
+            let rewritten: i64 = call
                 .invoke_async(&mut self.redis.clone())
                 .await
                 .map_err(redis_err)?;
-            if done == 1 {
-                return Ok(changed);
+            if rewritten == 1 {
+                done.add_named(STREAM_COLUMN, changed);
+                return Ok(done);
             }
         }
         Err(StoreError::Backend(format!(

@@ -11,13 +11,21 @@
 //!
 //! Format: `sbp:enc:v1:` then, in text columns, base64url (no padding) of `key id (4) || nonce (24)
 //! || ciphertext || tag (16)`; in byte columns (bundles) those bytes as they are after the prefix.
-//! A value without the prefix is a plaintext written before encryption was turned on, and reads as
-//! it is: JSON never starts with `s`, and free text that happened to start with the prefix before
-//! encryption was on is the one value that would then fail to open.
+//!
+//! The `sbp:` family of prefixes is reserved: a plain value (encryption off) that starts with
+//! `sbp:` is stored escaped as `sbp:raw:` then the value, and read back without it, so a prompt
+//! such as `sbp:enc:v1:hello` is never taken for a sealed value. A value with neither prefix is a
+//! plaintext (written before encryption was on, or before escaping existed) and reads as it is.
+//! A legacy value that starts with `sbp:enc:v1:` but is not well-formed sealed data (not base64url,
+//! or shorter than key id, nonce and tag) reads as the plain value too, keyring or not: sealing
+//! never writes such a value. A well-formed one is opened, and fails (no keyring, unknown key,
+//! forged) rather than being handed out as text: it cannot be told apart from a sealed value, and
+//! a reseal reports it. A legacy plain value that began with `sbp:raw:` loses that prefix on read.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine as _;
 use chacha20poly1305::aead::{Aead, Generate, KeyInit, Payload};
@@ -26,6 +34,10 @@ use sha2::{Digest, Sha256};
 
 /// What every sealed value starts with (the version is part of it).
 pub const PREFIX: &str = "sbp:enc:v1:";
+/// The reserved family: a plain value starting with it is stored escaped (module docs).
+const RESERVED: &str = "sbp:";
+/// What an escaped plain value starts with.
+const RAW: &str = "sbp:raw:";
 const KEY_LEN: usize = 32;
 const KEY_ID_LEN: usize = 4;
 const NONCE_LEN: usize = 24;
@@ -70,6 +82,12 @@ pub enum SealError {
         KeyId::list(.0)
     )]
     MissingKeys(Vec<KeyId>),
+    /// The current key is no longer recorded by the database: a reseal run elsewhere retired it
+    /// while this process kept it as current. Nothing more is sealed under it.
+    #[error(
+        "encryption key {0} was retired by a reseal (the database no longer records it): restart this gateway with the current --encryption-key"
+    )]
+    Retired(KeyId),
     /// A key has the id of one the database recorded, and yet does not open its check value.
     #[error("encryption key {0} does not open this database's check value for that key id")]
     WrongKey(KeyId),
@@ -98,6 +116,10 @@ impl KeyId {
             return None;
         }
         let mut id = [0u8; KEY_ID_LEN];
+        // `from_str_radix` takes a leading `+`: only hex digits make an id.
+        if !bytes.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
         for (i, pair) in bytes.chunks(2).enumerate() {
             let s = std::str::from_utf8(pair).ok()?;
             id[i] = u8::from_str_radix(s, 16).ok()?;
@@ -290,17 +312,95 @@ pub const SEALED_COLUMNS: &[(Column, &str, &str, &str)] = &[
 ];
 
 /// What a reseal rewrote: per column (`table.column`), the values it sealed under the current key
-/// (plain ones, and ones sealed under an earlier key).
+/// (plain ones, and ones sealed under an earlier key); the values it could not open; and whether
+/// the database then forgot the earlier keys.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Resealed {
     pub columns: Vec<(&'static str, u64)>,
+    /// Values left as they were because they do not open (unknown key, altered, moved): while any
+    /// remains, the earlier keys are kept. At most [`MAX_UNOPENED`] are listed.
+    pub unopened: Vec<Unopened>,
+    /// How many unopened values there were in all (the list stops at [`MAX_UNOPENED`]).
+    pub unopened_total: u64,
+    /// How many earlier keys the database forgot; `None` when it kept them (see `kept`).
+    pub forgotten: Option<u64>,
+    /// Why the earlier keys were kept, when they were.
+    pub kept: Option<Kept>,
+}
+
+/// The most unopened values a reseal lists (it counts them all).
+pub const MAX_UNOPENED: usize = 1000;
+
+/// A value a reseal could not open: where it is and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unopened {
+    /// `table.column`, or `redis tether.content` for a stream entry.
+    pub column: String,
+    /// The row's primary key (its columns' values joined with `/`), or `session/entry id`.
+    pub row: String,
+    pub error: SealError,
+}
+
+/// Why a reseal kept the earlier keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Some values do not open: retiring a key would lose whatever they hold.
+    Unopened,
+    /// A Redis tether seals under this keyring and its streams were not resealed in this run.
+    TetherNotResealed,
+    /// The caller asked to keep them (the tether's reseal was not clean).
+    Asked,
+    /// Values sealed under an earlier key were written while the reseal ran (a gateway still
+    /// seals under one): run it again once every gateway seals under the current key.
+    WrittenMeanwhile,
+}
+
+/// When a reseal may make the database forget the earlier keys: always only after a clean run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// After a clean run, unless a Redis tether seals under the keyring here.
+    IfClean,
+    /// After a clean run, the Redis tether's streams having just been resealed cleanly too.
+    IfCleanWithTether,
+    /// Never (rewrite only).
+    Never,
 }
 
 impl Resealed {
+    pub fn note_unopened(&mut self, column: impl Into<String>, row: String, error: SealError) {
+        self.unopened_total += 1;
+        if self.unopened.len() < MAX_UNOPENED {
+            self.unopened.push(Unopened {
+                column: column.into(),
+                row,
+                error,
+            });
+        }
+    }
+
+    /// Adds another part's counts and unopened values (a page, or the tether's streams).
+    pub fn merge(&mut self, other: Resealed) {
+        for (column, n) in other.columns {
+            self.add_named(column, n);
+        }
+        self.unopened_total += other.unopened_total;
+        let room = MAX_UNOPENED.saturating_sub(self.unopened.len());
+        self.unopened.extend(other.unopened.into_iter().take(room));
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.unopened_total == 0
+    }
+
     pub fn add(&mut self, column: Column, n: u64) {
-        match self.columns.iter_mut().find(|(c, _)| *c == column.name()) {
+        self.add_named(column.name(), n);
+    }
+
+    /// [`Resealed::add`] for a place that is not a SQL column (the tether's streams).
+    pub fn add_named(&mut self, name: &'static str, n: u64) {
+        match self.columns.iter_mut().find(|(c, _)| *c == name) {
             Some((_, total)) => *total += n,
-            None => self.columns.push((column.name(), n)),
+            None => self.columns.push((name, n)),
         }
     }
 
@@ -324,6 +424,9 @@ fn aad(column: Column, row: &str) -> Vec<u8> {
 #[derive(Clone, Default)]
 pub struct Sealer {
     keys: Option<Arc<Keyring>>,
+    /// Set (for every clone) once the backend finds the current key no longer recorded: from then
+    /// on nothing is sealed, so no value is written under a key the database has forgotten.
+    retired: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for Sealer {
@@ -345,13 +448,44 @@ pub enum Sealed {
 impl Sealer {
     /// Encryption off: values are stored and read as they are.
     pub fn off() -> Self {
-        Self { keys: None }
+        Self::default()
     }
 
     pub fn new(keyring: Keyring) -> Self {
         Self {
             keys: Some(Arc::new(keyring)),
+            retired: Arc::default(),
         }
+    }
+
+    /// The backend found the current key no longer recorded (a reseal retired it): every clone
+    /// refuses to seal from now on ([`SealError::Retired`]).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// The error a backend answers with once the current key is retired, `None` while it is not.
+    pub fn retired(&self) -> Option<SealError> {
+        let current = self.current()?;
+        self.retired
+            .load(Ordering::Relaxed)
+            .then_some(SealError::Retired(current))
+    }
+
+    /// How a value sealed under the current key starts, as text (the prefix and the base64
+    /// characters that only the key id determines) and as bytes (the prefix and the key id): lets
+    /// a backend find the values sealed under other keys without decoding every value.
+    pub fn current_heads(&self) -> Option<(String, Vec<u8>)> {
+        let id = self.current()?;
+        let b64 = B64.encode(id.0);
+        // 32 bits of key id: the first 5 characters (30 bits) depend on nothing else.
+        let text = format!("{PREFIX}{}", b64.get(..5)?);
+        Some((text, [PREFIX.as_bytes(), &id.0].concat()))
+    }
+
+    /// Whether `id` is a key other than the current one (so a reseal has not reached the value).
+    pub fn is_earlier(&self, sealed: Sealed) -> bool {
+        matches!((self.current(), sealed), (Some(current), Sealed::By(id)) if id != current)
     }
 
     pub fn is_on(&self) -> bool {
@@ -373,6 +507,9 @@ impl Sealer {
         let Some(keys) = &self.keys else {
             return Ok(None);
         };
+        if let Some(e) = self.retired() {
+            return Err(e);
+        }
         seal_with(&keys.current, column, row, plain).map(Some)
     }
 
@@ -393,7 +530,8 @@ impl Sealer {
         open_with(key, column, row, raw)
     }
 
-    /// Text to store in a text column: sealed when on, `plain` itself when off.
+    /// Text to store in a text column: sealed when on; when off `plain` itself, escaped when it
+    /// starts with the reserved `sbp:`.
     pub fn seal<'a>(
         &self,
         column: Column,
@@ -401,6 +539,7 @@ impl Sealer {
         plain: &'a str,
     ) -> Result<Cow<'a, str>, SealError> {
         Ok(match self.seal_raw(column, row, plain.as_bytes())? {
+            None if plain.starts_with(RESERVED) => Cow::Owned(format!("{RAW}{plain}")),
             None => Cow::Borrowed(plain),
             Some(raw) => {
                 let mut text = String::with_capacity(PREFIX.len() + raw.len().div_ceil(3) * 4);
@@ -420,14 +559,15 @@ impl Sealer {
         plain.map(|p| self.seal(column, row, p)).transpose()
     }
 
-    /// The plaintext of a stored text value: opened when sealed, as it is when plain.
+    /// The plaintext of a stored text value: opened when sealed, unescaped when escaped, as it is
+    /// when plain (module docs).
     pub fn open(&self, column: Column, row: &str, stored: String) -> Result<String, SealError> {
-        let Some(b64) = stored.strip_prefix(PREFIX) else {
+        if let Some(plain) = stored.strip_prefix(RAW) {
+            return Ok(plain.to_owned());
+        }
+        let Some(raw) = sealed_text(&stored) else {
             return Ok(stored);
         };
-        let raw = B64
-            .decode(b64)
-            .map_err(|_| SealError::Malformed(column.name()))?;
         let plain = self.open_raw(column, row, &raw)?;
         String::from_utf8(plain).map_err(|_| SealError::Malformed(column.name()))
     }
@@ -449,6 +589,9 @@ impl Sealer {
         plain: &'a [u8],
     ) -> Result<Cow<'a, [u8]>, SealError> {
         Ok(match self.seal_raw(column, row, plain)? {
+            None if plain.starts_with(RESERVED.as_bytes()) => {
+                Cow::Owned([RAW.as_bytes(), plain].concat())
+            }
             None => Cow::Borrowed(plain),
             Some(raw) => {
                 let mut bytes = Vec::with_capacity(PREFIX.len() + raw.len());
@@ -465,37 +608,35 @@ impl Sealer {
         row: &str,
         stored: Vec<u8>,
     ) -> Result<Vec<u8>, SealError> {
-        match stored.strip_prefix(PREFIX.as_bytes()) {
+        if let Some(plain) = stored.strip_prefix(RAW.as_bytes()) {
+            return Ok(plain.to_vec());
+        }
+        match sealed_bytes(&stored) {
             None => Ok(stored),
             Some(raw) => self.open_raw(column, row, raw),
         }
     }
 
-    /// Whether a stored text value is plain or which key sealed it.
+    /// Whether a stored text value is plain (escaped, legacy, or not well-formed sealed data) or
+    /// which key sealed it.
     pub fn sealed_by(stored: &str) -> Sealed {
-        let Some(b64) = stored.strip_prefix(PREFIX) else {
+        if stored.starts_with(RAW) {
             return Sealed::Plain;
-        };
-        // 4 bytes of key id are the first 5⅓ base64 characters: decode 8 (6 bytes).
-        let id = b64
-            .get(..8)
-            .and_then(|head| B64.decode(head).ok())
-            .and_then(|head| <[u8; KEY_ID_LEN]>::try_from(head.get(..KEY_ID_LEN)?).ok());
-        // A malformed value is "sealed under no key we have": a reseal tries it and reports it.
-        Sealed::By(KeyId(id.unwrap_or([0; KEY_ID_LEN])))
+        }
+        match sealed_text(stored) {
+            None => Sealed::Plain,
+            Some(raw) => Sealed::By(key_id_of(&raw)),
+        }
     }
 
     /// [`Sealer::sealed_by`] for a byte column.
     pub fn sealed_by_bytes(stored: &[u8]) -> Sealed {
-        match stored.strip_prefix(PREFIX.as_bytes()) {
+        if stored.starts_with(RAW.as_bytes()) {
+            return Sealed::Plain;
+        }
+        match sealed_bytes(stored) {
             None => Sealed::Plain,
-            Some(raw) => {
-                let mut id = [0u8; KEY_ID_LEN];
-                if let Some(head) = raw.get(..KEY_ID_LEN) {
-                    id.copy_from_slice(head);
-                }
-                Sealed::By(KeyId(id))
-            }
+            Some(raw) => Sealed::By(key_id_of(raw)),
         }
     }
 
@@ -567,6 +708,29 @@ impl Sealer {
             Err(SealError::WrongKey(id))
         }
     }
+}
+
+/// The sealed bytes of a text value that is well-formed sealed data: the prefix, then base64url
+/// of at least a key id, a nonce and a tag. `None`: a plain value.
+fn sealed_text(stored: &str) -> Option<Vec<u8>> {
+    let raw = B64.decode(stored.strip_prefix(PREFIX)?).ok()?;
+    (raw.len() >= KEY_ID_LEN + NONCE_LEN + TAG_LEN).then_some(raw)
+}
+
+/// [`sealed_text`] for a byte column (no base64 there).
+fn sealed_bytes(stored: &[u8]) -> Option<&[u8]> {
+    let raw = stored.strip_prefix(PREFIX.as_bytes())?;
+    (raw.len() >= KEY_ID_LEN + NONCE_LEN + TAG_LEN).then_some(raw)
+}
+
+/// The key id a well-formed sealed value starts with.
+fn key_id_of(raw: &[u8]) -> KeyId {
+    let mut id = [0u8; KEY_ID_LEN];
+    // Well-formed sealed data is longer than a key id.
+    if let Some(head) = raw.get(..KEY_ID_LEN) {
+        id.copy_from_slice(head);
+    }
+    KeyId(id)
 }
 
 fn seal_with(key: &Key, column: Column, row: &str, plain: &[u8]) -> Result<Vec<u8>, SealError> {
@@ -793,5 +957,73 @@ mod tests {
             Err(SealError::DuplicateKey(_))
         ));
         assert_eq!(KeyId::parse(&key(1).id().to_string()), Some(key(1).id()));
+        assert_eq!(KeyId::parse("+f+f+f+f"), None, "signed hex is not an id");
+        assert_eq!(KeyId::parse("0a0b0c0G"), None);
+    }
+
+    /// Encryption off: a value in the reserved family is escaped, so it never reads as sealed.
+    #[test]
+    fn reserved_prefix_values_are_escaped_and_legacy_ones_read_plain() {
+        let off = Sealer::off();
+        let on = sealer(1, &[]);
+        for text in [
+            "sbp:enc:v1:hello",
+            "sbp:raw:x",
+            "sbp:",
+            &format!("{PREFIX}{}", "A".repeat(80)),
+        ] {
+            let stored = off
+                .seal(Column::SessionLastTask, "r", text)
+                .expect("off")
+                .into_owned();
+            assert!(stored.starts_with(RAW), "{stored}");
+            assert_eq!(Sealer::sealed_by(&stored), Sealed::Plain);
+            for s in [&off, &on] {
+                assert_eq!(
+                    s.open(Column::SessionLastTask, "r", stored.clone()),
+                    Ok(text.to_owned())
+                );
+            }
+            let bytes = off
+                .seal_bytes(Column::BundleBody, "c", text.as_bytes())
+                .expect("off")
+                .into_owned();
+            assert_eq!(Sealer::sealed_by_bytes(&bytes), Sealed::Plain);
+            assert_eq!(
+                on.open_bytes(Column::BundleBody, "c", bytes),
+                Ok(text.as_bytes().to_vec())
+            );
+        }
+        assert_eq!(
+            off.seal(Column::SessionLastTask, "r", "plain")
+                .expect("off"),
+            "plain"
+        );
+        // Written before escaping existed: not well-formed sealed data, so plain, keyring or not.
+        for legacy in [
+            "sbp:enc:v1:hello",
+            "sbp:enc:v1:AAAAAAAA",
+            "sbp:enc:v1:",
+            "sbp:enc:v1:a b",
+        ] {
+            assert_eq!(Sealer::sealed_by(legacy), Sealed::Plain, "{legacy}");
+            for s in [&off, &on] {
+                assert_eq!(
+                    s.open(Column::SessionLastTask, "r", legacy.to_owned()),
+                    Ok(legacy.to_owned())
+                );
+            }
+            assert_eq!(
+                on.open_bytes(Column::BundleBody, "c", legacy.as_bytes().to_vec()),
+                Ok(legacy.as_bytes().to_vec())
+            );
+        }
+        // Well-formed: cannot be told from a sealed value, so it must open.
+        let looks_sealed = format!("{PREFIX}{}", "A".repeat(80));
+        assert_eq!(
+            off.open(Column::SessionLastTask, "r", looks_sealed.clone()),
+            Err(SealError::NoKeyring("sessions.last_task"))
+        );
+        assert!(on.open(Column::SessionLastTask, "r", looks_sealed).is_err());
     }
 }

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use self::codec::db_err;
 use self::writer::JobSender;
-use crate::seal::Sealer;
+use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
@@ -162,6 +162,45 @@ fn open_reader(path: &Path) -> StoreResult<Connection> {
     Ok(conn)
 }
 
+/// Times a reseal tries the truncating checkpoint while a reader holds the WAL.
+const CHECKPOINT_ATTEMPTS: u32 = 5;
+/// Pause between those attempts (each already waits up to the busy timeout).
+const CHECKPOINT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Copies the WAL into the database file and empties it, so the earlier bytes a reseal replaced
+/// are in neither. SQLite answers `(busy, log frames, checkpointed frames)` rather than failing
+/// when a reader's snapshot holds frames back: that is retried a few times, then refused.
+fn truncate_wal(conn: &Connection) -> StoreResult<()> {
+    // A reader that holds its snapshot for seconds is a running gateway: waiting the full busy
+    // timeout on every attempt would only delay the answer.
+    conn.busy_timeout(CHECKPOINT_PAUSE * 5).map_err(db_err)?;
+    for attempt in 1..=CHECKPOINT_ATTEMPTS {
+        let (busy, log, done): (i64, i64, i64) = conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .map_err(db_err)?;
+        if busy == 0 {
+            return Ok(());
+        }
+        tracing::debug!(
+            attempt,
+            log,
+            done,
+            "wal checkpoint busy: a reader holds the wal"
+        );
+        if attempt < CHECKPOINT_ATTEMPTS {
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+    }
+    Err(StoreError::Backend(
+        "every value is resealed, but another connection (a running gateway?) holds the database \
+         open, so the write-ahead log still holds earlier bytes: stop the gateways and run \
+         sbp store reseal again"
+            .to_owned(),
+    ))
+}
+
 /// Creates missing parent directories (owner only, 0700) and the database file (owner only, 0600)
 /// before SQLite opens it: SQLite gives the `-wal` and `-shm` files the database file's mode. An
 /// existing database, WAL or shared-memory file that others may read is narrowed to 0600 (logged).
@@ -289,54 +328,96 @@ impl SqliteStore {
     {
         let closed = || StoreError::Backend("sqlite writer stopped".to_owned());
         let seal = self.inner.seal.clone();
-        let (job, reply) = writer::job(move |c: &Connection| work(c, &seal));
+        let (job, reply) = writer::job(move |c: &Connection| {
+            // Inside the write transaction: a reseal's forgetting of this key (another process,
+            // also one write transaction) is either before this check or after this job's values,
+            // which its final scan then finds.
+            if seal.is_on() {
+                reseal::check_current(c, &seal)?;
+            }
+            work(c, &seal)
+        });
         let jobs = self.inner.jobs.as_ref().ok_or_else(closed)?;
         jobs.send(job).map_err(|_| closed())?;
         reply.await.map_err(|_| closed())?
     }
 
     /// Re-seals every content value under the keyring's current key (plain values included), then
-    /// drops the earlier keys from the database's record, so a start without them is accepted.
-    /// Each page of rows is one write: run it with the gateways stopped, or while every running
-    /// one already seals under the current key (their writes then need no reseal). Ends with a
-    /// `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free pages or the WAL.
-    pub async fn reseal(&self) -> StoreResult<crate::seal::Resealed> {
+    /// drops the earlier keys from the database's record, so a start without them is accepted
+    /// ([`SqliteStore::reseal_with`] with [`Forget::IfClean`]).
+    pub async fn reseal(&self) -> StoreResult<Resealed> {
+        self.reseal_with(Forget::IfClean).await
+    }
+
+    /// Re-seals every content value under the keyring's current key (plain values included); a
+    /// value that does not open is left as it is and listed. Then, as `forget` allows and only if
+    /// every value opened, drops the earlier keys from the database's record, so a start without
+    /// them is accepted. Each page of rows is one write: run it with the gateways stopped, or
+    /// while every running one already seals under the current key (their writes then need no
+    /// reseal). Ends with a `VACUUM` and a truncating checkpoint, so no earlier bytes stay in free
+    /// pages or the WAL.
+    pub async fn reseal_with(&self, forget: Forget) -> StoreResult<Resealed> {
         if !self.inner.seal.is_on() {
             return Err(StoreError::Backend(
                 "a reseal needs an encryption key".to_owned(),
             ));
         }
-        let mut done = crate::seal::Resealed::default();
+        // Cells the rewrites free are zeroed, not left holding the earlier bytes until reused.
+        self.write(|c, _| c.pragma_update(None, "secure_delete", "ON").map_err(db_err))
+            .await?;
+        let mut done = Resealed::default();
         for &target in crate::seal::SEALED_COLUMNS {
             let mut after: Option<Vec<rusqlite::types::Value>> = None;
             loop {
                 let from = after.take();
-                let (n, next) = self
+                let (page, next) = self
                     .write(move |c, s| reseal::reseal_page(c, s, target, from.as_deref()))
                     .await?;
-                done.add(target.0, n);
+                done.merge(page);
                 match next {
                     Some(at) => after = Some(at),
                     None => break,
                 }
             }
         }
-        let forgotten = self.write(reseal::forget_earlier_keys).await?;
+        done.kept = if !done.is_clean() {
+            Some(Kept::Unopened)
+        } else if forget == Forget::Never {
+            Some(Kept::Asked)
+        } else if forget == Forget::IfClean && self.read(|c, _| reseal::has_tether(c)).await? {
+            Some(Kept::TetherNotResealed)
+        } else {
+            None
+        };
+        if done.kept.is_none() {
+            match self.write(reseal::forget_earlier_keys).await? {
+                Ok(n) => done.forgotten = Some(n),
+                Err(stale) => {
+                    done.kept = Some(Kept::WrittenMeanwhile);
+                    tracing::warn!(
+                        values = stale,
+                        "values sealed under an earlier key were written during the reseal"
+                    );
+                }
+            }
+        }
         // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
         // the live (sealed) content, then empty the WAL.
         let path = self.inner.readers.path.clone();
         tokio::task::spawn_blocking(move || -> StoreResult<()> {
             let conn = Connection::open(&path).map_err(db_err)?;
             configure(&conn)?;
+            conn.pragma_update(None, "secure_delete", "ON")
+                .map_err(db_err)?;
             conn.execute_batch("VACUUM").map_err(db_err)?;
-            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-                .map_err(db_err)
+            truncate_wal(&conn)
         })
         .await
         .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;
         tracing::info!(
             values = done.total(),
-            earlier_keys = forgotten,
+            unopened = done.unopened_total,
+            earlier_keys_forgotten = ?done.forgotten,
             "sqlite store resealed"
         );
         Ok(done)
@@ -464,6 +545,12 @@ impl SnapshotStore for SqliteStore {
 
 #[async_trait]
 impl TetherStore for SqliteStore {
+    async fn record_sealing_tether(&self, prefix: &str) -> StoreResult<()> {
+        let prefix = prefix.to_owned();
+        self.write(move |c, _| reseal::record_tether(c, &prefix))
+            .await
+    }
+
     async fn tether_pending(
         &self,
         session_id: Uuid,

@@ -48,6 +48,7 @@ macro_rules! for_each_case {
             memory_put_get,
             adopt_long_history_in_order,
             retention_sweeps_what_no_longer_serves,
+            reserved_prefix_values_round_trip,
         );
     };
 }
@@ -157,7 +158,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 6);
+        assert_eq!(version, 7);
     }
 }
 
@@ -1019,6 +1020,182 @@ pub(crate) mod sealing {
         );
     }
 
+    /// A reader (a running gateway's) holds its snapshot while a reseal runs: the truncating
+    /// checkpoint cannot empty the WAL, and the reseal says so instead of reporting success with
+    /// plaintext left in the files; once the reader is gone, running it again leaves none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_reseal_with_a_reader_refuses_then_cleans_up() {
+        use sbp_store::SessionStore;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mark = marker();
+        let plain = open_sqlite(dir.path(), Sealer::off()).await.expect("open");
+        let s = sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({ "note": mark }),
+        };
+        plain.create_session(s.clone()).await.expect("create");
+        drop(plain);
+        let on = open_sqlite(dir.path(), sealer(1, &[])).await.expect("on");
+        let reader = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("reader");
+        reader.execute_batch("BEGIN").expect("begin");
+        let _: i64 = reader
+            .query_row("SELECT count(*) FROM sessions", [], |r| r.get(0))
+            .expect("read");
+        match on.reseal().await {
+            Err(StoreError::Backend(message)) => {
+                assert!(message.contains("stop the gateways"), "{message}")
+            }
+            other => panic!("a held WAL must not pass for clean: {other:?}"),
+        }
+        reader.execute_batch("COMMIT").expect("end");
+        drop(reader);
+        let done = on.reseal().await.expect("reseal again");
+        assert!(done.unopened.is_empty(), "{done:?}");
+        assert!(!files_contain(dir.path(), &mark), "no plaintext left");
+        let back = on.get_session(s.id).await.expect("read").expect("there");
+        assert_eq!(back.metadata["note"], mark);
+    }
+
+    /// A gateway still on key 1 after a reseal elsewhere retired it: its next write is refused
+    /// (nothing is sealed under a key the database no longer records), and a start with key 2
+    /// alone reads everything.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_a_retired_key_seals_nothing_more() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let old: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("old"));
+        let w = write_everything(&old, &marker()).await;
+        let new = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = new.reseal().await.expect("reseal");
+        assert_eq!(done.forgotten, Some(1), "{done:?}");
+        drop(new);
+        match write_refused(&old).await {
+            StoreError::Sealing(SealError::Retired(id)) => assert_eq!(id, key(1).id()),
+            other => panic!("{other:?}"),
+        }
+        drop(old);
+        let store: Arc<dyn Store> = Arc::new(
+            open_sqlite(dir.path(), sealer(2, &[]))
+                .await
+                .expect("key 2 alone"),
+        );
+        reads_everything(&store, &w, true).await;
+    }
+
+    async fn write_refused(store: &Arc<dyn Store>) -> StoreError {
+        let s = sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({}),
+        };
+        store.create_session(s).await.expect_err("refused")
+    }
+
+    /// A gateway still on key 1 keeps running while a reseal elsewhere retires key 1: it writes
+    /// away during the reseal. Whatever it managed to write stays readable (the reseal either
+    /// resealed it, or its last scan found it and kept key 1), and once key 1 is forgotten it
+    /// refuses to seal anything more under it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_stale_gateway_during_a_reseal_loses_nothing() {
+        use sbp_store::SessionStore;
+        use sbp_store::seal::Kept;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let old: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("old"));
+        let new = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let session = |n: u32| sbp_store::NewSession {
+            id: uuid::Uuid::new_v4(),
+            agent_id: "agent".to_owned(),
+            token_hash: uuid::Uuid::new_v4().simple().to_string(),
+            created_at: chrono::Utc::now(),
+            metadata: serde_json::json!({ "n": n }),
+        };
+        let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+        let writer = {
+            let old = Arc::clone(&old);
+            tokio::spawn(async move {
+                let mut first_tx = Some(first_tx);
+                let mut written = Vec::new();
+                for n in 0..10_000 {
+                    if let Some(tx) = (!written.is_empty()).then(|| first_tx.take()).flatten() {
+                        let _ = tx.send(());
+                    }
+                    if stop_rx.try_recv().is_ok() {
+                        break;
+                    }
+                    let s = session(n);
+                    match old.create_session(s.clone()).await {
+                        Ok(()) => written.push(s.id),
+                        Err(StoreError::Sealing(SealError::Retired(id))) => {
+                            assert_eq!(id, key(1).id());
+                            break;
+                        }
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                written
+            })
+        };
+        // The reseal starts once the stale gateway is writing.
+        first_rx.await.expect("the stale gateway wrote");
+        let done = new.reseal().await.expect("reseal");
+        let _ = stop_tx.send(());
+        let written = writer.await.expect("writer");
+        eprintln!("written {} kept {:?}", written.len(), done.kept);
+        assert!(!written.is_empty());
+        match (done.kept, done.forgotten) {
+            (None, Some(1)) => {
+                // Forgotten: the stale gateway can no longer write under key 1.
+                match old.create_session(session(0)).await {
+                    Err(StoreError::Sealing(SealError::Retired(id))) => {
+                        assert_eq!(id, key(1).id())
+                    }
+                    other => panic!("a retired key must not seal: {other:?}"),
+                }
+            }
+            (Some(Kept::WrittenMeanwhile), None) => {
+                // Caught by the last scan: key 1 stays until a run with nobody on it.
+                drop(old);
+                let again = new.reseal().await.expect("again");
+                assert_eq!((again.kept, again.forgotten), (None, Some(1)), "{again:?}");
+                drop(new);
+                let only_new = open_sqlite(dir.path(), sealer(2, &[]))
+                    .await
+                    .expect("key 2 alone");
+                for id in &written {
+                    only_new
+                        .get_session(*id)
+                        .await
+                        .expect("opens")
+                        .expect("there");
+                }
+                return;
+            }
+            other => panic!("{other:?} {done:?}"),
+        }
+        drop((old, new));
+        let only_new = open_sqlite(dir.path(), sealer(2, &[]))
+            .await
+            .expect("key 2 alone");
+        for id in &written {
+            only_new
+                .get_session(*id)
+                .await
+                .expect("everything written opens under key 2")
+                .expect("there");
+        }
+    }
+
     /// A value moved into another session's row does not open: it is bound to its place.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sealed_value_moved_to_another_row_does_not_open() {
@@ -1071,6 +1248,164 @@ pub(crate) mod sealing {
             sealing_error(open_sqlite(dir.path(), Sealer::off()).await),
             SealError::Locked(vec![key(1).id()])
         );
+    }
+
+    /// A database written before reserved values were escaped holds a prompt that starts with the
+    /// seal prefix as it is: it reads as the plain value without a key, with one, and after a
+    /// reseal (which seals it like any plain value).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn legacy_values_with_the_prefix_read_plain_and_reseal() {
+        use sbp_store::{SessionStore, TetherStore};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plain: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), Sealer::off()).await.expect("open"));
+        let w = write_everything(&plain, &marker()).await;
+        let id = w.session.id;
+        drop(plain);
+        let legacy = ["sbp:enc:v1:hello", "sbp:enc:v1:AAAAAAAA"];
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("legacy");
+        conn.execute(
+            "UPDATE sessions SET last_task = ?1 WHERE id = ?2",
+            [legacy[0], &id.to_string()],
+        )
+        .expect("legacy task");
+        conn.execute("UPDATE tether SET content = ?1", [legacy[1]])
+            .expect("legacy tether");
+        drop(conn);
+        let check = async |store: &SqliteStore| {
+            let s = store
+                .get_session(id)
+                .await
+                .expect("readable")
+                .expect("there");
+            assert_eq!(s.last_task.as_deref(), Some(legacy[0]));
+            let pending = store.tether_pending(id, None, 10).await.expect("readable");
+            assert!(!pending.is_empty());
+            assert!(
+                pending
+                    .iter()
+                    .all(|e| e.content.as_deref() == Some(legacy[1]))
+            );
+        };
+        let off = open_sqlite(dir.path(), Sealer::off()).await.expect("off");
+        check(&off).await;
+        drop(off);
+        let on = open_sqlite(dir.path(), sealer(1, &[])).await.expect("on");
+        check(&on).await;
+        let done = on.reseal().await.expect("reseal");
+        assert!(done.unopened.is_empty(), "{done:?}");
+        check(&on).await;
+        drop(on);
+        sqlite_sealed_by(dir.path(), Sealed::By(key(1).id()));
+    }
+
+    /// A value that does not open (sealed under a key nobody has) does not stop a reseal: every
+    /// other value is resealed, that one is listed with its place, and the earlier keys are kept
+    /// until it is gone; the next clean run forgets them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_reseal_lists_what_does_not_open_and_keeps_the_keys() {
+        use sbp_store::seal::{Column, Kept};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
+        let w = write_everything(&store, &marker()).await;
+        drop(store);
+        let id = w.session.id.to_string();
+        let stray = sealer(9, &[])
+            .seal(Column::SessionLastTask, &id, "lost")
+            .expect("seal")
+            .into_owned();
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("plant");
+        conn.execute(
+            "UPDATE sessions SET last_task = ?1 WHERE id = ?2",
+            [&stray, &id],
+        )
+        .expect("plant");
+        drop(conn);
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = rotated.reseal().await.expect("the run goes on");
+        assert!(done.total() >= 20, "every other value: {done:?}");
+        assert_eq!(done.unopened_total, 1, "{done:?}");
+        assert_eq!(done.unopened[0].column, "sessions.last_task");
+        assert_eq!(done.unopened[0].row, id);
+        assert_eq!(
+            done.unopened[0].error,
+            SealError::UnknownKey("sessions.last_task", key(9).id())
+        );
+        assert_eq!((done.kept, done.forgotten), (Some(Kept::Unopened), None));
+        drop(rotated);
+        assert_eq!(
+            sealing_error(open_sqlite(dir.path(), sealer(2, &[])).await),
+            SealError::MissingKeys(vec![key(1).id()]),
+            "key 1 is still recorded"
+        );
+        let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("repair");
+        conn.execute("UPDATE sessions SET last_task = NULL WHERE id = ?1", [&id])
+            .expect("repair");
+        drop(conn);
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = rotated.reseal().await.expect("clean run");
+        assert!(done.unopened.is_empty(), "{done:?}");
+        assert_eq!((done.kept, done.forgotten), (None, Some(1)));
+        drop(rotated);
+        open_sqlite(dir.path(), sealer(2, &[]))
+            .await
+            .expect("key 2 alone starts");
+    }
+
+    /// As the SQLite case, on PostgreSQL: a stray value is listed and the earlier keys kept.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_reseal_lists_what_does_not_open_and_keeps_the_keys() {
+        use sbp_store::seal::{Column, Kept};
+        let schema = crate::postgres::TestSchema::create().await;
+        let name = schema.name().to_owned();
+        let first = schema.open_with(sealer(1, &[])).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let store: Arc<dyn Store> = Arc::new(first.expect("open"));
+            let w = write_everything(&store, &marker()).await;
+            let stray = sealer(9, &[])
+                .seal(Column::SnapshotState, &w.snapshot.id.to_string(), "{}")
+                .expect("seal")
+                .into_owned();
+            let url = sbp_test_support::test_database_url();
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .expect("connect");
+            tokio::spawn(conn);
+            client
+                .execute(
+                    &format!("UPDATE {name}.snapshots SET state = $1 WHERE id = $2::text::uuid"),
+                    &[&stray, &w.snapshot.id.to_string()],
+                )
+                .await
+                .expect("plant");
+            let rotated = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let done = rotated.reseal().await.expect("the run goes on");
+            assert!(done.total() >= 20, "{done:?}");
+            assert_eq!(done.unopened_total, 1, "{done:?}");
+            assert_eq!(done.unopened[0].column, "snapshots.state");
+            assert_eq!(done.unopened[0].row, w.snapshot.id.to_string());
+            assert_eq!((done.kept, done.forgotten), (Some(Kept::Unopened), None));
+            assert_eq!(
+                sealing_error(again.open_with(sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()])
+            );
+        };
+        let outcome = tokio::spawn(case).await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
     }
 
     /// Whether any row of the schema's tables holds `needle` (bundles' bytes searched as bytes).
@@ -1169,6 +1504,42 @@ pub(crate) mod sealing {
             .await;
     }
 
+    /// PostgreSQL: a replica still on key 1 after a reseal elsewhere retired it notices on its
+    /// next heartbeat (which itself still succeeds) and seals nothing more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_retired_key_seals_nothing_more_after_a_heartbeat() {
+        let schema = crate::postgres::TestSchema::create().await;
+        let first = schema.open_with(sealer(1, &[])).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let old: Arc<dyn Store> = Arc::new(first.expect("old"));
+            let w = write_everything(&old, &marker()).await;
+            let new = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let done = new.reseal().await.expect("reseal");
+            assert_eq!(done.forgotten, Some(1), "{done:?}");
+            old.replica_heartbeat("stale", chrono::Utc::now())
+                .await
+                .expect("the heartbeat goes on");
+            match write_refused(&old).await {
+                StoreError::Sealing(SealError::Retired(id)) => assert_eq!(id, key(1).id()),
+                other => panic!("{other:?}"),
+            }
+            let fresh: Arc<dyn Store> =
+                Arc::new(again.open_with(sealer(2, &[])).await.expect("key 2 alone"));
+            reads_everything(&fresh, &w, true).await;
+        };
+        let outcome = tokio::spawn(case).await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
+    }
+
     /// Every field of every entry in the prefix's tether streams, as raw strings.
     async fn stream_fields(prefix: &str) -> Vec<String> {
         let client = redis::Client::open(sbp_test_support::test_redis_url()).expect("url");
@@ -1203,6 +1574,134 @@ pub(crate) mod sealing {
         fields
     }
 
+    /// Handed-off tether entries live only in Redis, sealed under key 1. A reseal of the database
+    /// alone keeps key 1 (the database records that a Redis tether seals here), and the tether
+    /// itself refuses a start without key 1; resealing the streams first lets both forget it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reseal_without_the_tether_keeps_the_keys_its_entries_need() {
+        use sbp_store::redis_tether::{RedisTetherOptions, TetherMode, TetheredStore};
+        use sbp_store::seal::{Forget, Kept};
+        use sbp_store::{FinishTurn, SessionStore, TetherStore, TurnStore};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = sbp_test_support::test_redis_url();
+        let prefix = format!("sbptest:{}:", uuid::Uuid::new_v4().simple());
+        let (url_in, prefix_in) = (url.clone(), prefix.clone());
+        let case = async move {
+            let (url, prefix) = (url_in, prefix_in);
+            let opts = |s: Sealer| RedisTetherOptions {
+                prefix: prefix.clone(),
+                mode: TetherMode::Handoff,
+                // The test runs the relay itself.
+                relay_interval: std::time::Duration::from_secs(3600),
+                sealer: s,
+                ..RedisTetherOptions::default()
+            };
+            let tethered = async |sql: Sealer, redis: Sealer| {
+                let inner: Arc<dyn Store> = Arc::new(open_sqlite(dir.path(), sql).await?);
+                TetheredStore::open(inner, &url, opts(redis)).await
+            };
+            let store = tethered(sealer(1, &[]), sealer(1, &[]))
+                .await
+                .expect("open");
+            let s = sbp_store::NewSession {
+                id: uuid::Uuid::new_v4(),
+                agent_id: "agent".to_owned(),
+                token_hash: uuid::Uuid::new_v4().simple().to_string(),
+                created_at: chrono::Utc::now(),
+                metadata: serde_json::json!({}),
+            };
+            store.create_session(s.clone()).await.expect("create");
+            store
+                .mark_attached(s.id, chrono::Utc::now())
+                .await
+                .expect("attach");
+            let entry = sbp_store::NewTetherEntry {
+                role: "assistant".to_owned(),
+                content: Some("pending reply".to_owned()),
+                model_used: None,
+                created_at: chrono::Utc::now(),
+                chunk_id: uuid::Uuid::new_v4(),
+            };
+            store
+                .finish_turn(FinishTurn {
+                    session_id: s.id,
+                    turn_id: None,
+                    messages: vec![],
+                    count_step: false,
+                    post_action: None,
+                    checkpoint: None,
+                    tether: Some(entry),
+                    tether_only_if_enabled: false,
+                    idempotency_done: None,
+                    idempotency_claim: None,
+                    now: chrono::Utc::now(),
+                })
+                .await
+                .expect("finish");
+            store.relay_once().await.expect("hand off");
+            assert_eq!(
+                store.inner().tether_count(s.id).await.expect("outbox"),
+                0,
+                "handed off: the entry lives only in Redis"
+            );
+            drop(store);
+
+            // `sbp store reseal` without --tether.
+            let sql = open_sqlite(dir.path(), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let done = sql.reseal().await.expect("reseal");
+            assert!(done.is_clean(), "{done:?}");
+            assert_eq!(
+                (done.kept, done.forgotten),
+                (Some(Kept::TetherNotResealed), None)
+            );
+            drop(sql);
+            assert_eq!(
+                sealing_error(open_sqlite(dir.path(), sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()])
+            );
+            assert_eq!(
+                sealing_error(tethered(sealer(2, &[1]), sealer(2, &[])).await),
+                SealError::MissingKeys(vec![key(1).id()]),
+                "the tether records key 1 too"
+            );
+            assert_eq!(
+                sealing_error(tethered(sealer(2, &[1]), Sealer::off()).await),
+                SealError::Locked(vec![key(1).id()]),
+            );
+
+            // With --tether: the streams first, then the database.
+            let store = tethered(sealer(2, &[1]), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let streams = store.reseal_streams().await.expect("streams");
+            assert_eq!(streams.total(), 1, "{streams:?}");
+            assert!(streams.is_clean());
+            drop(store);
+            let sql = open_sqlite(dir.path(), sealer(2, &[1]))
+                .await
+                .expect("rotated");
+            let done = sql
+                .reseal_with(Forget::IfCleanWithTether)
+                .await
+                .expect("reseal");
+            assert_eq!((done.kept, done.forgotten), (None, Some(1)));
+            drop(sql);
+            let store = tethered(sealer(2, &[]), sealer(2, &[]))
+                .await
+                .expect("key 2 alone");
+            let pending = store.tether_pending(s.id, None, 10).await.expect("opens");
+            assert_eq!(pending.len(), 1);
+            assert_eq!(pending[0].content.as_deref(), Some("pending reply"));
+        };
+        let outcome = tokio::spawn(case).await;
+        let _ = sbp_test_support::delete_prefix(&url, &prefix).await;
+        if let Err(e) = outcome {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_streams_hold_no_plaintext_and_reseal() {
         use sbp_store::redis_tether::TetherMode;
@@ -1235,7 +1734,7 @@ pub(crate) mod sealing {
 
             // Rotated: the stream entry sealed under key 1 is resealed under key 2.
             let rotated = again.tethered().await;
-            assert_eq!(rotated.reseal_streams().await.expect("reseal"), 1);
+            assert_eq!(rotated.reseal_streams().await.expect("reseal").total(), 1);
             let fields = stream_fields(&prefix).await;
             let sealed: Vec<&String> = fields.iter().filter(|f| f.starts_with(PREFIX)).collect();
             assert!(!sealed.is_empty());

@@ -752,3 +752,42 @@ async fn a_caller_that_disconnects_mid_stream_does_not_lose_the_turn() {
         .await;
     assert_eq!(page["messages"][0]["content"], "echo: a b c d e f");
 }
+
+/// A prompt that reads like a sealed value (encryption off, the default) is stored as text: the
+/// session stays readable and its next turn goes through.
+#[tokio::test]
+async fn a_prompt_that_looks_sealed_does_not_break_its_session() {
+    let gw = TestGateway::start().await;
+    let (status, headers, body) = gw
+        .chat(
+            json!({"model": "m", "messages": [user("sbp:enc:v1:hello")]}),
+            &[],
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let token = headers["x-session-token"]
+        .to_str()
+        .expect("token")
+        .to_owned();
+    let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
+    let auth = [("x-session-token", token.as_str())];
+    let (status, _, body) = gw
+        .chat(
+            json!({"model": "m", "messages": [user("sbp:raw:again")]}),
+            &auth,
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["sbp"]["step_count"], 2);
+    let (_, page) = gw.get(&format!("/v1/sessions/{id}/messages"), &auth).await;
+    let stored: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(stored[0], "sbp:enc:v1:hello");
+    assert_eq!(stored[2], "sbp:raw:again");
+    let (status, session) = gw.get(&format!("/v1/sessions/{id}"), &auth).await;
+    assert_eq!(status, 200, "{session}");
+}

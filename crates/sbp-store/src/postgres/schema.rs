@@ -198,6 +198,12 @@ const MIGRATIONS: &[&str] = &[
         check_value text NOT NULL
     );
     "#,
+    // v7: a row per Redis tether (its key prefix) that seals under this keyring (SQLite v7).
+    r#"
+    CREATE TABLE sealing_tethers (
+        prefix text PRIMARY KEY
+    );
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.

@@ -6,7 +6,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, params_from_iter};
 
 use super::codec::db_err;
-use crate::seal::{Column, Sealer};
+use crate::seal::{Column, Resealed, Sealer};
 use crate::{StoreError, StoreResult};
 
 /// Rows read and rewritten per writer job.
@@ -24,14 +24,15 @@ pub(crate) fn order(table: &str, key: &str) -> &'static [&'static str] {
 }
 
 /// One page of `table.column` after `after` (the order columns' values of the last row done):
-/// rewrites the values that are plain or sealed under an earlier key. Returns how many it rewrote
-/// and the last row's order values (`None`: the table is done).
+/// rewrites the values that are plain or sealed under an earlier key, and notes (and leaves) the
+/// ones that do not open, so one bad value does not stop the run. Returns what it did and the last
+/// row's order values (`None`: the table is done).
 pub(crate) fn reseal_page(
     conn: &Connection,
     seal: &Sealer,
     (column, table, name, key): (Column, &str, &str, &str),
     after: Option<&[Value]>,
-) -> StoreResult<(u64, Option<Vec<Value>>)> {
+) -> StoreResult<(Resealed, Option<Vec<Value>>)> {
     let order = order(table, key);
     let cols = order.join(", ");
     let marks = vec!["?"; order.len()].join(", ");
@@ -56,27 +57,39 @@ pub(crate) fn reseal_page(
         })
         .map_err(db_err)?;
     let update = format!("UPDATE {table} SET {name} = ? WHERE ({cols}) = ({marks})");
+    let mut done = Resealed::default();
     let mut rewritten = 0;
     for (row_key, stored, at) in &rows {
-        let new = match stored {
+        let opened = match stored {
             Value::Text(text) => {
                 if !seal.needs_reseal(Sealer::sealed_by(text)) {
                     continue;
                 }
-                let plain = seal.open(column, row_key, text.clone())?;
-                Value::Text(seal.seal(column, row_key, &plain)?.into_owned())
+                seal.open(column, row_key, text.clone()).map(Opened::Text)
             }
             Value::Blob(bytes) => {
                 if !seal.needs_reseal(Sealer::sealed_by_bytes(bytes)) {
                     continue;
                 }
-                let plain = seal.open_bytes(column, row_key, bytes.clone())?;
-                Value::Blob(seal.seal_bytes(column, row_key, &plain)?.into_owned())
+                seal.open_bytes(column, row_key, bytes.clone())
+                    .map(Opened::Bytes)
             }
             _ => {
                 return Err(StoreError::Backend(format!(
                     "{table}.{name} holds a value that is neither text nor bytes"
                 )));
+            }
+        };
+        let new = match opened {
+            Ok(Opened::Text(plain)) => {
+                Value::Text(seal.seal(column, row_key, &plain)?.into_owned())
+            }
+            Ok(Opened::Bytes(plain)) => {
+                Value::Blob(seal.seal_bytes(column, row_key, &plain)?.into_owned())
+            }
+            Err(e) => {
+                done.note_unopened(column.name(), row_name(at), e);
+                continue;
             }
         };
         let params = std::iter::once(&new).chain(at.iter());
@@ -85,23 +98,119 @@ pub(crate) fn reseal_page(
             .map_err(db_err)?;
         rewritten += 1;
     }
+    done.add(column, rewritten);
     let next = match rows.len() as i64 {
         n if n < PAGE => None,
         _ => rows.last().map(|(_, _, at)| at.clone()),
     };
-    Ok((rewritten, next))
+    Ok((done, next))
 }
 
-/// After every column is resealed: the database records only the current key.
-pub(crate) fn forget_earlier_keys(conn: &Connection, seal: &Sealer) -> StoreResult<u64> {
-    let current = seal
+enum Opened {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// A row's primary key for a report: its columns' values joined with `/`.
+fn row_name(at: &[Value]) -> String {
+    at.iter()
+        .map(|v| match v {
+            Value::Text(t) => t.clone(),
+            Value::Integer(i) => i.to_string(),
+            other => format!("{other:?}"),
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// After every column is resealed, in one write transaction (no other process writes meanwhile):
+/// a last scan that no value is sealed under an earlier key (a gateway still on it may have
+/// written some during the reseal), then the database records only the current key. `Ok(Err(n))`:
+/// `n` such values, nothing forgotten.
+pub(crate) fn forget_earlier_keys(
+    conn: &Connection,
+    seal: &Sealer,
+) -> StoreResult<Result<u64, u64>> {
+    let (current, (text_head, byte_head)) = seal
         .current()
+        .zip(seal.current_heads())
         .ok_or_else(|| StoreError::Backend("a reseal needs an encryption key".to_owned()))?;
+    let mut stale = 0;
+    for &(_, table, name, _) in crate::seal::SEALED_COLUMNS {
+        // Only values that do not start as the current key's do: after a reseal, next to none.
+        let sql = format!(
+            "SELECT {name} FROM {table} WHERE \
+             (typeof({name}) = 'text' AND substr({name}, 1, 11) = ?1 AND substr({name}, 1, 16) <> ?2) \
+             OR (typeof({name}) = 'blob' AND substr({name}, 1, 11) = CAST(?1 AS BLOB) \
+                 AND substr({name}, 1, 15) <> ?3)"
+        );
+        let values: Vec<Value> = conn
+            .prepare(&sql)
+            .and_then(|mut st| {
+                st.query_map(
+                    rusqlite::params![crate::seal::PREFIX, text_head, byte_head],
+                    |r| r.get(0),
+                )?
+                .collect()
+            })
+            .map_err(db_err)?;
+        stale += values
+            .iter()
+            .filter(|v| match v {
+                Value::Text(t) => seal.is_earlier(Sealer::sealed_by(t)),
+                Value::Blob(b) => seal.is_earlier(Sealer::sealed_by_bytes(b)),
+                _ => false,
+            })
+            .count() as u64;
+    }
+    if stale > 0 {
+        return Ok(Err(stale));
+    }
     let n = conn
         .execute(
             "DELETE FROM sealing_keys WHERE key_id <> ?1",
             [current.to_string()],
         )
         .map_err(db_err)?;
-    Ok(n as u64)
+    Ok(Ok(n as u64))
+}
+
+/// Before every write job with encryption on: the current key must still be recorded. A reseal
+/// elsewhere may have retired it (this process still seals under it): then nothing more is
+/// written, and every later seal refuses too.
+pub(crate) fn check_current(conn: &Connection, seal: &Sealer) -> StoreResult<()> {
+    if let Some(e) = seal.retired() {
+        return Err(e.into());
+    }
+    let Some(current) = seal.current() else {
+        return Ok(());
+    };
+    let recorded: bool = conn
+        .prepare_cached("SELECT EXISTS (SELECT 1 FROM sealing_keys WHERE key_id = ?1)")
+        .and_then(|mut st| st.query_row([current.to_string()], |r| r.get(0)))
+        .map_err(db_err)?;
+    if recorded {
+        return Ok(());
+    }
+    seal.retire();
+    tracing::error!(key_id = %current, "the current encryption key was retired by a reseal");
+    Err(crate::seal::SealError::Retired(current).into())
+}
+
+/// [`crate::TetherStore::record_sealing_tether`].
+pub(crate) fn record_tether(conn: &Connection, prefix: &str) -> StoreResult<()> {
+    conn.execute(
+        "INSERT INTO sealing_tethers (prefix) VALUES (?1) ON CONFLICT (prefix) DO NOTHING",
+        [prefix],
+    )
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// Whether a Redis tether seals under this keyring.
+pub(crate) fn has_tether(conn: &Connection) -> StoreResult<bool> {
+    conn.query_row("SELECT EXISTS (SELECT 1 FROM sealing_tethers)", [], |r| {
+        r.get(0)
+    })
+    .map_err(db_err)
 }

@@ -178,6 +178,13 @@ const MIGRATIONS: &[&str] = &[
         check_value TEXT NOT NULL
     );
     "#,
+    // v7: a row per Redis tether (its key prefix) that seals under this database's keyring, so a
+    // reseal that was not given that tether keeps the earlier keys its streams may still need.
+    r#"
+    CREATE TABLE sealing_tethers (
+        prefix TEXT PRIMARY KEY NOT NULL
+    );
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening

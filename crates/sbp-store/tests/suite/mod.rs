@@ -16,9 +16,11 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 mod replicas;
+mod reserved;
 mod roaming;
 pub mod sealing;
 pub use replicas::*;
+pub use reserved::*;
 pub use roaming::*;
 
 // ---- fixtures ----
