@@ -565,6 +565,12 @@ impl Sealer {
         if let Some(plain) = stored.strip_prefix(RAW) {
             return Ok(plain.to_owned());
         }
+        // Without a keyring nothing here was sealed (a store opened without a key refuses a
+        // database that records keys): a value that only looks sealed was written as plain text
+        // before the reserved prefix was escaped, and reads as it is.
+        if self.keys.is_none() {
+            return Ok(stored);
+        }
         let Some(raw) = sealed_text(&stored) else {
             return Ok(stored);
         };
@@ -610,6 +616,10 @@ impl Sealer {
     ) -> Result<Vec<u8>, SealError> {
         if let Some(plain) = stored.strip_prefix(RAW.as_bytes()) {
             return Ok(plain.to_vec());
+        }
+        // As in `open`: without a keyring nothing was sealed.
+        if self.keys.is_none() {
+            return Ok(stored);
         }
         match sealed_bytes(&stored) {
             None => Ok(stored),
@@ -846,9 +856,11 @@ mod tests {
             .seal(Column::SessionLastTask, "r", "task")
             .expect("seal")
             .into_owned();
+        // Without a keyring a value is never opened: a store opened without a key refuses a
+        // database that records keys (`Sealer::check`), so what reaches `open` is plain text.
         assert_eq!(
             off.open(Column::SessionLastTask, "r", sealed.clone()),
-            Err(SealError::NoKeyring("sessions.last_task"))
+            Ok(sealed.clone())
         );
         assert_eq!(
             sealer(2, &[]).open(Column::SessionLastTask, "r", sealed),
@@ -1018,11 +1030,17 @@ mod tests {
                 Ok(legacy.as_bytes().to_vec())
             );
         }
-        // Well-formed: cannot be told from a sealed value, so it must open.
+        // Well-formed: without a keyring it can only be legacy plain text (a database that
+        // records keys is refused without one); with a keyring it cannot be told from a sealed
+        // value, so it must open.
         let looks_sealed = format!("{PREFIX}{}", "A".repeat(80));
         assert_eq!(
             off.open(Column::SessionLastTask, "r", looks_sealed.clone()),
-            Err(SealError::NoKeyring("sessions.last_task"))
+            Ok(looks_sealed.clone())
+        );
+        assert_eq!(
+            off.open_bytes(Column::BundleBody, "c", looks_sealed.as_bytes().to_vec()),
+            Ok(looks_sealed.as_bytes().to_vec())
         );
         assert!(on.open(Column::SessionLastTask, "r", looks_sealed).is_err());
     }
