@@ -247,19 +247,15 @@ impl PostgresStore {
                 }
             }
         }
-        done.kept = if !done.is_clean() {
-            Some(Kept::Unopened)
-        } else if forget == Forget::Never {
-            Some(Kept::Asked)
-        } else if forget == Forget::IfClean
+        done.kept = done.keep_regardless(forget);
+        if done.kept.is_none()
+            && forget == Forget::IfClean
             && self
                 .write(|tx| Box::pin(async move { reseal::has_tether(tx).await }))
                 .await?
         {
-            Some(Kept::TetherNotResealed)
-        } else {
-            None
-        };
+            done.kept = Some(Kept::TetherNotResealed);
+        }
         if done.kept.is_none() {
             let forgotten = self
                 .write(move |tx| {
@@ -267,16 +263,7 @@ impl PostgresStore {
                     Box::pin(async move { reseal::forget_earlier_keys(tx, &seal).await })
                 })
                 .await?;
-            match forgotten {
-                Ok(n) => done.forgotten = Some(n),
-                Err(stale) => {
-                    done.kept = Some(Kept::WrittenMeanwhile);
-                    tracing::warn!(
-                        values = stale,
-                        "values sealed under an earlier key were written during the reseal"
-                    );
-                }
-            }
+            done.forgot(forgotten);
         }
         tracing::info!(
             values = done.total(),

@@ -392,6 +392,34 @@ impl Resealed {
         self.unopened_total == 0
     }
 
+    /// Why the earlier keys must be kept whatever the database holds (values that did not open,
+    /// or the caller's choice); `None` when they may go, subject to the backend's own checks
+    /// (a Redis tether under `Forget::IfClean`, then the last scan).
+    pub fn keep_regardless(&self, forget: Forget) -> Option<Kept> {
+        if !self.is_clean() {
+            Some(Kept::Unopened)
+        } else if forget == Forget::Never {
+            Some(Kept::Asked)
+        } else {
+            None
+        }
+    }
+
+    /// Records what forgetting the earlier keys gave: how many were forgotten, or how many
+    /// values a gateway sealed under one of them while the reseal ran (then they are kept).
+    pub fn forgot(&mut self, outcome: Result<u64, u64>) {
+        match outcome {
+            Ok(n) => self.forgotten = Some(n),
+            Err(stale) => {
+                self.kept = Some(Kept::WrittenMeanwhile);
+                tracing::warn!(
+                    values = stale,
+                    "values sealed under an earlier key were written during the reseal"
+                );
+            }
+        }
+    }
+
     pub fn add(&mut self, column: Column, n: u64) {
         self.add_named(column.name(), n);
     }

@@ -380,26 +380,15 @@ impl SqliteStore {
                 }
             }
         }
-        done.kept = if !done.is_clean() {
-            Some(Kept::Unopened)
-        } else if forget == Forget::Never {
-            Some(Kept::Asked)
-        } else if forget == Forget::IfClean && self.read(|c, _| reseal::has_tether(c)).await? {
-            Some(Kept::TetherNotResealed)
-        } else {
-            None
-        };
+        done.kept = done.keep_regardless(forget);
+        if done.kept.is_none()
+            && forget == Forget::IfClean
+            && self.read(|c, _| reseal::has_tether(c)).await?
+        {
+            done.kept = Some(Kept::TetherNotResealed);
+        }
         if done.kept.is_none() {
-            match self.write(reseal::forget_earlier_keys).await? {
-                Ok(n) => done.forgotten = Some(n),
-                Err(stale) => {
-                    done.kept = Some(Kept::WrittenMeanwhile);
-                    tracing::warn!(
-                        values = stale,
-                        "values sealed under an earlier key were written during the reseal"
-                    );
-                }
-            }
+            done.forgot(self.write(reseal::forget_earlier_keys).await?);
         }
         // Rewritten rows leave their old bytes in free pages and in the WAL: rebuild the file from
         // the live (sealed) content, then empty the WAL.
