@@ -215,18 +215,24 @@ const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS sbp_schema_version (
      applied_at timestamptz NOT NULL DEFAULT now()
  )";
 
-/// Brings the schema up to date in one transaction under the advisory lock: of several gateways
-/// starting at once, one migrates and the others find the work done.
-pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
-    let tx = client.transaction().await.map_err(db_err)?;
-    // Without a schema to create in (a search_path naming none that exists), current_schema() is
-    // NULL; the CREATE below then fails with PostgreSQL's own clear message.
+/// The schema's migration lock, held until `tx` ends. Without a schema to create in (a
+/// search_path naming none that exists), current_schema() is NULL; the lock is then taken on ''.
+async fn migration_lock(tx: &deadpool_postgres::Transaction<'_>) -> StoreResult<()> {
     tx.execute(
         "SELECT pg_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))",
         &[&LOCK_CLASS],
     )
     .await
     .map_err(db_err)?;
+    Ok(())
+}
+
+/// Brings the schema up to date in one transaction under the advisory lock: of several gateways
+/// starting at once, one migrates and the others find the work done.
+pub(crate) async fn migrate(client: &mut Client) -> StoreResult<()> {
+    let tx = client.transaction().await.map_err(db_err)?;
+    // Without a schema to create in, the CREATE below fails with PostgreSQL's own clear message.
+    migration_lock(&tx).await?;
     tx.batch_execute(VERSION_TABLE).await.map_err(db_err)?;
     let applied: i32 = tx
         .query_one(
@@ -277,12 +283,7 @@ pub(crate) async fn recorded_keys(
 /// replicas starting at once with a new key record it once.
 pub(crate) async fn check_keys(client: &mut Client, seal: &Sealer) -> StoreResult<()> {
     let tx = client.transaction().await.map_err(db_err)?;
-    tx.execute(
-        "SELECT pg_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))",
-        &[&LOCK_CLASS],
-    )
-    .await
-    .map_err(db_err)?;
+    migration_lock(&tx).await?;
     if let Some((id, check)) = seal.check(&recorded_keys(&tx).await?)? {
         tx.execute(
             "INSERT INTO sealing_keys (key_id, check_value) VALUES ($1, $2) \
