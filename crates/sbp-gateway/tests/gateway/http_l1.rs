@@ -758,18 +758,7 @@ async fn a_caller_that_disconnects_mid_stream_does_not_lose_the_turn() {
 #[tokio::test]
 async fn a_prompt_that_looks_sealed_does_not_break_its_session() {
     let gw = TestGateway::start().await;
-    let (status, headers, body) = gw
-        .chat(
-            json!({"model": "m", "messages": [user("sbp:enc:v1:hello")]}),
-            &[],
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let token = headers["x-session-token"]
-        .to_str()
-        .expect("token")
-        .to_owned();
-    let id = body["sbp"]["session_id"].as_str().expect("id").to_owned();
+    let (id, token) = gw.session_saying("sbp:enc:v1:hello").await;
     let auth = [("x-session-token", token.as_str())];
     let (status, _, body) = gw
         .chat(

@@ -97,9 +97,14 @@ pub trait TestGatewayExt {
 
     /// Creates a session through a first completion; returns (session_id, token).
     async fn session(&self) -> (String, String) {
+        self.session_saying("Hello").await
+    }
+
+    /// [`TestGatewayExt::session`] whose first user message is `content`.
+    async fn session_saying(&self, content: &str) -> (String, String) {
         let (status, headers, body) = self
             .chat(
-                json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello"}]}),
+                json!({"model": "gpt-4o", "messages": [{"role": "user", "content": content}]}),
                 &[],
             )
             .await;
