@@ -7,6 +7,7 @@ pub mod config;
 mod edge;
 pub mod engine;
 pub mod error;
+pub mod federation;
 pub mod limits;
 pub mod metrics;
 pub mod ratelimit;

@@ -9,6 +9,8 @@
 //!   `wss://` too), and a self-signed certificate with clients that trust it (`TestCert`);
 //! - feature `gateway`: `TestGateway`, the real gateway in-process on `127.0.0.1:0` over a SQLite
 //!   file in a temp dir, built with the gateway crate's root API only;
+//! - feature `dns`: `TestDns`, an authoritative DNS server on loopback (UDP and TCP) with SRV
+//!   records a test can replace and A records, for SRV peer discovery;
 //! - feature `procs`: release binaries as child processes ([`procs::spawn_listening`]), their
 //!   logs, and the PostgreSQL statements that make and drop a schema ([`procs::pg_exec`]).
 //!
@@ -19,6 +21,8 @@ use std::time::Duration;
 mod services;
 mod wait;
 
+#[cfg(feature = "dns")]
+mod dns;
 #[cfg(feature = "gateway")]
 mod gateway;
 #[cfg(feature = "clients")]
@@ -38,6 +42,8 @@ pub use services::{
 };
 pub use wait::{eventually, poll_until_ok, wait_until};
 
+#[cfg(feature = "dns")]
+pub use dns::{TestDns, TestSrv};
 #[cfg(feature = "gateway")]
 pub use gateway::{Options, TestGateway, Upstream, config, db_path};
 #[cfg(feature = "clients")]

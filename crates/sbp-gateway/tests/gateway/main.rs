@@ -6,6 +6,7 @@ mod anthropic;
 mod architecture;
 mod bounded_input;
 mod edge;
+mod federation_srv;
 mod http_edge;
 mod http_l1;
 mod lifecycle;
