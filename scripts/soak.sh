@@ -10,7 +10,7 @@
 # wsconformance: the RFC 6455 table (crates/sbp-gateway/tests/gateway/ws_conformance.rs, also
 #   part of the test command), run on its own with its result line.
 # fuzz: ARGS are [SECONDS per target, default 600] [TARGET...] (targets: frames chat_request
-#   bundle canonical token); needs the nightly toolchain, installs cargo-fuzz when absent.
+#   bundle canonical token fed_token_peek); needs the nightly toolchain, installs cargo-fuzz when absent.
 # all: every part with its defaults, one after the other.
 #
 # Prints one summary line per part; exits non-zero when any part failed.
@@ -59,7 +59,7 @@ fuzz() {
     shift
   fi
   local targets=("$@")
-  if [ ${#targets[@]} -eq 0 ]; then targets=(frames chat_request bundle canonical token); fi
+  if [ ${#targets[@]} -eq 0 ]; then targets=(frames chat_request bundle canonical token fed_token_peek); fi
   ensure_fuzz_tools
   local failed=0 lines=() t
   for t in "${targets[@]}"; do

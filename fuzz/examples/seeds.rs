@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use sbp_protocol::bundle::{self, Envelope, EnvelopeSession, EnvelopeSnapshot, MessageOut};
+use sbp_protocol::federation::{FedClaims, IdentityKey, sign_fed_token};
 use sbp_protocol::frames::{SessionAttached, TetherTurn, ToolCall, TurnChunk, TurnComplete};
 use sbp_protocol::token::{self, RoamingClaims};
 use sbp_protocol::{ServerFrame, SurfaceContext};
@@ -272,6 +273,7 @@ fn tokens() -> Vec<(&'static str, Vec<u8>)> {
         sid: SESSION.into(),
         iat: 1_795_339_654,
         exp: 1_795_343_254,
+        iss: None,
     };
     let good = token::sign(&claims, TOKEN_SECRET);
     let mut tampered = good.clone().into_bytes();
@@ -287,12 +289,50 @@ fn tokens() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+fn fed_tokens() -> Vec<(&'static str, Vec<u8>)> {
+    let key = IdentityKey::from_seed([7; 32]);
+    let claims = FedClaims {
+        iss: "a".repeat(32),
+        aud: "b".repeat(32),
+        sub: "5f0c3e6b7f1d2a9c8e4b6a1d3f5e7c9b0a2d4f6e8c1b3a5d7f9e0c2b4a6d8f1e".into(),
+        htm: "GET".into(),
+        htu: "/v1/sbp/bundles/5f0c3e6b7f1d2a9c8e4b6a1d3f5e7c9b0a2d4f6e8c1b3a5d7f9e0c2b4a6d8f1e"
+            .into(),
+        iat: 1_800_000_000,
+        exp: 1_800_000_120,
+        jti: SESSION.into(),
+    };
+    let good = sign_fed_token(&claims, &key);
+    let (input, _) = good.rsplit_once('.').unwrap_or((&good, ""));
+    let roaming = token::sign(
+        &RoamingClaims {
+            sub: "b3c22de3-7743-4946-aaf7-9174af15b659".into(),
+            sid: SESSION.into(),
+            iat: 1_795_339_654,
+            exp: 1_795_343_254,
+            iss: Some("a".repeat(32)),
+        },
+        TOKEN_SECRET,
+    );
+    vec![
+        ("signed", good.clone().into_bytes()),
+        ("unsigned", format!("{input}.").into_bytes()),
+        (
+            "alg-none",
+            b"eyJhbGciOiJub25lIiwia2lkIjoiayIsInR5cCI6InNicC1mZWQrand0In0.e30.".to_vec(),
+        ),
+        ("roaming", roaming.into_bytes()),
+        ("structured", (0u8..128).collect()),
+    ]
+}
+
 fn main() -> std::io::Result<()> {
     write("frames", &frames())?;
     write("chat_request", &chat())?;
     write("bundle", &bundles())?;
     write("canonical", &canonical())?;
     write("token", &tokens())?;
+    write("fed_token_peek", &fed_tokens())?;
     println!("seed corpora written under {}", dir("").display());
     Ok(())
 }

@@ -26,7 +26,13 @@ fuzz_target!(|data: &[u8]| {
     let Some(exp) = iat.checked_add(ttl) else {
         return;
     };
-    let claims = RoamingClaims { sub, sid, iat, exp };
+    let claims = RoamingClaims {
+        sub,
+        sid,
+        iat,
+        exp,
+        iss: None,
+    };
     let t = token::sign(&claims, &secret);
     assert_eq!(token::verify(&t, &secret, iat), Ok(claims.clone()));
     assert_eq!(

@@ -38,6 +38,14 @@ fn canonical_without_cid(bundle: &Map<String, Value>) -> Vec<u8> {
     out
 }
 
+/// Whether `s` is a CID as this gateway writes and accepts one in a path: 64 lowercase hex
+/// characters (the hex SHA-256).
+pub fn is_cid(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
@@ -764,6 +772,17 @@ mod tests {
             Value::Object(map) => map,
             other => panic!("not an object: {other}"),
         }
+    }
+
+    #[test]
+    fn is_cid_is_64_lowercase_hex() {
+        let cid = compute_cid(&Map::new());
+        assert!(is_cid(&cid));
+        assert!(!is_cid(&cid.to_uppercase()));
+        assert!(!is_cid(&cid[..63]));
+        assert!(!is_cid(&format!("{cid}0")));
+        assert!(!is_cid(&format!("{}g", &cid[..63])));
+        assert!(!is_cid(""));
     }
 
     #[test]

@@ -35,6 +35,35 @@ pub enum ErrorCode {
     SessionFull,
     /// An imported bundle's content is not of the right type or range.
     BundleInvalid,
+    // Federation (L6).
+    /// The session is being handed over to another gateway right now.
+    SessionMoving,
+    /// The session lives on another gateway now.
+    SessionMoved,
+    /// The session is held by another holder (a handover or attach in progress elsewhere).
+    SessionBusy,
+    /// The handover lease ran out before the commit.
+    LeaseExpired,
+    FederationTokenInvalid,
+    /// A federation token's `jti` was already used.
+    FederationReplay,
+    /// A valid federation token from an issuer this node does not trust.
+    FederationUntrusted,
+    /// A bundle CID that is not 64 lowercase hex characters.
+    InvalidCid,
+    /// A stored bundle no longer matches its CID: never served.
+    BundleCorrupt,
+    /// Every provider of a bundle served bytes that do not match its CID.
+    BundleUnavailable,
+    /// The peer gateway could not be reached.
+    PeerUnreachable,
+    RegistryRecordInvalid,
+    RegistrySignature,
+    /// A gateway announced a record for a URL whose manifest is not its own.
+    RegistryNotOwner,
+    /// A record's `seq` is lower than the one the tracker holds.
+    RegistryStale,
+    RegistryQuota,
 }
 
 impl ErrorCode {
@@ -66,6 +95,22 @@ impl ErrorCode {
             Self::Unavailable => "SBP_UNAVAILABLE",
             Self::SessionFull => "SBP_SESSION_FULL",
             Self::BundleInvalid => "SBP_BUNDLE_INVALID",
+            Self::SessionMoving => "SBP_SESSION_MOVING",
+            Self::SessionMoved => "SBP_SESSION_MOVED",
+            Self::SessionBusy => "SBP_SESSION_BUSY",
+            Self::LeaseExpired => "SBP_SESSION_LEASE_EXPIRED",
+            Self::FederationTokenInvalid => "SBP_FEDERATION_TOKEN_INVALID",
+            Self::FederationReplay => "SBP_FEDERATION_TOKEN_REPLAYED",
+            Self::FederationUntrusted => "SBP_FEDERATION_UNTRUSTED",
+            Self::InvalidCid => "SBP_INVALID_CID",
+            Self::BundleCorrupt => "SBP_BUNDLE_CORRUPT",
+            Self::BundleUnavailable => "SBP_BUNDLE_UNAVAILABLE",
+            Self::PeerUnreachable => "SBP_PEER_UNREACHABLE",
+            Self::RegistryRecordInvalid => "SBP_REGISTRY_RECORD_INVALID",
+            Self::RegistrySignature => "SBP_REGISTRY_SIGNATURE",
+            Self::RegistryNotOwner => "SBP_REGISTRY_NOT_OWNER",
+            Self::RegistryStale => "SBP_REGISTRY_STALE",
+            Self::RegistryQuota => "SBP_REGISTRY_QUOTA",
         }
     }
 
@@ -79,22 +124,31 @@ impl ErrorCode {
             | Self::InvalidUuid
             | Self::IdempotencyKeyReused
             | Self::SessionFull
-            | Self::BundleInvalid => 422,
-            Self::SessionConflict => 409,
-            Self::Internal => 500,
-            Self::BadRequest => 400,
-            Self::Unauthorized => 401,
-            Self::Forbidden => 403,
+            | Self::BundleInvalid
+            | Self::InvalidCid => 422,
+            Self::SessionConflict
+            | Self::SessionMoving
+            | Self::SessionMoved
+            | Self::SessionBusy
+            | Self::LeaseExpired
+            | Self::RegistryStale => 409,
+            Self::Internal | Self::BundleCorrupt => 500,
+            Self::BadRequest | Self::RegistryRecordInvalid => 400,
+            Self::Unauthorized
+            | Self::FederationTokenInvalid
+            | Self::FederationReplay
+            | Self::RegistrySignature => 401,
+            Self::Forbidden | Self::FederationUntrusted | Self::RegistryNotOwner => 403,
             Self::MethodNotAllowed => 405,
             Self::PayloadTooLarge => 413,
             Self::RequestTimeout => 408,
             Self::UnsupportedMediaType => 415,
             Self::NotAcceptable => 406,
             Self::UpgradeRequired => 426,
-            Self::RateLimited => 429,
-            Self::UpstreamUnreachable | Self::UpstreamError => 502,
+            Self::RateLimited | Self::RegistryQuota => 429,
+            Self::UpstreamUnreachable | Self::UpstreamError | Self::BundleUnavailable => 502,
             Self::UpstreamTimeout => 504,
-            Self::Unavailable => 503,
+            Self::Unavailable | Self::PeerUnreachable => 503,
         }
     }
 }
@@ -152,6 +206,47 @@ mod tests {
         ] {
             assert_eq!(code.as_str(), name);
             assert_eq!(code.http_status(), status);
+        }
+    }
+
+    #[test]
+    fn federation_codes() {
+        for (code, name, status) in [
+            (ErrorCode::SessionMoving, "SBP_SESSION_MOVING", 409),
+            (ErrorCode::SessionMoved, "SBP_SESSION_MOVED", 409),
+            (ErrorCode::SessionBusy, "SBP_SESSION_BUSY", 409),
+            (ErrorCode::LeaseExpired, "SBP_SESSION_LEASE_EXPIRED", 409),
+            (
+                ErrorCode::FederationTokenInvalid,
+                "SBP_FEDERATION_TOKEN_INVALID",
+                401,
+            ),
+            (
+                ErrorCode::FederationReplay,
+                "SBP_FEDERATION_TOKEN_REPLAYED",
+                401,
+            ),
+            (
+                ErrorCode::FederationUntrusted,
+                "SBP_FEDERATION_UNTRUSTED",
+                403,
+            ),
+            (ErrorCode::InvalidCid, "SBP_INVALID_CID", 422),
+            (ErrorCode::BundleCorrupt, "SBP_BUNDLE_CORRUPT", 500),
+            (ErrorCode::BundleUnavailable, "SBP_BUNDLE_UNAVAILABLE", 502),
+            (ErrorCode::PeerUnreachable, "SBP_PEER_UNREACHABLE", 503),
+            (
+                ErrorCode::RegistryRecordInvalid,
+                "SBP_REGISTRY_RECORD_INVALID",
+                400,
+            ),
+            (ErrorCode::RegistrySignature, "SBP_REGISTRY_SIGNATURE", 401),
+            (ErrorCode::RegistryNotOwner, "SBP_REGISTRY_NOT_OWNER", 403),
+            (ErrorCode::RegistryStale, "SBP_REGISTRY_STALE", 409),
+            (ErrorCode::RegistryQuota, "SBP_REGISTRY_QUOTA", 429),
+        ] {
+            assert_eq!(code.as_str(), name);
+            assert_eq!(code.http_status(), status, "{name}");
         }
     }
 

@@ -1,13 +1,15 @@
 //! SBP wire types shared by the gateway and its clients: WebSocket frames, the SurfaceContext,
 //! the chat-completions request, tool-call outcomes, the `sbp` completion namespace, the REST
 //! endpoints' bodies, the error envelope, the session lifecycle, Python-compatible canonical JSON,
-//! roaming bundles (`bundle_cid`) and roaming tokens (HS256 JWT). Pure: no IO.
+//! roaming bundles (`bundle_cid`), roaming tokens (HS256 JWT) and the pure part of federation
+//! (Ed25519 keys, signed JSON, manifests, federation tokens, signed records). Pure: no IO.
 
 pub mod bundle;
 pub mod canonical;
 pub mod chat;
 pub mod completions;
 pub mod error;
+pub mod federation;
 pub mod frames;
 pub mod id;
 pub mod json_shape;

@@ -36,6 +36,9 @@ pub struct RoamingClaims {
     pub iat: i64,
     /// Expires at, Unix seconds.
     pub exp: i64,
+    /// The minting gateway's id (federation): which gateway can redeem the token. Absent from the
+    /// reference's tokens and ours before federation, which keep their exact bytes.
+    pub iss: Option<String>,
 }
 
 /// Why a token was refused.
@@ -68,8 +71,9 @@ fn mac(secret: &[u8]) -> Hmac<Sha256> {
 }
 
 /// Signs `claims`: header bytes exactly `{"alg": "HS256", "typ": "JWT"}`, payload
-/// `{"sub": "...", "sid": "...", "iat": N, "exp": N}` (Python `json.dumps` style, this key order),
-/// base64url without padding, HMAC-SHA256 over `"<header>.<payload>"`.
+/// `{"sub": "...", "sid": "...", "iat": N, "exp": N}` (Python `json.dumps` style, this key order)
+/// with `, "iss": "..."` after `exp` when there is one, base64url without padding, HMAC-SHA256 over
+/// `"<header>.<payload>"`.
 pub fn sign(claims: &RoamingClaims, secret: &[u8]) -> String {
     let mut payload = Vec::with_capacity(128);
     payload.extend_from_slice(b"{\"sub\": ");
@@ -80,6 +84,10 @@ pub fn sign(claims: &RoamingClaims, secret: &[u8]) -> String {
     write_canonical(&Value::from(claims.iat), &mut payload);
     payload.extend_from_slice(b", \"exp\": ");
     write_canonical(&Value::from(claims.exp), &mut payload);
+    if let Some(iss) = &claims.iss {
+        payload.extend_from_slice(b", \"iss\": ");
+        write_string(iss, &mut payload);
+    }
     payload.push(b'}');
 
     let mut token = URL_SAFE_NO_PAD.encode(HEADER_JSON);
@@ -153,6 +161,10 @@ pub fn verify(token: &str, secret: &[u8], now_unix: i64) -> Result<RoamingClaims
     let sid = string_claim("sid")?;
     let iat = int_claim("iat")?;
     let exp = int_claim("exp")?;
+    let iss = match claims.get("iss") {
+        None => None,
+        Some(_) => Some(string_claim("iss")?),
+    };
     if exp <= iat {
         return Err(TokenError::InvalidClaims(
             "`exp` must be after `iat`".into(),
@@ -169,7 +181,26 @@ pub fn verify(token: &str, secret: &[u8], now_unix: i64) -> Result<RoamingClaims
     if now_unix >= exp {
         return Err(TokenError::Expired { exp });
     }
-    Ok(RoamingClaims { sub, sid, iat, exp })
+    Ok(RoamingClaims {
+        sub,
+        sid,
+        iat,
+        exp,
+        iss,
+    })
+}
+
+/// The `iss` a token claims, read without verifying anything: only to choose which gateway to ask
+/// (the minting one verifies it). `None` when there is none or the token is not readable.
+pub fn peek_iss(token: &str) -> Option<String> {
+    let payload_seg = token.split('.').nth(1)?;
+    match decode_json_object(payload_seg, "payload")
+        .ok()?
+        .remove("iss")?
+    {
+        Value::String(iss) => Some(iss),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -192,6 +223,7 @@ mod tests {
             sid: "9fa73e98-bf52-46c7-b9d3-1012c43821b1".into(),
             iat: IAT,
             exp: EXP,
+            iss: None,
         }
     }
 
@@ -309,6 +341,7 @@ mod tests {
             sid: "s\n1".into(),
             iat: 100,
             exp: 100 + MAX_TOKEN_TTL_SECS,
+            iss: None,
         };
         let token = sign(&claims, b"k");
         assert_eq!(verify(&token, b"k", 100).unwrap(), claims);
@@ -391,6 +424,55 @@ mod tests {
         }
     }
 
+    #[test]
+    fn iss_is_written_after_exp_and_read_back() {
+        let claims = RoamingClaims {
+            iss: Some("0123456789abcdef0123456789abcdef".into()),
+            ..reference_claims()
+        };
+        let token = sign(&claims, SECRET);
+        let payload = URL_SAFE_NO_PAD
+            .decode(token.split('.').nth(1).unwrap())
+            .unwrap();
+        assert_eq!(
+            String::from_utf8(payload).unwrap(),
+            r#"{"sub": "b3c22de3-7743-4946-aaf7-9174af15b659", "sid": "9fa73e98-bf52-46c7-b9d3-1012c43821b1", "iat": 1795339654, "exp": 1795343254, "iss": "0123456789abcdef0123456789abcdef"}"#
+        );
+        assert_eq!(verify(&token, SECRET, IAT + 1).unwrap(), claims);
+        assert_eq!(peek_iss(&token), claims.iss);
+        // The reference token has none.
+        assert_eq!(peek_iss(REFERENCE), None);
+        assert_eq!(verify(REFERENCE, SECRET, IAT + 1).unwrap().iss, None);
+    }
+
+    #[test]
+    fn iss_must_be_a_string() {
+        for iss in ["null", "1", r#"["a"]"#] {
+            let payload =
+                format!(r#"{{"sub": "e", "sid": "s", "iat": 10, "exp": 20, "iss": {iss}}}"#);
+            let token = forge(r#"{"alg": "HS256", "typ": "JWT"}"#, &payload, SECRET);
+            assert!(
+                matches!(verify(&token, SECRET, 0), Err(TokenError::InvalidClaims(_))),
+                "{iss}"
+            );
+            assert_eq!(peek_iss(&token), None);
+        }
+    }
+
+    #[test]
+    fn peek_iss_reads_without_verifying() {
+        let token = forge(
+            r#"{"alg": "HS256", "typ": "JWT"}"#,
+            r#"{"sub": "e", "sid": "s", "iat": 10, "exp": 20, "iss": "g"}"#,
+            b"a secret we do not have",
+        );
+        assert_eq!(peek_iss(&token), Some("g".into()));
+        assert_eq!(verify(&token, SECRET, 0), Err(TokenError::BadSignature));
+        for garbage in ["", "a", "a.!!.c", "a.W10.c"] {
+            assert_eq!(peek_iss(garbage), None, "{garbage}");
+        }
+    }
+
     proptest! {
         #[test]
         fn any_single_byte_change_never_verifies(
@@ -400,7 +482,7 @@ mod tests {
             index in any::<prop::sample::Index>(),
             replacement in any::<u8>(),
         ) {
-            let claims = RoamingClaims { sub, sid: "sid".into(), iat, exp: iat + ttl };
+            let claims = RoamingClaims { sub, sid: "sid".into(), iat, exp: iat + ttl, iss: None };
             let token = sign(&claims, SECRET);
             prop_assert_eq!(verify(&token, SECRET, iat).unwrap(), claims);
             let mut bytes = token.clone().into_bytes();

@@ -197,6 +197,7 @@ async fn token_errors_and_validation() {
             sid: id.clone(),
             iat: Utc::now().timestamp(),
             exp: Utc::now().timestamp() + 600,
+            iss: None,
         },
         &[8u8; 32],
     );
@@ -219,6 +220,7 @@ async fn token_errors_and_validation() {
             sid: id.clone(),
             iat: now - 7200,
             exp: now - 3600,
+            iss: None,
         },
         &SECRET,
     );
@@ -231,6 +233,7 @@ async fn token_errors_and_validation() {
             sid: id.clone(),
             iat: now,
             exp: now + 600,
+            iss: None,
         },
         &SECRET,
     );
@@ -501,6 +504,7 @@ async fn token_inspection_does_not_consume() {
             sid: id,
             iat: now,
             exp: now + 60,
+            iss: None,
         },
         &SECRET,
     );
