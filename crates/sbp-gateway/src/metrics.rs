@@ -79,6 +79,11 @@ pub struct Metrics {
     pub retention_exports: AtomicU64,
     pub retention_bundles: AtomicU64,
     pub retention_snapshots: AtomicU64,
+    /// Federation rows swept past their own expiry: replay-cache tokens, registry records,
+    /// announcements.
+    pub retention_jti: AtomicU64,
+    pub retention_registry_records: AtomicU64,
+    pub retention_announcements: AtomicU64,
     pub upstream_latency: Histogram,
     /// TOOL_CALL sent to TOOL_RESULT received (or timeout / disconnect).
     pub tool_call_latency: Histogram,
@@ -229,6 +234,9 @@ impl Metrics {
             ("exports", &self.retention_exports),
             ("bundles", &self.retention_bundles),
             ("snapshots", &self.retention_snapshots),
+            ("jti", &self.retention_jti),
+            ("registry_records", &self.retention_registry_records),
+            ("announcements", &self.retention_announcements),
         ] {
             let _ = writeln!(
                 out,

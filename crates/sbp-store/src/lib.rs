@@ -1,8 +1,10 @@
 //! Storage for the SBP gateway: a set of traits (sessions, messages, snapshots, tether, turns,
-//! idempotency) and one implementation per backend. The engine makes every id and timestamp; a store
-//! saves what it is given and performs each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
+//! idempotency, roaming, retention, federation and a tracker's registry) and one implementation per
+//! backend. The engine makes every id and timestamp; a store saves what it is given and performs
+//! each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
 
 mod codec;
+pub mod federation;
 pub mod postgres;
 pub mod records;
 pub mod redis_tether;
@@ -10,6 +12,7 @@ pub mod roaming;
 pub mod seal;
 pub mod sqlite;
 
+pub use federation::*;
 pub use records::*;
 pub use roaming::*;
 
@@ -242,6 +245,10 @@ pub struct Sweep {
     pub exports_before: Option<Timestamp>,
     /// Snapshots written before it, except each session's latest (what a recovery resumes from).
     pub snapshots_before: Option<Timestamp>,
+    /// Rows that carry their own expiry and serve no one after it: federation tokens in the replay
+    /// cache, a tracker's registry records and a gateway's announcements, whose `expires_at` is
+    /// before it (the caller gives its "now").
+    pub expired_before: Option<Timestamp>,
 }
 
 /// What a sweep removed.
@@ -250,6 +257,10 @@ pub struct Swept {
     pub exports: u64,
     pub bundles: u64,
     pub snapshots: u64,
+    /// Federation tokens (`jti`) of the replay cache.
+    pub jti: u64,
+    pub registry_records: u64,
+    pub announcements: u64,
 }
 
 /// Retention: removing what no longer serves anyone, on the operator's schedule.
@@ -257,6 +268,73 @@ pub struct Swept {
 pub trait RetentionStore: Send + Sync {
     /// One sweep, in one write.
     async fn sweep(&self, sweep: Sweep) -> StoreResult<Swept>;
+}
+
+/// L6 gateway federation, the gateway's side: its identity, its trusted peers, the replay cache of
+/// federation tokens and its announcements. Shared by the replicas of a deployment.
+#[async_trait]
+pub trait FederationStore: Send + Sync {
+    /// Records the node's identity once; a second call with other values changes nothing and
+    /// returns what is stored (the first key's id is the gateway id for ever; replicas race safely).
+    async fn init_identity(
+        &self,
+        gateway_id: &str,
+        first_key_id: &str,
+        now: Timestamp,
+    ) -> StoreResult<FederationIdentity>;
+    async fn identity(&self) -> StoreResult<Option<FederationIdentity>>;
+    /// Inserts the peer, or replaces every field of the one with its `gateway_id`.
+    async fn upsert_peer(&self, peer: PeerRecord) -> StoreResult<()>;
+    async fn peer(&self, gateway_id: &str) -> StoreResult<Option<PeerRecord>>;
+    /// Every peer, by `gateway_id`.
+    async fn peers(&self) -> StoreResult<Vec<PeerRecord>>;
+    /// The replay cache: true when (issuer, jti) was not seen (and is now stored until
+    /// expires_at), false when it was. Atomic across replicas and restarts. A row refuses its jti
+    /// until a sweep removes it (after `expires_at`).
+    async fn insert_jti(&self, issuer: &str, jti: &str, expires_at: Timestamp)
+    -> StoreResult<bool>;
+    /// Next seq for announcing `bundle_cid`: max(last + 1, now_ms), stored with its expiry,
+    /// atomically.
+    async fn next_announcement(
+        &self,
+        bundle_cid: &str,
+        now_ms: u64,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> StoreResult<u64>;
+    /// The announcements whose `expires_at` is before `before` (expired ones too), soonest first.
+    async fn announcements_expiring_before(
+        &self,
+        before: Timestamp,
+    ) -> StoreResult<Vec<Announcement>>;
+}
+
+/// L6 tracker: the providers' signed records by CID and what the tracker verified about each
+/// gateway. A record is live while `now < expires_at`; an expired one is never returned, does not
+/// count, and is treated as absent by [`RegistryStore::put_record`].
+#[async_trait]
+pub trait RegistryStore: Send + Sync {
+    /// Higher seq replaces; equal seq with identical `record` bytes → Unchanged; equal seq with
+    /// other bytes or lower seq → Stale; a new (gateway, cid) when the gateway already has
+    /// `max_per_gateway` unexpired records → QuotaExceeded. One transaction.
+    async fn put_record(
+        &self,
+        record: RegistryRecordRow,
+        max_per_gateway: u64,
+        now: Timestamp,
+    ) -> StoreResult<PutRecord>;
+    /// Unexpired records for a CID, newest seq first, at most `limit`.
+    async fn records_for(
+        &self,
+        bundle_cid: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> StoreResult<Vec<RegistryRecordRow>>;
+    /// The gateway's unexpired records.
+    async fn count_records(&self, gateway_id: &str, now: Timestamp) -> StoreResult<u64>;
+    /// Inserts the vouch, or replaces the one with its `gateway_id`.
+    async fn put_vouch(&self, vouch: VouchRow) -> StoreResult<()>;
+    async fn vouch(&self, gateway_id: &str) -> StoreResult<Option<VouchRow>>;
 }
 
 /// Everything the engine needs from a backend.
@@ -269,6 +347,8 @@ pub trait Store:
     + IdempotencyStore
     + RoamingStore
     + RetentionStore
+    + FederationStore
+    + RegistryStore
 {
 }
 impl<T> Store for T where
@@ -280,5 +360,7 @@ impl<T> Store for T where
         + IdempotencyStore
         + RoamingStore
         + RetentionStore
+        + FederationStore
+        + RegistryStore
 {
 }

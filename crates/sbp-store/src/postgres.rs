@@ -6,6 +6,7 @@
 
 mod codec;
 mod connect;
+mod federation;
 mod ops;
 mod reseal;
 mod roaming;
@@ -604,8 +605,14 @@ impl IdempotencyStore for PostgresStore {
 #[async_trait]
 impl crate::RetentionStore for PostgresStore {
     async fn sweep(&self, sweep: crate::Sweep) -> StoreResult<crate::Swept> {
-        self.write(move |tx| Box::pin(roaming::sweep(tx, sweep)))
-            .await
+        self.write(move |tx| {
+            Box::pin(async move {
+                let mut swept = roaming::sweep(tx, sweep).await?;
+                federation::sweep(tx, &sweep, &mut swept).await?;
+                Ok(swept)
+            })
+        })
+        .await
     }
 }
 

@@ -1074,6 +1074,105 @@ impl<S: Store + ?Sized + 'static> RoamingStore for TetheredStore<S> {
     }
 }
 
+#[async_trait]
+impl<S: Store + ?Sized + 'static> crate::FederationStore for TetheredStore<S> {
+    async fn init_identity(
+        &self,
+        gateway_id: &str,
+        first_key_id: &str,
+        now: Timestamp,
+    ) -> StoreResult<crate::FederationIdentity> {
+        self.shared
+            .inner
+            .init_identity(gateway_id, first_key_id, now)
+            .await
+    }
+
+    async fn identity(&self) -> StoreResult<Option<crate::FederationIdentity>> {
+        self.shared.inner.identity().await
+    }
+
+    async fn upsert_peer(&self, peer: crate::PeerRecord) -> StoreResult<()> {
+        self.shared.inner.upsert_peer(peer).await
+    }
+
+    async fn peer(&self, gateway_id: &str) -> StoreResult<Option<crate::PeerRecord>> {
+        self.shared.inner.peer(gateway_id).await
+    }
+
+    async fn peers(&self) -> StoreResult<Vec<crate::PeerRecord>> {
+        self.shared.inner.peers().await
+    }
+
+    async fn insert_jti(
+        &self,
+        issuer: &str,
+        jti: &str,
+        expires_at: Timestamp,
+    ) -> StoreResult<bool> {
+        self.shared.inner.insert_jti(issuer, jti, expires_at).await
+    }
+
+    async fn next_announcement(
+        &self,
+        bundle_cid: &str,
+        now_ms: u64,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> StoreResult<u64> {
+        self.shared
+            .inner
+            .next_announcement(bundle_cid, now_ms, expires_at, now)
+            .await
+    }
+
+    async fn announcements_expiring_before(
+        &self,
+        before: Timestamp,
+    ) -> StoreResult<Vec<crate::Announcement>> {
+        self.shared
+            .inner
+            .announcements_expiring_before(before)
+            .await
+    }
+}
+
+#[async_trait]
+impl<S: Store + ?Sized + 'static> crate::RegistryStore for TetheredStore<S> {
+    async fn put_record(
+        &self,
+        record: crate::RegistryRecordRow,
+        max_per_gateway: u64,
+        now: Timestamp,
+    ) -> StoreResult<crate::PutRecord> {
+        self.shared
+            .inner
+            .put_record(record, max_per_gateway, now)
+            .await
+    }
+
+    async fn records_for(
+        &self,
+        bundle_cid: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> StoreResult<Vec<crate::RegistryRecordRow>> {
+        self.shared.inner.records_for(bundle_cid, now, limit).await
+    }
+
+    async fn count_records(&self, gateway_id: &str, now: Timestamp) -> StoreResult<u64> {
+        self.shared.inner.count_records(gateway_id, now).await
+    }
+
+    async fn put_vouch(&self, vouch: crate::VouchRow) -> StoreResult<()> {
+        self.shared.inner.put_vouch(vouch).await
+    }
+
+    async fn vouch(&self, gateway_id: &str) -> StoreResult<Option<crate::VouchRow>> {
+        self.shared.inner.vouch(gateway_id).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

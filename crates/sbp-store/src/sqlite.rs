@@ -2,6 +2,7 @@
 //! and a small pool of read-only connections that WAL lets run alongside it.
 
 mod codec;
+mod federation;
 mod ops;
 mod reseal;
 mod roaming;
@@ -633,7 +634,12 @@ impl IdempotencyStore for SqliteStore {
 #[async_trait]
 impl RetentionStore for SqliteStore {
     async fn sweep(&self, sweep: Sweep) -> StoreResult<Swept> {
-        self.write(move |c, _| roaming::sweep(c, &sweep)).await
+        self.write(move |c, _| {
+            let mut swept = roaming::sweep(c, &sweep)?;
+            federation::sweep(c, &sweep, &mut swept)?;
+            Ok(swept)
+        })
+        .await
     }
 }
 

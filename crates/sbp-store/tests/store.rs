@@ -49,6 +49,16 @@ macro_rules! for_each_case {
             adopt_long_history_in_order,
             retention_sweeps_what_no_longer_serves,
             reserved_prefix_values_round_trip,
+            federation_identity_is_set_once,
+            federation_identity_races_to_one,
+            federation_peers_upsert_and_read,
+            federation_jti_is_accepted_once,
+            federation_announcement_seq_grows,
+            registry_seq_rule,
+            registry_quota_per_gateway,
+            registry_records_for_orders_and_excludes_expired,
+            registry_vouch_round_trip,
+            federation_sweep_drops_expired,
         );
     };
 }
@@ -113,6 +123,19 @@ mod sqlite {
         }
 
         for_each_case!(sealed_cases);
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn federation_survives_reopen() {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let open = || async {
+                let opts = SqliteOptions {
+                    sealer: crate::sealing::sealer(1, &[]),
+                    ..SqliteOptions::new(db_path(dir.path()))
+                };
+                Arc::new(SqliteStore::open(opts).await.expect("open sealed")) as Arc<dyn Store>
+            };
+            suite::federation_survives_reopen(open().await, open).await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -121,6 +144,14 @@ mod sqlite {
         let path = db_path(dir.path());
         let store = open(path.clone()).await;
         suite::survives_reopen(store, || open(path.clone())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn federation_survives_reopen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = db_path(dir.path());
+        let store = open(path.clone()).await;
+        suite::federation_survives_reopen(store, || open(path.clone())).await;
     }
 
     /// Options are honoured: nested parent dirs are created, WAL is on and the schema version is
@@ -158,7 +189,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 7);
+        assert_eq!(version, 8);
     }
 }
 
@@ -290,6 +321,28 @@ mod postgres {
         }
 
         for_each_case!(sealed_cases);
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn federation_survives_reopen() {
+            let schema = TestSchema::create().await;
+            let store = schema.open_with(crate::sealing::sealer(1, &[])).await;
+            let store: Arc<dyn Store> = Arc::new(store.expect("open sealed"));
+            let opts = PostgresOptions {
+                sealer: crate::sealing::sealer(1, &[]),
+                ..schema.options()
+            };
+            let url = schema.url.clone();
+            let reopen = move || async move {
+                Arc::new(
+                    PostgresStore::open(&url, opts)
+                        .await
+                        .expect("reopen sealed"),
+                ) as Arc<dyn Store>
+            };
+            schema
+                .run(suite::federation_survives_reopen(store, reopen))
+                .await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,6 +358,24 @@ mod postgres {
             ) as Arc<dyn Store>
         };
         schema.run(suite::survives_reopen(store, reopen)).await;
+    }
+
+    /// A new pool on the same schema: another replica, or the gateway after a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn federation_survives_reopen() {
+        let schema = TestSchema::create().await;
+        let store = schema.open().await;
+        let (url, opts) = (schema.url.clone(), schema.options());
+        let reopen = move || async move {
+            Arc::new(
+                PostgresStore::open(&url, opts)
+                    .await
+                    .expect("reopen postgres store"),
+            ) as Arc<dyn Store>
+        };
+        schema
+            .run(suite::federation_survives_reopen(store, reopen))
+            .await;
     }
 
     /// PostgreSQL's text cannot hold U+0000: free-text columns keep it as U+FFFD (the turn is
@@ -570,14 +641,21 @@ mod redis_tether {
                 }
             )*
 
+            tethered_reopen_cases!(survives_reopen, federation_survives_reopen);
+        };
+    }
+
+    /// Cases that reopen the store (a restart) on the same data.
+    macro_rules! tethered_reopen_cases {
+        ($($case:ident),* $(,)?) => {$(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn survives_reopen() {
+            async fn $case() {
                 let fx = fixture().await;
                 let store = fx.open().await;
                 let fx = std::sync::Arc::new(fx);
                 let again = std::sync::Arc::clone(&fx);
                 let reopen = move || async move { again.open().await };
-                let case = crate::suite::survives_reopen(store, reopen);
+                let case = crate::suite::$case(store, reopen);
                 // The case holds one reference to the fixture until it ends.
                 let outcome = tokio::spawn(case).await;
                 let fx = std::sync::Arc::try_unwrap(fx)
@@ -589,7 +667,7 @@ mod redis_tether {
                 })
                 .await;
             }
-        };
+        )*};
     }
 
     mod sqlite_mirror {
@@ -886,6 +964,7 @@ pub(crate) mod sealing {
     use sbp_store::sqlite::{SqliteOptions, SqliteStore};
     use sbp_store::{Store, StoreError};
 
+    use crate::suite::federation::{reads_federation, write_federation};
     use crate::suite::sealing::{reads_everything, write_everything};
 
     pub(crate) fn key(n: u8) -> Key {
@@ -1517,6 +1596,115 @@ pub(crate) mod sealing {
             let fresh: Arc<dyn Store> =
                 Arc::new(again.open_with(sealer(2, &[])).await.expect("key 2 alone"));
             reads_everything(&fresh, &w, true).await;
+        };
+        let outcome = tokio::spawn(case).await;
+        let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));
+        schema
+            .run(async move {
+                if let Err(e) = outcome {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            })
+            .await;
+    }
+
+    /// The tables (by name prefix) that hold federation rows: none of them is session content.
+    const FEDERATION_TABLES: [&str; 4] =
+        ["federation_", "session_holds", "announcements", "registry_"];
+
+    fn resealed_no_federation_column(done: &sbp_store::seal::Resealed) {
+        assert!(
+            done.columns
+                .iter()
+                .all(|(c, _)| !FEDERATION_TABLES.iter().any(|t| c.starts_with(t))),
+            "{done:?}"
+        );
+    }
+
+    /// Federation rows are no session content: under a keyring they are stored as they are (a
+    /// tracker hands a record's bytes back verbatim), a reseal walks past them, and they read the
+    /// same under the new key alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_federation_rows_stay_clear_through_a_reseal() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mark = marker();
+        let store: Arc<dyn Store> =
+            Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
+        let w = write_federation(&store, &mark).await;
+        drop(store);
+        let stored_clear = || {
+            let conn = rusqlite::Connection::open(dir.path().join("sbp.sqlite3")).expect("inspect");
+            let one = |sql: &str| -> String { conn.query_row(sql, [], |r| r.get(0)).expect(sql) };
+            assert_eq!(one("SELECT record FROM registry_records"), w.record.record);
+            assert_eq!(one("SELECT url FROM federation_peers"), w.peer.url);
+            assert_eq!(one("SELECT jti FROM federation_jti"), mark);
+            assert_eq!(
+                one("SELECT gateway_url FROM registry_gateways"),
+                w.vouch.gateway_url
+            );
+        };
+        stored_clear();
+        let rotated = open_sqlite(dir.path(), sealer(2, &[1]))
+            .await
+            .expect("rotated");
+        let done = rotated.reseal().await.expect("reseal");
+        assert_eq!(done.forgotten, Some(1), "{done:?}");
+        resealed_no_federation_column(&done);
+        drop(rotated);
+        stored_clear();
+        let store: Arc<dyn Store> = Arc::new(
+            open_sqlite(dir.path(), sealer(2, &[]))
+                .await
+                .expect("key 2 alone"),
+        );
+        reads_federation(&store, &w, &mark).await;
+    }
+
+    /// [`sqlite_federation_rows_stay_clear_through_a_reseal`] on PostgreSQL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_federation_rows_stay_clear_through_a_reseal() {
+        let schema = crate::postgres::TestSchema::create().await;
+        let name = schema.name().to_owned();
+        let first = schema.open_with(sealer(1, &[])).await;
+        let schema = std::sync::Arc::new(schema);
+        let again = std::sync::Arc::clone(&schema);
+        let case = async move {
+            let mark = marker();
+            let store: Arc<dyn Store> = Arc::new(first.expect("open"));
+            let w = write_federation(&store, &mark).await;
+            drop(store);
+            let (client, conn) = tokio_postgres::connect(
+                &sbp_test_support::test_database_url(),
+                tokio_postgres::NoTls,
+            )
+            .await
+            .expect("connect");
+            tokio::spawn(conn);
+            let stored_clear = async || {
+                for (sql, expected) in [
+                    ("SELECT record FROM {}.registry_records", &w.record.record),
+                    ("SELECT url FROM {}.federation_peers", &w.peer.url),
+                    ("SELECT jti FROM {}.federation_jti", &mark),
+                    (
+                        "SELECT gateway_url FROM {}.registry_gateways",
+                        &w.vouch.gateway_url,
+                    ),
+                ] {
+                    let sql = sql.replace("{}", &name);
+                    let row = client.query_one(&sql, &[]).await.expect("row");
+                    assert_eq!(&row.get::<_, String>(0), expected, "{sql}");
+                }
+            };
+            stored_clear().await;
+            let rotated = again.open_with(sealer(2, &[1])).await.expect("rotated");
+            let done = rotated.reseal().await.expect("reseal");
+            assert_eq!(done.forgotten, Some(1), "{done:?}");
+            resealed_no_federation_column(&done);
+            drop(rotated);
+            stored_clear().await;
+            let fresh: Arc<dyn Store> =
+                Arc::new(again.open_with(sealer(2, &[])).await.expect("key 2 alone"));
+            reads_federation(&fresh, &w, &mark).await;
         };
         let outcome = tokio::spawn(case).await;
         let schema = std::sync::Arc::try_unwrap(schema).unwrap_or_else(|_| panic!("shared"));

@@ -1,6 +1,7 @@
 //! Retention: a tracked task that sweeps, on the operator's schedule, what no longer serves anyone
-//! (exports whose tokens cannot import any more and their bundles, old snapshots). Every replica
-//! may run it: a sweep is a set of deletes by age, so two at once remove each row once.
+//! (exports whose tokens cannot import any more and their bundles, old snapshots, and federation
+//! rows past their own expiry). Every replica may run it: a sweep is a set of deletes by age, so two
+//! at once remove each row once.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -46,6 +47,9 @@ async fn sweep_once(store: &dyn Store, config: &GatewayConfig, metrics: &Metrics
     let sweep = Sweep {
         exports_before: before(config.export_retention),
         snapshots_before: before(config.snapshot_retention),
+        // Past their own expiry these rows (federation tokens seen, registry records,
+        // announcements) serve no one, whatever the retention settings.
+        expired_before: Some(now),
     };
     match store.sweep(sweep).await {
         Ok(swept) => {
@@ -55,11 +59,21 @@ async fn sweep_once(store: &dyn Store, config: &GatewayConfig, metrics: &Metrics
             metrics
                 .retention_snapshots
                 .fetch_add(swept.snapshots, Relaxed);
+            metrics.retention_jti.fetch_add(swept.jti, Relaxed);
+            metrics
+                .retention_registry_records
+                .fetch_add(swept.registry_records, Relaxed);
+            metrics
+                .retention_announcements
+                .fetch_add(swept.announcements, Relaxed);
             if swept != Default::default() {
                 tracing::info!(
                     exports = swept.exports,
                     bundles = swept.bundles,
                     snapshots = swept.snapshots,
+                    jti = swept.jti,
+                    registry_records = swept.registry_records,
+                    announcements = swept.announcements,
                     "retention sweep"
                 );
             }

@@ -204,6 +204,84 @@ const MIGRATIONS: &[&str] = &[
         prefix text PRIMARY KEY
     );
     "#,
+    // v8: gateway federation (L6), the tables and columns of SQLite v8. Nothing here is sealed.
+    // The added columns are nullable or have a constant default: no table is rewritten.
+    r#"
+    CREATE TABLE federation_identity (
+        id           integer PRIMARY KEY CHECK (id = 1),
+        gateway_id   text NOT NULL,
+        first_key_id text NOT NULL,
+        created_at   timestamptz NOT NULL
+    );
+
+    CREATE TABLE federation_peers (
+        gateway_id  text PRIMARY KEY,
+        url         text NOT NULL,
+        public_key  text NOT NULL,
+        key_id      text NOT NULL,
+        -- A JSON array (text, as every JSON column here).
+        old_keys    text NOT NULL,
+        -- pin | tracker | tofu
+        source      text NOT NULL,
+        verified_at timestamptz NOT NULL,
+        updated_at  timestamptz NOT NULL
+    );
+
+    CREATE TABLE federation_jti (
+        issuer     text NOT NULL,
+        jti        text NOT NULL,
+        expires_at timestamptz NOT NULL,
+        PRIMARY KEY (issuer, jti)
+    );
+    CREATE INDEX federation_jti_expires ON federation_jti (expires_at);
+
+    CREATE TABLE session_holds (
+        session_id       uuid PRIMARY KEY REFERENCES sessions (id) ON DELETE CASCADE,
+        epoch            bigint NOT NULL,
+        -- home | leased | moved | incoming
+        state            text NOT NULL,
+        peer_gateway     text,
+        peer_url         text,
+        migration_id     text,
+        lease_expires_at timestamptz,
+        updated_at       timestamptz NOT NULL
+    );
+    CREATE INDEX session_holds_state ON session_holds (state, lease_expires_at);
+
+    CREATE TABLE announcements (
+        bundle_cid   text PRIMARY KEY,
+        seq          bigint NOT NULL,
+        expires_at   timestamptz NOT NULL,
+        announced_at timestamptz NOT NULL
+    );
+    CREATE INDEX announcements_expires ON announcements (expires_at);
+
+    CREATE TABLE registry_records (
+        gateway_id text NOT NULL,
+        bundle_cid text NOT NULL,
+        bundle_url text NOT NULL,
+        seq        bigint NOT NULL,
+        issued_at  timestamptz NOT NULL,
+        expires_at timestamptz NOT NULL,
+        -- The signed JSON exactly as the gateway sent it.
+        record     text NOT NULL,
+        PRIMARY KEY (gateway_id, bundle_cid)
+    );
+    CREATE INDEX registry_records_cid ON registry_records (bundle_cid, expires_at);
+    CREATE INDEX registry_records_expires ON registry_records (expires_at);
+
+    CREATE TABLE registry_gateways (
+        gateway_id  text PRIMARY KEY,
+        gateway_url text NOT NULL,
+        public_key  text NOT NULL,
+        key_id      text NOT NULL,
+        verified_at timestamptz NOT NULL
+    );
+
+    ALTER TABLE lineage ADD COLUMN peer_gateway text;
+    ALTER TABLE exports ADD COLUMN purpose text NOT NULL DEFAULT 'roaming';
+    ALTER TABLE exports ADD COLUMN redeemed_by text;
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
@@ -304,7 +382,10 @@ mod tests {
 
     use super::*;
     use crate::postgres::{PostgresOptions, PostgresStore};
-    use crate::{IdempotencyState, IdempotencyStore, SessionStore, TurnState, TurnStore};
+    use crate::{
+        FederationStore, IdempotencyState, IdempotencyStore, RoamingStore, SessionStore, TurnState,
+        TurnStore,
+    };
 
     /// The database tests/store.rs uses (what scripts/test.sh exports, or its default).
     fn url() -> String {
@@ -326,6 +407,23 @@ mod tests {
     /// for any replica's recovery. Runs in a fresh schema, dropped afterwards.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn v2_schema_migrates_in_place() {
+        in_fresh_schema(migrate_from_v2).await;
+    }
+
+    /// A schema a v7 build left (before federation), with a session, an export and a lineage
+    /// link, migrates in place: they read back as before, the new columns hold their defaults,
+    /// and the federation tables work, `session_holds` tied to its session.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn v7_schema_migrates_in_place() {
+        in_fresh_schema(migrate_from_v7).await;
+    }
+
+    /// Runs `case(url, schema)` in a fresh schema, dropped afterwards.
+    async fn in_fresh_schema<F, Fut>(case: F)
+    where
+        F: FnOnce(String, String) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let url = url();
         let schema = format!("sbp_test_{}", Uuid::new_v4().simple());
         let admin = connect(&url).await;
@@ -333,7 +431,7 @@ mod tests {
             .batch_execute(&format!("CREATE SCHEMA {schema}"))
             .await
             .expect("create schema");
-        let outcome = tokio::spawn(migrate_from_v2(url, schema.clone())).await;
+        let outcome = tokio::spawn(case(url, schema.clone())).await;
         if let Err(e) = admin
             .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
             .await
@@ -345,16 +443,15 @@ mod tests {
         }
     }
 
-    async fn migrate_from_v2(url: String, schema: String) {
-        let (session, turn) = (Uuid::new_v4(), Uuid::new_v4());
-        let started = Utc::now() - Duration::minutes(5);
-        let old = connect(&url).await;
+    /// A connection whose tables are the schema's, at `version` (migrations applied by hand).
+    async fn old_schema(url: &str, schema: &str, version: usize) -> tokio_postgres::Client {
+        let old = connect(url).await;
         old.batch_execute(&format!("SET search_path TO {schema}"))
             .await
             .expect("search_path");
         old.batch_execute(VERSION_TABLE).await.expect("versions");
-        for (version, sql) in (1i32..).zip(&MIGRATIONS[..2]) {
-            old.batch_execute(sql).await.expect("v1 and v2");
+        for (version, sql) in (1i32..).zip(&MIGRATIONS[..version]) {
+            old.batch_execute(sql).await.expect("old migration");
             old.execute(
                 "INSERT INTO sbp_schema_version (version) VALUES ($1)",
                 &[&version],
@@ -362,6 +459,126 @@ mod tests {
             .await
             .expect("version");
         }
+        old
+    }
+
+    async fn migrate_from_v7(url: String, schema: String) {
+        let (session, export, link) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let at = Utc::now() - Duration::minutes(5);
+        let old = old_schema(&url, &schema, 7).await;
+        old.execute(
+            "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
+             metadata) VALUES ($1, 'agent', 'hash', 'idle', $2, $2, '{}')",
+            &[&session, &at],
+        )
+        .await
+        .expect("session");
+        old.execute(
+            "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-1', '\\x7b7d', $1)",
+            &[&at],
+        )
+        .await
+        .expect("bundle");
+        old.execute(
+            "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, created_at, \
+             expires_at, foreign_origin) VALUES ($1, $2, 'cid-1', 'label', 2, $3, $3, false)",
+            &[&export, &session, &at],
+        )
+        .await
+        .expect("export");
+        old.execute(
+            "INSERT INTO lineage (id, kind, to_session, export_id, reused, created_at) \
+             VALUES ($1, 'import', $2, $3, false, $4)",
+            &[&link, &session, &export, &at],
+        )
+        .await
+        .expect("link");
+
+        let opts = PostgresOptions {
+            max_connections: 2,
+            schema: Some(schema),
+            ..PostgresOptions::default()
+        };
+        let store = PostgresStore::open(&url, opts)
+            .await
+            .expect("open migrates");
+        let kept = store
+            .get_export(export)
+            .await
+            .expect("export")
+            .expect("kept");
+        assert_eq!(
+            (kept.bundle_cid.as_str(), kept.label.as_deref()),
+            ("cid-1", Some("label"))
+        );
+        let lineage = store.lineage(session).await.expect("lineage");
+        assert_eq!(
+            lineage.incoming.iter().map(|l| l.id).collect::<Vec<_>>(),
+            [link]
+        );
+        let identity = store
+            .init_identity("gw-1", "kid-1", at)
+            .await
+            .expect("identity table");
+        assert_eq!(identity.gateway_id, "gw-1");
+        assert!(store.insert_jti("gw-2", "j", at).await.expect("jti table"));
+
+        let row = old
+            .query_one("SELECT purpose, redeemed_by FROM exports", &[])
+            .await
+            .expect("export columns");
+        assert_eq!(
+            (row.get::<_, String>(0), row.get::<_, Option<String>>(1)),
+            ("roaming".to_owned(), None)
+        );
+        let row = old
+            .query_one("SELECT peer_gateway FROM lineage", &[])
+            .await
+            .expect("lineage column");
+        assert_eq!(row.get::<_, Option<String>>(0), None);
+        old.execute(
+            "INSERT INTO session_holds (session_id, epoch, state, updated_at) \
+             VALUES ($1, 1, 'leased', $2)",
+            &[&session, &at],
+        )
+        .await
+        .expect("a hold of an existing session");
+        assert!(
+            old.execute(
+                "INSERT INTO federation_identity (id, gateway_id, first_key_id, created_at) \
+                 VALUES (2, 'x', 'y', now())",
+                &[],
+            )
+            .await
+            .is_err(),
+            "one identity row only"
+        );
+        old.execute("DELETE FROM sessions WHERE id = $1", &[&session])
+            .await
+            .expect("delete session");
+        let holds: i64 = old
+            .query_one("SELECT COUNT(*) FROM session_holds", &[])
+            .await
+            .expect("holds")
+            .get(0);
+        assert_eq!(holds, 0, "a hold goes with its session");
+        let versions: Vec<i32> = old
+            .query(
+                "SELECT version FROM sbp_schema_version ORDER BY version",
+                &[],
+            )
+            .await
+            .expect("versions")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(versions, (1..=8).collect::<Vec<_>>());
+    }
+
+    async fn migrate_from_v2(url: String, schema: String) {
+        let (session, turn) = (Uuid::new_v4(), Uuid::new_v4());
+        let started = Utc::now() - Duration::minutes(5);
+        let old = old_schema(&url, &schema, 2).await;
         old.execute(
             "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
              metadata) VALUES ($1, 'agent', 'hash', 'running', $2, $2, '{}')",

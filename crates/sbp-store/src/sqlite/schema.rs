@@ -185,6 +185,90 @@ const MIGRATIONS: &[&str] = &[
         prefix TEXT PRIMARY KEY NOT NULL
     );
     "#,
+    // v8: gateway federation (L6), every table it needs at once. None of it is session content, so
+    // nothing here is sealed. The node's identity (one row, shared by replicas); the peers it
+    // trusts; the replay cache of federation tokens; where a session is held when it moves between
+    // gateways (no row: held here, epoch 0); the announcements made to trackers; a tracker's
+    // registry (each provider's signed record exactly as received, and what it verified about each
+    // gateway). Lineage links name the peer of a move, and exports say what they are for and
+    // which gateway redeemed their token.
+    r#"
+    CREATE TABLE federation_identity (
+        id           INTEGER PRIMARY KEY NOT NULL CHECK (id = 1),
+        gateway_id   TEXT NOT NULL,
+        first_key_id TEXT NOT NULL,
+        created_at   TEXT NOT NULL
+    );
+
+    CREATE TABLE federation_peers (
+        gateway_id  TEXT PRIMARY KEY NOT NULL,
+        url         TEXT NOT NULL,
+        public_key  TEXT NOT NULL,
+        key_id      TEXT NOT NULL,
+        -- A JSON array: the manifest's old keys with their expiry.
+        old_keys    TEXT NOT NULL,
+        -- pin | tracker | tofu
+        source      TEXT NOT NULL,
+        verified_at TEXT NOT NULL,
+        updated_at  TEXT NOT NULL
+    );
+
+    CREATE TABLE federation_jti (
+        issuer     TEXT NOT NULL,
+        jti        TEXT NOT NULL,
+        expires_at TEXT NOT NULL,
+        PRIMARY KEY (issuer, jti)
+    ) WITHOUT ROWID;
+    CREATE INDEX federation_jti_expires ON federation_jti (expires_at);
+
+    CREATE TABLE session_holds (
+        session_id       TEXT PRIMARY KEY NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        epoch            INTEGER NOT NULL,
+        -- home | leased | moved | incoming
+        state            TEXT NOT NULL,
+        peer_gateway     TEXT,
+        peer_url         TEXT,
+        migration_id     TEXT,
+        lease_expires_at TEXT,
+        updated_at       TEXT NOT NULL
+    );
+    -- Expired leases (the reaper) and unfinished incoming moves (at start) are found by state.
+    CREATE INDEX session_holds_state ON session_holds (state, lease_expires_at);
+
+    CREATE TABLE announcements (
+        bundle_cid   TEXT PRIMARY KEY NOT NULL,
+        seq          INTEGER NOT NULL,
+        expires_at   TEXT NOT NULL,
+        announced_at TEXT NOT NULL
+    );
+    CREATE INDEX announcements_expires ON announcements (expires_at);
+
+    CREATE TABLE registry_records (
+        gateway_id TEXT NOT NULL,
+        bundle_cid TEXT NOT NULL,
+        bundle_url TEXT NOT NULL,
+        seq        INTEGER NOT NULL,
+        issued_at  TEXT NOT NULL,
+        expires_at TEXT NOT NULL,
+        -- The signed JSON exactly as the gateway sent it.
+        record     TEXT NOT NULL,
+        PRIMARY KEY (gateway_id, bundle_cid)
+    ) WITHOUT ROWID;
+    CREATE INDEX registry_records_cid ON registry_records (bundle_cid, expires_at);
+    CREATE INDEX registry_records_expires ON registry_records (expires_at);
+
+    CREATE TABLE registry_gateways (
+        gateway_id  TEXT PRIMARY KEY NOT NULL,
+        gateway_url TEXT NOT NULL,
+        public_key  TEXT NOT NULL,
+        key_id      TEXT NOT NULL,
+        verified_at TEXT NOT NULL
+    );
+
+    ALTER TABLE lineage ADD COLUMN peer_gateway TEXT;
+    ALTER TABLE exports ADD COLUMN purpose TEXT NOT NULL DEFAULT 'roaming';
+    ALTER TABLE exports ADD COLUMN redeemed_by TEXT;
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -250,7 +334,10 @@ mod tests {
     use super::*;
     use crate::sqlite::codec::{ts, uuid};
     use crate::sqlite::{SqliteOptions, SqliteStore};
-    use crate::{IdempotencyState, IdempotencyStore, SessionStore, TurnState, TurnStore};
+    use crate::{
+        FederationStore, IdempotencyState, IdempotencyStore, RoamingStore, SessionStore, TurnState,
+        TurnStore,
+    };
 
     /// Message bodies of an old database, with multi-byte characters.
     const BODIES: [&str; 2] = [
@@ -341,5 +428,111 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
         assert_eq!(usize::try_from(version).ok(), Some(MIGRATIONS.len()));
+    }
+
+    /// A database a v7 build left (before federation), with a session, an export and a lineage
+    /// link, migrates in place: they read back as before, the new columns hold their defaults,
+    /// and the federation tables work, `session_holds` tied to its session.
+    #[tokio::test]
+    async fn v7_database_migrates_in_place() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("v7.sqlite3");
+        let (session, export, link) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let at = Utc::now() - Duration::minutes(5);
+        {
+            let conn = Connection::open(&path).expect("open");
+            for sql in &MIGRATIONS[..7] {
+                conn.execute_batch(sql).expect("v1 to v7");
+            }
+            conn.execute_batch("PRAGMA user_version = 7")
+                .expect("version");
+            conn.execute(
+                "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
+                 metadata) VALUES (?1, 'agent', 'hash', 'idle', ?2, ?2, '{}')",
+                params![uuid(&session), ts(&at)],
+            )
+            .expect("session");
+            conn.execute(
+                "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-1', X'7B7D', ?1)",
+                params![ts(&at)],
+            )
+            .expect("bundle");
+            conn.execute(
+                "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, \
+                 created_at, expires_at, foreign_origin) \
+                 VALUES (?1, ?2, 'cid-1', 'label', 2, ?3, ?3, 0)",
+                params![uuid(&export), uuid(&session), ts(&at)],
+            )
+            .expect("export");
+            conn.execute(
+                "INSERT INTO lineage (id, kind, to_session, export_id, reused, created_at) \
+                 VALUES (?1, 'import', ?2, ?3, 0, ?4)",
+                params![uuid(&link), uuid(&session), uuid(&export), ts(&at)],
+            )
+            .expect("link");
+        }
+
+        let store = SqliteStore::open(SqliteOptions::new(&path))
+            .await
+            .expect("open migrates");
+        let kept = store
+            .get_export(export)
+            .await
+            .expect("export")
+            .expect("kept");
+        assert_eq!(
+            (kept.bundle_cid.as_str(), kept.label.as_deref()),
+            ("cid-1", Some("label"))
+        );
+        let lineage = store.lineage(session).await.expect("lineage");
+        assert_eq!(
+            lineage.incoming.iter().map(|l| l.id).collect::<Vec<_>>(),
+            [link]
+        );
+        let identity = store
+            .init_identity("gw-1", "kid-1", at)
+            .await
+            .expect("identity table");
+        assert_eq!(identity.gateway_id, "gw-1");
+        assert!(store.insert_jti("gw-2", "j", at).await.expect("jti table"));
+        drop(store);
+
+        let conn = Connection::open(&path).expect("inspect");
+        conn.pragma_update(None, "foreign_keys", "ON").expect("fk");
+        let (purpose, redeemed_by): (String, Option<String>) = conn
+            .query_row("SELECT purpose, redeemed_by FROM exports", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("export columns");
+        assert_eq!((purpose.as_str(), redeemed_by), ("roaming", None));
+        let peer: Option<String> = conn
+            .query_row("SELECT peer_gateway FROM lineage", [], |r| r.get(0))
+            .expect("lineage column");
+        assert_eq!(peer, None);
+        conn.execute(
+            "INSERT INTO session_holds (session_id, epoch, state, updated_at) \
+             VALUES (?1, 1, 'leased', ?2)",
+            params![uuid(&session), ts(&at)],
+        )
+        .expect("a hold of an existing session");
+        assert!(
+            conn.execute(
+                "INSERT INTO federation_identity (id, gateway_id, first_key_id, created_at) \
+                 VALUES (2, 'x', 'y', 'z')",
+                [],
+            )
+            .is_err(),
+            "one identity row only"
+        );
+        conn.execute("DELETE FROM sessions WHERE id = ?1", [uuid(&session)])
+            .expect("delete session");
+        let holds: i64 = conn
+            .query_row("SELECT COUNT(*) FROM session_holds", [], |r| r.get(0))
+            .expect("holds");
+        assert_eq!(holds, 0, "a hold goes with its session");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, 8);
     }
 }

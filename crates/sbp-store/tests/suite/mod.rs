@@ -15,10 +15,12 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+pub mod federation;
 mod replicas;
 mod reserved;
 mod roaming;
 pub mod sealing;
+pub use federation::*;
 pub use replicas::*;
 pub use reserved::*;
 pub use roaming::*;

@@ -407,6 +407,7 @@ pub async fn retention_sweeps_what_no_longer_serves(store: Arc<dyn Store>) {
     let early = sbp_store::Sweep {
         exports_before: Some(t(1)),
         snapshots_before: Some(t(1)),
+        expired_before: None,
     };
     assert_eq!(
         store.sweep(early).await.expect("sweep"),
@@ -416,6 +417,7 @@ pub async fn retention_sweeps_what_no_longer_serves(store: Arc<dyn Store>) {
         .sweep(sbp_store::Sweep {
             exports_before: Some(t(50_000)),
             snapshots_before: Some(t(50_000)),
+            expired_before: None,
         })
         .await
         .expect("sweep");
