@@ -309,6 +309,8 @@ pub struct ServeArgs {
     /// Log format: `text` or `json` (level via SBP_LOG, e.g. SBP_LOG=debug). [default: text]
     #[arg(long, env = "SBP_LOG_FORMAT")]
     pub log_format: Option<String>,
+    #[command(flatten)]
+    pub federation: crate::federation::FederationArgs,
 }
 
 /// The TOML file: the same options, all optional.
@@ -388,6 +390,21 @@ struct FileConfig {
     rate_limit_key: Option<String>,
     rate_limit_auth_failures: Option<String>,
     log_format: Option<String>,
+    // Federation (`crate::federation`).
+    role: Option<String>,
+    peers: Option<Vec<String>>,
+    trackers: Option<Vec<String>>,
+    peer_srv: Option<Vec<String>>,
+    dns_server: Option<String>,
+    federation_key: Option<PathBuf>,
+    federation_tofu: Option<bool>,
+    federation_allow_http: Option<bool>,
+    announce_exports: Option<bool>,
+    gateway_name: Option<String>,
+    announce_ttl: Option<String>,
+    tracker_max_records: Option<u64>,
+    tracker_announce_rate: Option<String>,
+    handover_lease: Option<f64>,
 }
 
 /// A `[[ctp_rule]]` table of the TOML file.
@@ -479,6 +496,8 @@ pub struct Settings {
     pub public_urls: Vec<PublicUrl>,
     pub rate_limits: RateLimits,
     pub log_format: String,
+    /// Federation (L6); `None`: off.
+    pub federation: Option<crate::federation::FederationSettings>,
 }
 
 /// A retention setting: seconds, or a number with `s`, `m`, `h` or `d`; `0` is `None` (off).
@@ -505,6 +524,11 @@ fn retention(name: &str, v: Option<String>, default: &str) -> anyhow::Result<Opt
         bail!("--{name} must be a duration of 0 or more, got {text:?}");
     }
     Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
+}
+
+/// A duration option: seconds, or a number with `s`, `m`, `h` or `d`; `0` is `None`.
+pub(crate) fn duration(name: &str, text: &str) -> anyhow::Result<Option<Duration>> {
+    retention(name, Some(text.to_owned()), "0")
 }
 
 fn seconds(name: &str, v: Option<f64>, default: f64) -> anyhow::Result<Duration> {
@@ -733,6 +757,25 @@ impl Settings {
                 defaults.auth_failures,
             )?,
         };
+        let federation = crate::federation::resolve(
+            args.federation,
+            crate::federation::FederationFile {
+                role: file.role,
+                peers: file.peers,
+                trackers: file.trackers,
+                peer_srv: file.peer_srv,
+                dns_server: file.dns_server,
+                federation_key: file.federation_key,
+                federation_tofu: file.federation_tofu,
+                federation_allow_http: file.federation_allow_http,
+                announce_exports: file.announce_exports,
+                gateway_name: file.gateway_name,
+                announce_ttl: file.announce_ttl,
+                tracker_max_records: file.tracker_max_records,
+                tracker_announce_rate: file.tracker_announce_rate,
+                handover_lease: file.handover_lease,
+            },
+        )?;
         let max_tool_rounds = args.max_tool_rounds.or(file.max_tool_rounds).unwrap_or(8);
         if max_tool_rounds > 64 {
             bail!("--max-tool-rounds must be at most 64");
@@ -845,6 +888,7 @@ impl Settings {
             public_urls,
             rate_limits,
             log_format,
+            federation,
         })
     }
 }
@@ -1133,7 +1177,7 @@ pub fn private_dir(dir: &Path) -> anyhow::Result<()> {
 
 /// Sets `path`'s mode to `mode` when it grants group or others any access (logged); the owner's
 /// bits are left alone otherwise.
-fn narrow(path: &Path, mode: u32) -> std::io::Result<()> {
+pub(crate) fn narrow(path: &Path, mode: u32) -> std::io::Result<()> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt as _;
@@ -1153,7 +1197,7 @@ fn narrow(path: &Path, mode: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);

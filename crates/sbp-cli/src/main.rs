@@ -6,6 +6,7 @@ mod attach;
 mod config;
 mod conformance;
 mod demo;
+mod federation;
 mod keys;
 mod serve;
 
@@ -40,6 +41,9 @@ enum Command {
     /// Maintenance of the gateway's storage.
     #[command(subcommand)]
     Store(keys::StoreCommand),
+    /// Federation (L6): the node's identity key.
+    #[command(subcommand)]
+    Federation(federation::FederationCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -77,6 +81,7 @@ fn main() -> anyhow::Result<()> {
             exit_with(conformance::main(*args))
         }
         Command::EncryptionKey(keys::KeyCommand::Generate { out }) => keys::generate(out),
+        Command::Federation(cmd) => federation::run(cmd),
         Command::Store(keys::StoreCommand::Reseal(args)) => {
             init_logging_with("text", "warn", None);
             tokio::runtime::Builder::new_multi_thread()

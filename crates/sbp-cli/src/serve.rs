@@ -77,6 +77,22 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
     if let Some(files) = &s.edge.tls {
         sbp_gateway::check_tls(files).map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
     }
+    let federation = match &s.federation {
+        None => None,
+        Some(f) => {
+            if s.insecure_no_session_auth {
+                anyhow::bail!(
+                    "--insecure-no-session-auth cannot be used with federation: a session moves between gateways on its token"
+                );
+            }
+            if s.bus.is_some() && f.key_file.is_none() {
+                anyhow::bail!(
+                    "replicas with federation need --federation-key FILE: every replica of a deployment signs with the same key"
+                );
+            }
+            Some(crate::federation::load(f, &s.data_dir)?)
+        }
+    };
     let edge = fit_connections(s.edge.clone(), raise_fd_limit());
     let defaults = GatewayConfig::default();
     let config = GatewayConfig {
@@ -110,6 +126,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         snapshot_retention: s.snapshot_retention,
         edge,
         shutdown_grace: s.shutdown_grace,
+        federation,
         ..defaults
     };
     let config = match &s.bus {

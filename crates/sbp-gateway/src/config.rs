@@ -83,6 +83,8 @@ pub struct GatewayConfig {
     /// failed (their idempotency keys retryable), remaining connections are closed, and `serve`
     /// returns.
     pub shutdown_grace: Duration,
+    /// Federation (L6); `None`: off, and nothing of it is served.
+    pub federation: Option<FederationConfig>,
 }
 
 /// Limits of the connection layer (`edge/`). Each bounds what one client can hold: a socket that
@@ -190,6 +192,7 @@ impl Default for GatewayConfig {
             public_urls: Vec::new(),
             edge: EdgeConfig::default(),
             shutdown_grace: Duration::from_secs(30),
+            federation: None,
         }
     }
 }
@@ -279,5 +282,96 @@ impl std::fmt::Display for PublicUrl {
             Some(port) => write!(f, "{}://{}:{port}", self.scheme, self.host),
             None => write!(f, "{}://{}", self.scheme, self.host),
         }
+    }
+}
+
+/// Federation (L6): on when `GatewayConfig::federation` is `Some`. Built by `sbp serve` from
+/// `--role`, `--peer`, `--tracker`, `--peer-srv` and the options beside them.
+#[derive(Debug, Clone)]
+pub struct FederationConfig {
+    pub role: sbp_protocol::federation::Role,
+    /// `gateway_name` in the manifest.
+    pub gateway_name: String,
+    /// The node's Ed25519 identity key: signs the manifest, federation tokens, tracker answers.
+    pub key: std::sync::Arc<sbp_protocol::federation::IdentityKey>,
+    /// Keys rotated away from, with the time each stops verifying: listed in the manifest's
+    /// `old_keys`; the newest unexpired one signs `old_signature`. Newest first.
+    pub old_keys: Vec<OldIdentityKey>,
+    /// Static peers (`--peer URL[#KEY]`).
+    pub peers: Vec<PeerSpec>,
+    /// Trackers (`--tracker URL[#KEY]`).
+    pub trackers: Vec<PeerSpec>,
+    /// Domains whose `_sbp._tcp` SRV records name peers (`--peer-srv`).
+    pub peer_srv: Vec<String>,
+    /// The DNS server SRV lookups ask (`--dns-server`); `None`: the system's.
+    pub dns_server: Option<std::net::SocketAddr>,
+    /// Trust a peer's key on first use (`--federation-tofu`).
+    pub tofu: bool,
+    /// Talk plain http to peers that are not on loopback (`--federation-allow-http`).
+    pub allow_http: bool,
+    /// Announce every export's bundle to the trackers (`--announce-exports`).
+    pub announce_exports: bool,
+    /// Lifetime of an announced record (≤ 24 h).
+    pub announce_ttl: Duration,
+    /// Records one gateway may hold at a tracker.
+    pub tracker_max_records: u64,
+    /// Announces per second one gateway may make at a tracker; `None`: no limit.
+    pub tracker_announce_rate: Option<crate::ratelimit::Rate>,
+    /// How long a handover lease holds a session for the gateway taking it.
+    pub handover_lease: Duration,
+}
+
+/// A key this node rotated away from, still verifying until `expires_at`.
+#[derive(Debug, Clone)]
+pub struct OldIdentityKey {
+    pub key: std::sync::Arc<sbp_protocol::federation::IdentityKey>,
+    pub expires_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// A peer or tracker as configured: its base URL and, when pinned, the `public_key` its manifest
+/// must carry (or rotate away from by a valid `old_signature`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSpec {
+    /// `scheme://host[:port][/base]`, without a trailing slash.
+    pub url: String,
+    pub pin: Option<String>,
+}
+
+impl std::str::FromStr for PeerSpec {
+    type Err = String;
+
+    /// `URL[#KEY]`: an http(s) URL without query or credentials; KEY the manifest's `public_key`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (url, pin) = match s.split_once('#') {
+            Some((url, key)) => (url, Some(key.trim())),
+            None => (s, None),
+        };
+        let bad = || format!("peer '{s}' must look like https://peer.example.com[#PUBLIC_KEY]");
+        let uri: http::Uri = url.trim().parse().map_err(|_| bad())?;
+        let scheme = uri
+            .scheme_str()
+            .map(str::to_ascii_lowercase)
+            .ok_or_else(bad)?;
+        if scheme != "http" && scheme != "https" {
+            return Err(bad());
+        }
+        let authority = uri.authority().ok_or_else(bad)?;
+        if authority.as_str().contains('@') || uri.query().is_some() {
+            return Err(bad());
+        }
+        if let Some(pin) = pin {
+            sbp_protocol::federation::PublicKey::from_b64_spki(pin).map_err(|e| {
+                format!("peer '{s}': the pinned key is not an Ed25519 public key: {e}")
+            })?;
+        }
+        let path = uri.path().trim_end_matches('/');
+        Ok(Self {
+            url: format!(
+                "{scheme}://{}{path}",
+                authority.as_str().to_ascii_lowercase()
+            ),
+            pin: pin.map(str::to_owned),
+        })
     }
 }

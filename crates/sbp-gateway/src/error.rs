@@ -96,6 +96,9 @@ pub enum Error {
         limit: RateLimit,
         retry_after: Duration,
     },
+    /// Federation (L6): a peer's request refused, or a peer that failed us.
+    #[error("{0}")]
+    Federation(FedError),
     /// A failure of the gateway itself (already logged where it happened).
     #[error("internal error while {0}")]
     Internal(String),
@@ -106,6 +109,57 @@ pub enum Error {
         session: TurnSession,
         cause: Box<Error>,
     },
+}
+
+/// What went wrong between gateways (L6).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FedError {
+    /// A federation token that is missing, malformed, badly signed, for another request, expired
+    /// or from an unknown key; `reason` is the metrics label.
+    #[error("federation token rejected: {message}")]
+    TokenInvalid {
+        reason: &'static str,
+        message: String,
+    },
+    /// A federation token whose `jti` was used before.
+    #[error("federation token rejected: this token was used before")]
+    TokenReplayed,
+    /// A valid token from a gateway this node does not trust.
+    #[error("{0}")]
+    Untrusted(String),
+    /// A path CID that is not 64 lower-case hex digits.
+    #[error("'{0}' is not a bundle CID (64 lower-case hex digits)")]
+    InvalidCid(String),
+    /// A stored bundle whose bytes no longer match its CID: never served.
+    #[error("the stored bundle {0} does not match its CID")]
+    BundleCorrupt(String),
+    /// Every provider of a bundle served bytes that do not match the CID asked for.
+    #[error("{0}")]
+    BundleUnavailable(String),
+    /// A peer that could not be reached (or did not answer in time).
+    #[error("{0}")]
+    PeerUnreachable(String),
+    /// A registry record or announce refused by a tracker.
+    #[error("{message}")]
+    Registry {
+        refusal: RegistryRefusal,
+        message: String,
+    },
+}
+
+/// Why a tracker refused an announce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegistryRefusal {
+    /// The record is malformed, too long-lived, or not about a bundle URL of its gateway.
+    Invalid,
+    /// Its signature does not verify by the announcing gateway's manifest key.
+    Signature,
+    /// The manifest at the bundle URL's origin is not the announcing gateway's.
+    NotOwner,
+    /// A record with a higher `seq` is held.
+    Stale,
+    /// The gateway holds as many records as allowed, or announces too fast.
+    Quota,
 }
 
 /// The configured limits an input can exceed, by their configuration name.
@@ -143,6 +197,12 @@ pub struct TurnSession {
     /// The session's token, when this request created the session (or is a retry of the
     /// request that did).
     pub new_token: Option<String>,
+}
+
+impl From<FedError> for Error {
+    fn from(e: FedError) -> Self {
+        Self::Federation(e)
+    }
 }
 
 impl Error {

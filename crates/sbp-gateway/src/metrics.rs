@@ -93,6 +93,101 @@ pub struct Metrics {
     pub connections_timed_out: AtomicU64,
     /// Requests refused by a rate limit, by limit (`ratelimit::Limit` order).
     pub rate_limited: [AtomicU64; 4],
+    /// Federation (L6) counters with labels: bundle fetches and serves, handovers, token
+    /// rejections, tracker announces and lookups.
+    pub federation: Labelled,
+}
+
+/// Counters with one label each, for families whose label values are a small closed set (the
+/// engine passes `&'static str`s, so a peer cannot grow the set).
+#[derive(Debug, Default)]
+pub struct Labelled {
+    /// (family name, help, label name, label value) → count.
+    counts: std::sync::Mutex<Counts>,
+}
+
+type Counts =
+    std::collections::BTreeMap<(&'static str, &'static str, &'static str, &'static str), u64>;
+
+/// A labelled counter family: its name, help and label name.
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub label: &'static str,
+}
+
+/// The federation families (README lists them).
+pub mod fed {
+    use super::Family;
+
+    pub const BUNDLE_FETCHES: Family = Family {
+        name: "sbp_federation_bundle_fetches_total",
+        help: "Bundles fetched from peers by CID, by outcome.",
+        label: "outcome",
+    };
+    pub const BUNDLE_SERVES: Family = Family {
+        name: "sbp_federation_bundle_serves_total",
+        help: "Bundle requests by peers, by outcome.",
+        label: "outcome",
+    };
+    pub const HANDOVERS: Family = Family {
+        name: "sbp_federation_handovers_total",
+        help: "Session handovers between gateways, by side and outcome.",
+        label: "outcome",
+    };
+    pub const TOKEN_REJECTIONS: Family = Family {
+        name: "sbp_federation_token_rejections_total",
+        help: "Federation tokens refused, by reason.",
+        label: "reason",
+    };
+    pub const TRACKER_ANNOUNCES: Family = Family {
+        name: "sbp_tracker_announces_total",
+        help: "Registry announces received by this tracker, by outcome.",
+        label: "outcome",
+    };
+    pub const TRACKER_LOOKUPS: Family = Family {
+        name: "sbp_tracker_lookups_total",
+        help: "Registry lookups answered by this tracker, by outcome.",
+        label: "outcome",
+    };
+    pub const TRACKER_QUERIES: Family = Family {
+        name: "sbp_federation_tracker_queries_total",
+        help: "Announces and lookups this gateway made at trackers, by outcome.",
+        label: "outcome",
+    };
+}
+
+impl Labelled {
+    pub fn count(&self, family: Family, value: &'static str) {
+        // A poisoned lock only means a panic elsewhere while counting: the map is still whole.
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        *counts
+            .entry((family.name, family.help, family.label, value))
+            .or_insert(0) += 1;
+    }
+
+    /// The value counted so far (tests).
+    pub fn get(&self, family: Family, value: &str) -> u64 {
+        let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts
+            .iter()
+            .find(|((n, _, _, v), _)| *n == family.name && *v == value)
+            .map(|(_, n)| *n)
+            .unwrap_or(0)
+    }
+
+    fn render(&self, out: &mut String) {
+        let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = "";
+        for ((name, help, label, value), n) in counts.iter() {
+            if *name != last {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+                last = name;
+            }
+            let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {n}");
+        }
+    }
 }
 
 impl Metrics {
@@ -294,6 +389,7 @@ impl Metrics {
             "Connections closed for sending no request head in time, idling too long, or to make room.",
             &self.connections_timed_out,
         );
+        self.federation.render(&mut out);
         self.upstream_latency.render(
             &mut out,
             "sbp_upstream_latency_seconds",

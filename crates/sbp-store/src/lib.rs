@@ -221,6 +221,17 @@ pub trait RoamingStore: Send + Sync {
     async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>>;
     /// The bundle's bytes exactly as stored.
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>>;
+    /// A peer gateway redeems the token of export `id` (federation): consumed now and recorded as
+    /// redeemed by `by`, unless it was consumed already; a repeat by the same peer after
+    /// `retry_after` (a retry after a lost answer) is `AlreadyByThisPeer`. `NotFound` when no
+    /// such export exists.
+    async fn redeem_export(
+        &self,
+        id: Uuid,
+        by: &str,
+        now: Timestamp,
+        retry_after: Timestamp,
+    ) -> StoreResult<RedeemOutcome>;
     /// Creates a session with its history and records its provenance: all or nothing (see
     /// [`AdoptSession`]). The single-use check of `consume_export` happens inside this write, so of
     /// many concurrent imports of one token exactly one succeeds.

@@ -30,6 +30,7 @@ pub use self::tls::{Check, HandshakeError, TlsFileError};
 
 use self::codec::db_err;
 use self::ops::Tx;
+use crate::RedeemOutcome;
 use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
@@ -632,6 +633,20 @@ impl RoamingStore for PostgresStore {
 
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
         roaming::get_bundle(&self.client().await?, &self.seal, cid).await
+    }
+
+    async fn redeem_export(
+        &self,
+        id: Uuid,
+        by: &str,
+        now: Timestamp,
+        retry_after: Timestamp,
+    ) -> StoreResult<RedeemOutcome> {
+        let by = by.to_owned();
+        self.write(move |tx| {
+            Box::pin(async move { roaming::redeem_export(tx, id, &by, &now, &retry_after).await })
+        })
+        .await
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {

@@ -71,6 +71,7 @@ use sbp_protocol::{SessionStatus, SnapshotKind};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::RedeemOutcome;
 use crate::seal::{Column, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
@@ -1042,6 +1043,19 @@ impl<S: Store + ?Sized + 'static> RoamingStore for TetheredStore<S> {
 
     async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>> {
         self.shared.inner.get_export(id).await
+    }
+
+    async fn redeem_export(
+        &self,
+        id: Uuid,
+        by: &str,
+        now: Timestamp,
+        retry_after: Timestamp,
+    ) -> StoreResult<RedeemOutcome> {
+        self.shared
+            .inner
+            .redeem_export(id, by, now, retry_after)
+            .await
     }
 
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {

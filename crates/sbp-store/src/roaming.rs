@@ -8,6 +8,17 @@ use uuid::Uuid;
 use crate::{NewMessage, NewSession, NewSnapshot, SessionRecord, Timestamp};
 use sbp_protocol::SessionStatus;
 
+/// How a peer's redeem of an export's token went (`RoamingStore::redeem_export`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedeemOutcome {
+    /// Consumed now, by this peer.
+    Redeemed,
+    /// This peer redeemed it recently: the same answer again.
+    AlreadyByThisPeer,
+    /// Imported here or redeemed by another peer (or long ago).
+    Consumed,
+}
+
 /// A bundle as stored: addressed by its CID, as the canonical bytes of the sealed bundle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewBundle {

@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use self::codec::db_err;
 use self::writer::JobSender;
+use crate::RedeemOutcome;
 use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
@@ -657,6 +658,18 @@ impl RoamingStore for SqliteStore {
     async fn get_bundle(&self, cid: &str) -> StoreResult<Option<Vec<u8>>> {
         let cid = cid.to_owned();
         self.read(move |c, s| roaming::get_bundle(c, s, &cid)).await
+    }
+
+    async fn redeem_export(
+        &self,
+        id: Uuid,
+        by: &str,
+        now: Timestamp,
+        retry_after: Timestamp,
+    ) -> StoreResult<RedeemOutcome> {
+        let by = by.to_owned();
+        self.write(move |c, _| roaming::redeem_export(c, id, &by, &now, &retry_after))
+            .await
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! turns ─► surfaces ─► tools ─► sessions ─► replicas ─► connections, calls, tasks
-//! roaming ─► sessions
+//! federation ─► roaming ─► sessions
 //! retention (a background sweep of the store)
 //! ```
 //! (each service uses only those to its right). Services are handles around one `Arc`.
@@ -15,6 +15,7 @@
 
 mod calls;
 pub(crate) mod connections;
+pub mod federation;
 pub(crate) mod replicas;
 mod retention;
 pub mod roaming;
@@ -34,6 +35,7 @@ use crate::error::Error;
 use crate::metrics::{LiveGauges, Metrics};
 use calls::PendingCalls;
 use connections::Connections;
+use federation::Federation;
 use replicas::{BusLink, Replicas};
 use roaming::Roaming;
 use sessions::Sessions;
@@ -60,6 +62,7 @@ struct Inner {
     surfaces: Surfaces,
     turns: Turns,
     roaming: Roaming,
+    federation: Federation,
 }
 
 impl Gateway {
@@ -99,6 +102,10 @@ impl Gateway {
                 "starting the gateway",
                 "the signing secret must be at least 32 bytes",
             ));
+        }
+        let mut config = config;
+        if config.federation.is_some() && config.sbp_level == sbp_protocol::SBP_LEVEL {
+            config.sbp_level = "L6".to_owned();
         }
         Replicas::recover_turns(store.as_ref(), &config, bus.is_some()).await?;
         let (bus, inbox) = match bus {
@@ -159,6 +166,14 @@ impl Gateway {
             metrics.clone(),
             tasks.clone(),
         );
+        let federation = Federation::start(
+            config.clone(),
+            store.clone(),
+            metrics.clone(),
+            roaming.clone(),
+            &tasks,
+        )
+        .await?;
         if let Some(inbox) = inbox {
             replicas.start(inbox);
         }
@@ -176,6 +191,7 @@ impl Gateway {
                 surfaces,
                 turns,
                 roaming,
+                federation,
             }),
         })
     }
@@ -206,6 +222,10 @@ impl Gateway {
 
     pub fn roaming(&self) -> &Roaming {
         &self.inner.roaming
+    }
+
+    pub fn federation(&self) -> &Federation {
+        &self.inner.federation
     }
 
     /// Cancelled when the gateway stops; long-lived tasks (sockets, streams) watch it.

@@ -20,7 +20,9 @@ pub(super) fn start(
     metrics: Arc<Metrics>,
     tasks: &Tasks,
 ) {
-    let off = config.export_retention.is_none() && config.snapshot_retention.is_none();
+    let off = config.export_retention.is_none()
+        && config.snapshot_retention.is_none()
+        && config.federation.is_none();
     if config.retention_interval.is_zero() || off {
         return;
     }

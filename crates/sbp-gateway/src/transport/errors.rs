@@ -12,7 +12,7 @@ use sbp_protocol::{ErrorBody, ErrorCode};
 use serde_json::{Value, json};
 
 use super::headers::{add_headers, session_headers};
-use crate::error::{Error, upstream_status};
+use crate::error::{Error, FedError, RegistryRefusal, upstream_status};
 use crate::ratelimit::retry_after_secs;
 
 impl IntoResponse for Error {
@@ -27,6 +27,28 @@ impl IntoResponse for Error {
             Error::RateLimited { retry_after, .. } => {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, retry_after_secs(*retry_after).into());
+            }
+            Error::Federation(FedError::TokenInvalid { message, .. }) => {
+                // RFC 6750: the reason in `error_description` (quotes and controls dropped).
+                let description: String = message
+                    .chars()
+                    .filter(|c| *c != '"' && *c != '\\' && !c.is_control())
+                    .take(200)
+                    .collect();
+                let value = format!(
+                    "Bearer realm=\"sbp-federation\", error=\"invalid_token\", error_description=\"{description}\""
+                );
+                if let Ok(v) = HeaderValue::from_str(&value) {
+                    resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
+                }
+            }
+            Error::Federation(FedError::TokenReplayed) => {
+                resp.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static(
+                        "Bearer realm=\"sbp-federation\", error=\"invalid_token\", error_description=\"replayed\"",
+                    ),
+                );
             }
             _ => {}
         }
@@ -182,8 +204,28 @@ fn code(e: &Error) -> ErrorCode {
             ErrorCode::UpstreamError
         }
         Error::RateLimited { .. } => ErrorCode::RateLimited,
+        Error::Federation(f) => fed_code(f),
         Error::Internal(_) => ErrorCode::Internal,
         Error::InTurn { cause, .. } => code(cause),
+    }
+}
+
+fn fed_code(e: &FedError) -> ErrorCode {
+    match e {
+        FedError::TokenInvalid { .. } => ErrorCode::FederationTokenInvalid,
+        FedError::TokenReplayed => ErrorCode::FederationReplay,
+        FedError::Untrusted(_) => ErrorCode::FederationUntrusted,
+        FedError::InvalidCid(_) => ErrorCode::InvalidCid,
+        FedError::BundleCorrupt(_) => ErrorCode::BundleCorrupt,
+        FedError::BundleUnavailable(_) => ErrorCode::BundleUnavailable,
+        FedError::PeerUnreachable(_) => ErrorCode::PeerUnreachable,
+        FedError::Registry { refusal, .. } => match refusal {
+            RegistryRefusal::Invalid => ErrorCode::RegistryRecordInvalid,
+            RegistryRefusal::Signature => ErrorCode::RegistrySignature,
+            RegistryRefusal::NotOwner => ErrorCode::RegistryNotOwner,
+            RegistryRefusal::Stale => ErrorCode::RegistryStale,
+            RegistryRefusal::Quota => ErrorCode::RegistryQuota,
+        },
     }
 }
 

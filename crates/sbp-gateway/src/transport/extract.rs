@@ -266,6 +266,16 @@ pub fn bearer(headers: &HeaderMap) -> Option<String> {
 /// With operator API keys configured, every endpoint but `/healthz`, the browser page and its
 /// assets (which hold no data) and the WebSocket (which authenticates with the session token in
 /// ATTACH_SESSION) needs `Authorization: Bearer <key>`.
+/// Routes peers call: they authenticate with a federation token or a signed record, and the
+/// manifest is public.
+fn is_federation_path(path: &str) -> bool {
+    path == "/.well-known/sbp"
+        || path.starts_with("/v1/sbp/bundles/")
+        || path.starts_with("/v1/sbp/federation/")
+        || path == "/v1/sbp/registry"
+        || path.starts_with("/v1/sbp/registry/")
+}
+
 pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
     let keys = &gw.config().api_keys;
     if keys.is_empty() {
@@ -281,7 +291,8 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
             .strip_prefix("/assets/")
             .is_some_and(|file| !file.is_empty() && !file.contains('/'))
         || path.starts_with("/v1/sbp/ws/")
-        || is_mcp_path(path);
+        || is_mcp_path(path)
+        || (gw.federation().enabled() && is_federation_path(path));
     let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
     if !valid && !open {
         return Error::Unauthorized(

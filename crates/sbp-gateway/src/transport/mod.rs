@@ -3,6 +3,7 @@
 
 mod errors;
 mod extract;
+mod federation;
 mod headers;
 mod http;
 mod limits;
@@ -23,6 +24,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, patch, post};
 
+use sbp_protocol::federation::Role;
+
 use crate::Gateway;
 
 /// The gateway's routes behind, from the outside in: the envelope for any error made below in
@@ -31,6 +34,49 @@ use crate::Gateway;
 /// are known).
 pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     let max_body = gateway.config().max_body_bytes;
+    let scheme = match gateway.config().edge.tls {
+        Some(_) => "https",
+        None => "http",
+    };
+    gateway.federation().bound(format!("{scheme}://{bound}"));
+    let role = gateway.federation().role();
+    let mut app = match role {
+        // A tracker-only node hosts no sessions: no session, bundle or WebSocket routes.
+        Some(Role::Tracker) => Router::new()
+            .route("/healthz", get(http::healthz))
+            .route("/metrics", get(http::metrics)),
+        Some(_) => session_routes(&gateway)
+            .route("/v1/sbp/bundles/{cid}", get(federation::bundle))
+            .route("/v1/sbp/federation/tokens/redeem", post(federation::redeem)),
+        None => session_routes(&gateway),
+    };
+    if role.is_some() {
+        app = app.route("/.well-known/sbp", get(federation::well_known));
+    }
+    if role.is_some_and(Role::hosts_registry) {
+        app = app
+            .route("/v1/sbp/registry", post(federation::announce))
+            .route("/v1/sbp/registry/{cid}", get(federation::lookup))
+            .route("/v1/sbp/registry/gateways", post(federation::register))
+            .route(
+                "/v1/sbp/registry/gateways/{gateway_id}",
+                get(federation::vouch),
+            );
+    }
+    let limits = Arc::new(limits::Limits::new(gateway.clone()));
+    let policy = Arc::new(policy::Policy::new(gateway.config(), bound));
+    app.fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        .layer(from_fn_with_state(gateway.clone(), extract::operator_auth))
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(from_fn_with_state(limits, limits::enforce))
+        .layer(from_fn_with_state(policy, policy::enforce))
+        .layer(from_fn(errors::envelope))
+        .with_state(gateway)
+}
+
+/// The routes of a gateway that hosts sessions (every role but tracker-only).
+fn session_routes(gateway: &Gateway) -> Router<Gateway> {
     let mut app = Router::new()
         .route("/", get(page::index))
         .route("/assets/{file}", get(page::asset))
@@ -72,15 +118,5 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
             post(http::test_tether),
         );
     }
-    app = app.merge(mcp::routes(gateway.clone()));
-    let limits = Arc::new(limits::Limits::new(gateway.clone()));
-    let policy = Arc::new(policy::Policy::new(gateway.config(), bound));
-    app.fallback(http::not_found)
-        .method_not_allowed_fallback(http::method_not_allowed)
-        .layer(from_fn_with_state(gateway.clone(), extract::operator_auth))
-        .layer(DefaultBodyLimit::max(max_body))
-        .layer(from_fn_with_state(limits, limits::enforce))
-        .layer(from_fn_with_state(policy, policy::enforce))
-        .layer(from_fn(errors::envelope))
-        .with_state(gateway)
+    app.merge(mcp::routes(gateway.clone()))
 }

@@ -112,6 +112,54 @@ impl ImportRequest {
     }
 }
 
+/// An import by CID (`{"bundle_cid": "...", "from": "<peer url>"?}`, federation): a body naming
+/// a `bundle_cid` and neither a token nor a bundle.
+pub struct CidImport {
+    pub bundle_cid: String,
+    pub from: Option<String>,
+    pub target_agent_id: Option<String>,
+}
+
+impl CidImport {
+    pub fn from_body(body: &Map<String, Value>) -> Result<Option<Self>, Error> {
+        let present = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+        if !present("bundle_cid")
+            || present("roaming_token")
+            || present("token")
+            || present("bundle")
+        {
+            return Ok(None);
+        }
+        let bundle_cid = match body.get("bundle_cid") {
+            Some(Value::String(s)) if crate::engine::federation::is_cid(s) => s.clone(),
+            Some(Value::String(s)) => {
+                return Err(
+                    crate::error::FedError::InvalidCid(s.chars().take(80).collect()).into(),
+                );
+            }
+            _ => return Err(Error::invalid("`bundle_cid` must be a string")),
+        };
+        let from = match body.get("from") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.len() <= 2048 => Some(s.trim().to_owned()),
+            Some(_) => return Err(Error::invalid("`from` must be a peer's URL")),
+        };
+        let target_agent_id = match body.get("target_agent_id").or_else(|| body.get("agent_id")) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => {
+                check_agent_id("target_agent_id", s)?;
+                Some(s.clone())
+            }
+            Some(_) => return Err(Error::invalid("`target_agent_id` must be a string")),
+        };
+        Ok(Some(Self {
+            bundle_cid,
+            from,
+            target_agent_id,
+        }))
+    }
+}
+
 impl ForkRequest {
     /// `label`, and `keep_last` (an integer >= 1).
     pub fn from_body(body: &Map<String, Value>) -> Result<Self, Error> {

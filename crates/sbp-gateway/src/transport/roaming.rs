@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use super::extract::JsonObject;
 use super::headers::created;
+use super::requests::CidImport;
 use super::to_wire;
 use crate::Gateway;
 use crate::engine::roaming::{ExportRequest, ForkRequest, HandoffRequest, ImportRequest};
@@ -31,13 +32,44 @@ pub async fn export(
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
     let req = ExportRequest::from_body(&body)?;
+    let announce = match body.get("announce") {
+        None | Some(Value::Null) => gw.federation().announces_every_export(),
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(Error::invalid("`announce` must be a boolean")),
+    };
+    if announce && !gw.federation().enabled() {
+        return Err(Error::invalid(
+            "`announce` needs federation (this gateway runs without trackers)",
+        ));
+    }
     let out = gw.roaming().export(&session, req).await?;
-    Ok((StatusCode::CREATED, Json(to_wire::export(out))).into_response())
+    let announced = if announce {
+        Some(gw.federation().announce(&out.export.bundle_cid).await)
+    } else {
+        None
+    };
+    let mut body = serde_json::to_value(to_wire::export(out))
+        .map_err(|e| Error::internal("writing an export", e))?;
+    if let (Some(ids), Some(obj)) = (announced, body.as_object_mut()) {
+        obj.insert("announced_to".into(), Value::from(ids));
+    }
+    Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
 pub async fn import(State(gw): State<Gateway>, JsonObject(body): JsonObject) -> ApiResult {
-    let req = ImportRequest::from_body(body)?;
-    let out = gw.roaming().import(req).await?;
+    let out = match CidImport::from_body(&body)? {
+        Some(req) => {
+            gw.federation()
+                .import_by_cid(&req.bundle_cid, req.from.as_deref(), req.target_agent_id)
+                .await?
+        }
+        None if gw.federation().enabled() => {
+            gw.federation()
+                .import(ImportRequest::from_body(body)?)
+                .await?
+        }
+        None => gw.roaming().import(ImportRequest::from_body(body)?).await?,
+    };
     Ok(created(
         &to_wire::import(&out),
         &out.session,

@@ -17,7 +17,7 @@ use super::ops::{
 use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
-    NewBundle, NewExport, StoreError, StoreResult, Sweep, Swept, Timestamp,
+    NewBundle, NewExport, RedeemOutcome, StoreError, StoreResult, Sweep, Swept, Timestamp,
 };
 
 macro_rules! export_cols {
@@ -172,6 +172,41 @@ pub(crate) async fn get_bundle(
 
 /// The single-use check: the conditional UPDATE locks the export row, so of concurrent imports one
 /// sets `imported_at` and the others, once it commits, find it set and change nothing.
+pub(crate) async fn redeem_export(
+    tx: &Tx,
+    id: Uuid,
+    by: &str,
+    now: &Timestamp,
+    retry_after: &Timestamp,
+) -> StoreResult<RedeemOutcome> {
+    let st = prep(
+        tx,
+        "UPDATE exports SET imported_at = $2, redeemed_by = $3 \
+         WHERE id = $1 AND imported_at IS NULL",
+    )
+    .await?;
+    if tx.execute(&st, &[&id, now, &by]).await.map_err(db_err)? == 1 {
+        return Ok(RedeemOutcome::Redeemed);
+    }
+    let st = prep(
+        tx,
+        "SELECT imported_at, redeemed_by FROM exports WHERE id = $1",
+    )
+    .await?;
+    let row = tx.query_opt(&st, &[&id]).await.map_err(db_err)?;
+    let Some(row) = row else {
+        return Err(StoreError::NotFound);
+    };
+    let at: Option<Timestamp> = row.try_get(0).map_err(db_err)?;
+    let peer: Option<String> = row.try_get(1).map_err(db_err)?;
+    match (at, peer) {
+        (Some(at), Some(peer)) if peer == by && at >= *retry_after => {
+            Ok(RedeemOutcome::AlreadyByThisPeer)
+        }
+        _ => Ok(RedeemOutcome::Consumed),
+    }
+}
+
 async fn consume_export(
     tx: &Tx,
     seal: &Sealer,

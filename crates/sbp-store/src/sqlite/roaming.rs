@@ -16,7 +16,8 @@ use super::ops::{
 use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
-    NewBundle, NewExport, RestoredSnapshot, StoreError, StoreResult, Sweep, Swept, Timestamp,
+    NewBundle, NewExport, RedeemOutcome, RestoredSnapshot, StoreError, StoreResult, Sweep, Swept,
+    Timestamp,
 };
 
 const EXPORT_COLS: &str = "id, session_id, bundle_cid, label, message_count, created_at, \
@@ -158,6 +159,41 @@ pub(crate) fn get_bundle(
             .optional()
         })
         .map_err(db_err)
+}
+
+pub(crate) fn redeem_export(
+    conn: &Connection,
+    id: Uuid,
+    by: &str,
+    now: &Timestamp,
+    retry_after: &Timestamp,
+) -> StoreResult<RedeemOutcome> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE exports SET imported_at = ?2, redeemed_by = ?3 \
+             WHERE id = ?1 AND imported_at IS NULL",
+        )
+        .and_then(|mut st| st.execute(params![uuid(&id), ts(now), by]))
+        .map_err(db_err)?;
+    if changed == 1 {
+        return Ok(RedeemOutcome::Redeemed);
+    }
+    let row = conn
+        .prepare_cached("SELECT imported_at, redeemed_by FROM exports WHERE id = ?1")
+        .and_then(|mut st| {
+            st.query_row(params![uuid(&id)], |r| {
+                Ok((col_opt_ts(r, 0)?, r.get::<_, Option<String>>(1)?))
+            })
+            .optional()
+        })
+        .map_err(db_err)?;
+    match row {
+        None => Err(StoreError::NotFound),
+        Some((Some(at), Some(peer))) if peer == by && at >= *retry_after => {
+            Ok(RedeemOutcome::AlreadyByThisPeer)
+        }
+        Some(_) => Ok(RedeemOutcome::Consumed),
+    }
 }
 
 fn consume_export(

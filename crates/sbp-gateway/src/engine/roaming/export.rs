@@ -167,7 +167,7 @@ impl Roaming {
                 sid: export.session_id.to_string(),
                 iat: export.created_at.timestamp(),
                 exp: export.expires_at.timestamp(),
-                iss: None,
+                iss: self.issuer(),
             },
             &self.inner.config.secret,
         )

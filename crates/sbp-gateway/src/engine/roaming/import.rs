@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 use sbp_protocol::bundle::{
     self, BundleMemory, BundleMessage, BundleSnapshot, CidError, ParsedBundle,
 };
+use sbp_protocol::token::RoamingClaims;
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use sbp_store::{
     AdoptSession, ExportRecord, LinkKind, LinkRecord, NewBundle, NewExport, NewMessage,
@@ -67,6 +68,44 @@ impl Roaming {
         let claims = self
             .verify_token(&raw_token, now.timestamp())
             .map_err(token_error)?;
+        self.import_claimed(claims, sent, plan, now).await
+    }
+
+    /// A token redeemed at the gateway that minted it (federation), with the bundle fetched by
+    /// the CID it answered: recorded here as a foreign export consumed by this import, so the
+    /// token imports here once, as a token that gateway shares would.
+    pub async fn import_redeemed(
+        &self,
+        claims: RoamingClaims,
+        bundle: Value,
+        target_agent_id: Option<String>,
+        allow_reuse: bool,
+    ) -> Result<Imported, Error> {
+        let plan = ImportPlan {
+            cid: String::new(),
+            export_id: None,
+            source: None,
+            target_agent_id,
+            allow_reuse,
+            via_token: true,
+            bundle: None,
+            export: None,
+            consume: None,
+        };
+        self.import_claimed(claims, Some(bundle), plan, Utc::now())
+            .await
+    }
+
+    /// The import of a token whose claims are verified: its export's bundle (stored here, or sent
+    /// along for a foreign export), consumed unless `allow_reuse`.
+    async fn import_claimed(
+        &self,
+        claims: RoamingClaims,
+        sent: Option<Value>,
+        mut plan: ImportPlan,
+        now: DateTime<Utc>,
+    ) -> Result<Imported, Error> {
+        let allow_reuse = plan.allow_reuse;
         let (export_id, export) = self.token_export(&claims).await?;
         plan.export_id = Some(export_id);
         plan.consume = (!allow_reuse).then_some(export_id);

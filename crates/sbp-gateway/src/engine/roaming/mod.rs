@@ -6,6 +6,9 @@
 
 mod export;
 mod import;
+mod redeem;
+
+pub use redeem::{REDEEM_RETRY_WINDOW, Redeemed};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -123,6 +126,8 @@ struct Shared {
     sessions: Sessions,
     metrics: Arc<Metrics>,
     tasks: Tasks,
+    /// This gateway's id as `iss` of the tokens it mints (federation on).
+    issuer: redeem::Issuer,
 }
 
 fn token_error(e: TokenError) -> Error {
@@ -202,6 +207,7 @@ impl Roaming {
                 sessions,
                 metrics,
                 tasks,
+                issuer: redeem::Issuer::new(),
             }),
         }
     }

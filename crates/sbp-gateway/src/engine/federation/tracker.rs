@@ -1,0 +1,349 @@
+//! The tracker role: an index of which gateway serves which bundle CID, and nothing else. A
+//! record is accepted only from the gateway it names: the tracker fetches the manifest at the
+//! origin of the record's `bundle_url` (that URL's `/.well-known/sbp`, never the bundle itself)
+//! and checks that its `gateway_id`, its bundle endpoint and its key are the record's. Answers are
+//! signed with the tracker's manifest key, and hold the gateways' own signed records verbatim.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use chrono::{Duration, Utc};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use sbp_protocol::federation::{
+    GatewayVouch, ManifestTrust, ProviderRecord, PublicKey, RegistryAnswer, VerifiedManifest,
+    verify_manifest, verify_object,
+};
+use sbp_store::{PutRecord, RegistryRecordRow, Store, VouchRow};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, FedError, RegistryRefusal};
+use crate::federation::client::{PeerClient, origin};
+use crate::federation::identity::Identity;
+use crate::metrics::{Metrics, fed};
+
+/// Providers returned for one CID at most.
+const MAX_PROVIDERS: u32 = 50;
+/// How long a signed lookup answer is valid.
+const ANSWER_VALIDITY: Duration = Duration::minutes(5);
+/// How long a vouch stays valid for its readers.
+const VOUCH_VALIDITY: Duration = Duration::hours(1);
+/// A gateway's key verified this recently is reused for its next announce without fetching its
+/// manifest again.
+const VOUCH_REUSE: Duration = Duration::minutes(10);
+
+fn vouch_row(v: &VerifiedManifest, origin: &str, now: chrono::DateTime<Utc>) -> VouchRow {
+    VouchRow {
+        gateway_id: v.manifest.gateway_id.clone(),
+        gateway_url: origin.to_owned(),
+        public_key: v.manifest.public_key.clone(),
+        key_id: v.manifest.key_id.clone(),
+        verified_at: now,
+    }
+}
+
+/// How an accepted announce changed the registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Announced {
+    Created,
+    Replaced,
+    Unchanged,
+}
+
+pub struct Tracker {
+    identity: Arc<Identity>,
+    store: Arc<dyn Store>,
+    client: PeerClient,
+    metrics: Arc<Metrics>,
+    max_records: u64,
+    rate: Option<DefaultKeyedRateLimiter<String>>,
+}
+
+fn refuse(refusal: RegistryRefusal, message: impl Into<String>) -> Error {
+    FedError::Registry {
+        refusal,
+        message: message.into(),
+    }
+    .into()
+}
+
+impl Tracker {
+    pub fn new(
+        identity: Arc<Identity>,
+        store: Arc<dyn Store>,
+        client: PeerClient,
+        metrics: Arc<Metrics>,
+        max_records: u64,
+        rate: Option<crate::ratelimit::Rate>,
+    ) -> Self {
+        let rate = rate.map(|r| {
+            let every = (r.period / r.count.get()).max(std::time::Duration::from_nanos(1));
+            let quota = Quota::with_period(every)
+                .unwrap_or_else(|| Quota::per_second(NonZeroU32::MIN))
+                .allow_burst(r.burst);
+            RateLimiter::keyed(quota)
+        });
+        Self {
+            identity,
+            store,
+            client,
+            metrics,
+            max_records,
+            rate,
+        }
+    }
+
+    fn count(&self, outcome: &'static str) {
+        self.metrics
+            .federation
+            .count(fed::TRACKER_ANNOUNCES, outcome);
+    }
+
+    /// `POST /v1/sbp/registry`: a gateway's signed record.
+    pub async fn announce(&self, record: Map<String, Value>) -> Result<Announced, Error> {
+        let result = self.accept(record).await;
+        self.count(match &result {
+            Ok(Announced::Created) => "created",
+            Ok(Announced::Replaced) => "replaced",
+            Ok(Announced::Unchanged) => "unchanged",
+            Err(Error::Federation(FedError::Registry { refusal, .. })) => match refusal {
+                RegistryRefusal::Invalid => "invalid",
+                RegistryRefusal::Signature => "bad_signature",
+                RegistryRefusal::NotOwner => "not_owner",
+                RegistryRefusal::Stale => "stale",
+                RegistryRefusal::Quota => "quota",
+            },
+            Err(_) => "error",
+        });
+        result
+    }
+
+    async fn accept(&self, record: Map<String, Value>) -> Result<Announced, Error> {
+        let now = Utc::now();
+        let parsed = ProviderRecord::read(&record)
+            .map_err(|e| refuse(RegistryRefusal::Invalid, format!("invalid record: {e}")))?;
+        parsed
+            .check(now)
+            .map_err(|e| refuse(RegistryRefusal::Invalid, format!("invalid record: {e}")))?;
+        if let Some(limiter) = &self.rate
+            && limiter.check_key(&parsed.gateway_id).is_err()
+        {
+            return Err(refuse(
+                RegistryRefusal::Quota,
+                format!("gateway {} announces too fast", parsed.gateway_id),
+            ));
+        }
+        let url = self.client.check_url(&parsed.bundle_url).map_err(|_| {
+            refuse(
+                RegistryRefusal::Invalid,
+                "bundle_url is not a URL this tracker may check (https, or http on loopback)",
+            )
+        })?;
+        let origin = origin(&url);
+        let vouch = self.verified_key(&parsed, &origin, &record).await?;
+        self.store.put_vouch(vouch).await?;
+        let row = RegistryRecordRow {
+            gateway_id: parsed.gateway_id.clone(),
+            bundle_cid: parsed.bundle_cid.clone(),
+            bundle_url: parsed.bundle_url.clone(),
+            seq: parsed.seq,
+            issued_at: parsed.issued_at,
+            expires_at: parsed.expires_at,
+            record: serde_json::to_string(&record)
+                .map_err(|e| Error::internal("storing a record", e))?,
+        };
+        match self.store.put_record(row, self.max_records, now).await? {
+            PutRecord::Inserted => Ok(Announced::Created),
+            PutRecord::Replaced => Ok(Announced::Replaced),
+            PutRecord::Unchanged => Ok(Announced::Unchanged),
+            PutRecord::Stale => Err(refuse(
+                RegistryRefusal::Stale,
+                format!(
+                    "a record with a higher seq than {} is held for this bundle",
+                    parsed.seq
+                ),
+            )),
+            PutRecord::QuotaExceeded => Err(refuse(
+                RegistryRefusal::Quota,
+                format!(
+                    "gateway {} holds {} records here already",
+                    parsed.gateway_id, self.max_records
+                ),
+            )),
+        }
+    }
+
+    /// The announcing gateway's key, verified against its manifest at `origin` (or a recent
+    /// verification of it), with the record's signature checked by it.
+    async fn verified_key(
+        &self,
+        record: &ProviderRecord,
+        origin: &str,
+        signed: &Map<String, Value>,
+    ) -> Result<VouchRow, Error> {
+        let now = Utc::now();
+        if let Some(v) = self.store.vouch(&record.gateway_id).await?
+            && v.gateway_url == origin
+            && now - v.verified_at < VOUCH_REUSE
+            && let Ok(key) = PublicKey::from_b64_spki(&v.public_key)
+            && verify_object(signed, &key).is_ok()
+        {
+            return Ok(v);
+        }
+        let verified = self.admit(origin).await?;
+        let m = &verified.manifest;
+        if m.gateway_id != record.gateway_id {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                format!(
+                    "{origin} is gateway {}, not {}: a gateway announces only itself",
+                    m.gateway_id, record.gateway_id
+                ),
+            ));
+        }
+        let endpoint = m
+            .endpoints
+            .bundle
+            .as_deref()
+            .map(|t| t.replace("{bundle_cid}", &record.bundle_cid));
+        if endpoint.as_deref() != Some(record.bundle_url.as_str()) {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                "bundle_url is not the gateway's own bundle endpoint for this CID",
+            ));
+        }
+        if !verified
+            .valid_keys
+            .iter()
+            .any(|(_, k)| verify_object(signed, k).is_ok())
+        {
+            return Err(refuse(
+                RegistryRefusal::Signature,
+                "the record's signature does not verify by the gateway's key",
+            ));
+        }
+        Ok(vouch_row(&verified, origin, now))
+    }
+
+    /// The manifest at `origin`, admitted as what this tracker vouches for: a gateway id known
+    /// here must keep its key (or rotate it by a valid `old_signature`); a new one must be
+    /// derived from one of the manifest's keys, so no one can take another gateway's id.
+    async fn admit(&self, origin: &str) -> Result<VerifiedManifest, Error> {
+        let now = Utc::now();
+        let manifest = self.client.manifest(origin).await.map_err(|e| {
+            refuse(
+                RegistryRefusal::NotOwner,
+                format!("the manifest at {origin} could not be read: {e}"),
+            )
+        })?;
+        let claimed = manifest
+            .get("gateway_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let known = self.store.vouch(&claimed).await?;
+        let trust = known
+            .as_ref()
+            .and_then(|v| PublicKey::from_b64_spki(&v.public_key).ok());
+        let verified = match &trust {
+            Some(pinned) => verify_manifest(&manifest, ManifestTrust::Pinned(pinned), now),
+            None => verify_manifest(&manifest, ManifestTrust::SelfSigned, now),
+        }
+        .map_err(|e| {
+            refuse(
+                RegistryRefusal::NotOwner,
+                format!("the manifest at {origin} is not gateway {claimed}'s: {e}"),
+            )
+        })?;
+        if trust.is_none() {
+            let derives = std::iter::once(verified.key.clone())
+                .chain(
+                    verified
+                        .manifest
+                        .old_keys
+                        .iter()
+                        .filter_map(|k| PublicKey::from_b64_spki(&k.public_key).ok()),
+                )
+                .any(|k| k.derive_gateway_id() == claimed);
+            if !derives {
+                return Err(refuse(
+                    RegistryRefusal::NotOwner,
+                    format!("gateway id {claimed} is not derived from the manifest's keys"),
+                ));
+            }
+        }
+        Ok(verified)
+    }
+
+    /// `POST /v1/sbp/registry/gateways {"gateway_url"}`: a gateway makes itself known, so that
+    /// nodes pinning this tracker may trust its key (nothing but its manifest is read).
+    pub async fn register(&self, gateway_url: &str) -> Result<Map<String, Value>, Error> {
+        let url = self.client.check_url(gateway_url).map_err(|_| {
+            refuse(
+                RegistryRefusal::Invalid,
+                "gateway_url is not a URL this tracker may check (https, or http on loopback)",
+            )
+        })?;
+        let origin = origin(&url);
+        let verified = self.admit(&origin).await;
+        self.metrics.federation.count(
+            fed::TRACKER_ANNOUNCES,
+            if verified.is_ok() {
+                "registered"
+            } else {
+                "not_registered"
+            },
+        );
+        let verified = verified?;
+        let row = vouch_row(&verified, &origin, Utc::now());
+        let gateway_id = row.gateway_id.clone();
+        self.store.put_vouch(row).await?;
+        self.vouch(&gateway_id).await
+    }
+
+    /// `GET /v1/sbp/registry/{cid}`: the unexpired records, in a signed answer.
+    pub async fn lookup(&self, cid: &str) -> Result<Map<String, Value>, Error> {
+        let now = Utc::now();
+        let rows = self.store.records_for(cid, now, MAX_PROVIDERS).await?;
+        let providers: Vec<Map<String, Value>> = rows
+            .iter()
+            .filter_map(|r| serde_json::from_str(&r.record).ok())
+            .collect();
+        if providers.is_empty() {
+            self.metrics
+                .federation
+                .count(fed::TRACKER_LOOKUPS, "not_found");
+            return Err(Error::NotFound(format!(
+                "no provider of {cid} is known here"
+            )));
+        }
+        self.metrics.federation.count(fed::TRACKER_LOOKUPS, "found");
+        Ok(RegistryAnswer {
+            tracker_id: self.identity.gateway_id().to_owned(),
+            bundle_cid: cid.to_owned(),
+            issued_at: now,
+            expires_at: now + ANSWER_VALIDITY,
+            providers,
+        }
+        .to_signed_map(self.identity.key()))
+    }
+
+    /// `GET /v1/sbp/registry/gateways/{gateway_id}`: what this tracker verified about a gateway.
+    pub async fn vouch(&self, gateway_id: &str) -> Result<Map<String, Value>, Error> {
+        let Some(v) = self.store.vouch(gateway_id).await? else {
+            return Err(Error::NotFound(format!(
+                "gateway {gateway_id} is not known here"
+            )));
+        };
+        let now = Utc::now();
+        Ok(GatewayVouch {
+            tracker_id: self.identity.gateway_id().to_owned(),
+            gateway_id: v.gateway_id,
+            gateway_url: v.gateway_url,
+            public_key: v.public_key,
+            key_id: v.key_id,
+            verified_at: v.verified_at,
+            expires_at: now + VOUCH_VALIDITY,
+        }
+        .to_signed_map(self.identity.key()))
+    }
+}
