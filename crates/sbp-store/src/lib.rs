@@ -1,7 +1,7 @@
 //! Storage for the SBP gateway: a set of traits (sessions, messages, snapshots, tether, turns,
-//! idempotency, roaming, retention, federation and a tracker's registry) and one implementation per
-//! backend. The engine makes every id and timestamp; a store saves what it is given and performs
-//! each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
+//! idempotency, roaming, retention, federation, session holds and a tracker's registry) and one
+//! implementation per backend. The engine makes every id and timestamp; a store saves what it is
+//! given and performs each unit of work (`begin_turn`, `finish_turn`, ...) atomically.
 
 mod codec;
 pub mod federation;
@@ -77,6 +77,18 @@ pub enum ConflictKind {
     /// The write's own parts disagree (a caller bug).
     #[error("begin_turn: create.id differs from session_id")]
     CreatedIdDiffers,
+    /// A turn of the session is running: it cannot move now.
+    #[error("a turn of this session is running")]
+    SessionBusy,
+    /// The session is being handed over to another gateway (or adopted from one).
+    #[error("this session is moving to another gateway")]
+    SessionMoving,
+    /// The session moved to another gateway, which holds it now.
+    #[error("this session has moved to another gateway")]
+    SessionMoved,
+    /// The handover's lease expired, or the session is leased to another migration or gateway.
+    #[error("the handover lease expired or belongs to another migration")]
+    LeaseExpired,
 }
 
 impl ConflictKind {
@@ -348,6 +360,64 @@ pub trait RegistryStore: Send + Sync {
     async fn vouch(&self, gateway_id: &str) -> StoreResult<Option<VouchRow>>;
 }
 
+/// L6 sessions that follow their surface: where a session is held, and the writes that move it
+/// from one gateway (the origin: lease, then commit) to another (the target: adopt, then finish).
+/// Each method is one transaction. While a session is leased (unexpired), adopted but unfinished,
+/// or moved away, `begin_turn` and a pushed turn's `finish_turn` refuse it inside their own write
+/// (`Conflict(SessionMoving)`, `Conflict(SessionMoved)`).
+#[async_trait]
+pub trait HoldStore: Send + Sync {
+    /// The hold as stored (no row: `None`, which is home at epoch 0). An expired lease is
+    /// reported as stored; callers compare `lease_expires_at` with their now.
+    async fn hold(&self, session_id: Uuid) -> StoreResult<Option<HoldRow>>;
+    /// Origin side: leases the session to `to_gateway` for a handover, `epoch + 1`. Refused with
+    /// `Conflict(SessionBusy)` while a turn of the session is running, `Conflict(SessionMoving)`
+    /// while another unexpired lease holds it (or an adoption here is unfinished),
+    /// `Conflict(SessionMoved)` when it moved away; `NotFound` without the session. The same
+    /// migration id and gateway again while its lease runs (a retry) returns that lease
+    /// unchanged. An expired lease, or a session at home, is leased.
+    async fn lease_handover(&self, req: LeaseRequest) -> StoreResult<HoldRow>;
+    /// Origin side: the unexpired lease of this migration to `by_gateway` becomes `moved` (peer:
+    /// the new holder), the session's tether entries are deleted (the new holder has them) and a
+    /// lineage link `migrated_to` (id: the migration id; `from_session` = `to_session` = the
+    /// session; `peer_gateway` = the new holder) is written. Once moved by this migration, a
+    /// repeat returns the row. `Conflict(LeaseExpired)` when the lease expired or is another
+    /// migration's or gateway's; `NotFound` without the session.
+    async fn commit_handover(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<HoldRow>;
+    /// Leases that expired at or before `now` return to home (epoch kept); how many.
+    async fn expire_leases(&self, now: Timestamp) -> StoreResult<u64>;
+    /// Target side: creates the session with the origin's id and `token_hash`, its messages,
+    /// snapshot, memory and bundle as [`RoamingStore::adopt_session`] does, the tether entries
+    /// under their seqs, the next tether seq `tether_next_seq` (or past the highest carried seq),
+    /// and the hold `incoming` (epoch, peer = the origin, migration id). A session of this id that
+    /// is held here as `moved` (a stale copy of an earlier visit) is deleted with everything of it
+    /// first; any other is `Conflict(Duplicate)`.
+    async fn adopt_migrated(&self, m: AdoptMigrated) -> StoreResult<SessionRecord>;
+    /// Target side, once the origin committed (`ok`) or the move failed (`!ok`). `ok`: the
+    /// `incoming` hold of this migration goes home (epoch and migration id kept, peer cleared) and
+    /// a lineage link `migrated_from` (id: the migration id; `peer_gateway` = the origin) is
+    /// written; already home after this migration: nothing to do; `Conflict(LeaseExpired)` when
+    /// the hold is about another migration, `NotFound` without the session. `!ok`: the session
+    /// is deleted with everything of it, only if its hold is `incoming` with this migration id;
+    /// otherwise nothing happens.
+    async fn finish_incoming(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        ok: bool,
+        now: Timestamp,
+    ) -> StoreResult<()>;
+    /// Every hold in state `incoming` (to resolve at start: a crash between adopt and commit),
+    /// oldest first.
+    async fn incoming_holds(&self) -> StoreResult<Vec<HoldRow>>;
+}
+
 /// Everything the engine needs from a backend.
 pub trait Store:
     SessionStore
@@ -360,6 +430,7 @@ pub trait Store:
     + RetentionStore
     + FederationStore
     + RegistryStore
+    + HoldStore
 {
 }
 impl<T> Store for T where
@@ -373,5 +444,6 @@ impl<T> Store for T where
         + RetentionStore
         + FederationStore
         + RegistryStore
+        + HoldStore
 {
 }

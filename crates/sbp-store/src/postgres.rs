@@ -7,6 +7,7 @@
 mod codec;
 mod connect;
 mod federation;
+mod holds;
 mod ops;
 mod reseal;
 mod roaming;
@@ -35,9 +36,9 @@ use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionRecord, SessionStore,
-    SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore, Timestamp,
-    TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RoamingStore, SessionRecord,
+    SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore,
+    Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// Histories at least this long are encoded on the blocking pool before `adopt_session`'s write.
@@ -334,6 +335,36 @@ impl PostgresStore {
         }
     }
 
+    /// A long history's bodies encoded to JSON (and sealed) on the blocking pool, in two halves
+    /// at once, before the transaction starts: CPU-bound work that would otherwise stall this
+    /// async worker while the transaction holds its locks. `None` for a short one; `messages`
+    /// picks the history out of `owner`.
+    async fn encode_ahead<T: Send + Sync + 'static>(
+        &self,
+        owner: &std::sync::Arc<T>,
+        messages: fn(&T) -> &[NewMessage],
+        session: Uuid,
+    ) -> StoreResult<Option<(Vec<String>, i64)>> {
+        let len = messages(owner).len();
+        if len < PARALLEL_ENCODE_AT {
+            return Ok(None);
+        }
+        let half = len.div_ceil(2);
+        let sid = session.to_string();
+        let encode = |range: std::ops::Range<usize>| {
+            let (owner, seal, sid) = (std::sync::Arc::clone(owner), self.seal.clone(), sid.clone());
+            tokio::task::spawn_blocking(move || {
+                ops::encode_bodies(&seal, &sid, &messages(&owner)[range])
+            })
+        };
+        let (first, second) = tokio::join!(encode(0..half), encode(half..len));
+        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
+        let (mut bodies, bytes) = first.map_err(failed)??;
+        let (rest, more) = second.map_err(failed)??;
+        bodies.extend(rest);
+        Ok(Some((bodies, bytes + more)))
+    }
+
     /// Runs one statement outside an explicit transaction: PostgreSQL commits it on its own before
     /// it answers (durable with `synchronous_commit`), in one round trip.
     async fn autocommit<T>(
@@ -515,15 +546,9 @@ impl TetherStore for PostgresStore {
 
 #[async_trait]
 impl TurnStore for PostgresStore {
+    /// Always a transaction: its hold guard must read after the session row's lock is held
+    /// (`holds.rs`).
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
-        if ops::begin_is_one_statement(&begin) {
-            return self
-                .autocommit(move |c| {
-                    let seal = self.seal.clone();
-                    Box::pin(async move { ops::begin_turn(c, &seal, begin).await })
-                })
-                .await;
-        }
         self.write(move |tx| {
             let seal = self.seal.clone();
             Box::pin(async move { ops::begin_turn(tx, &seal, begin).await })
@@ -650,40 +675,14 @@ impl RoamingStore for PostgresStore {
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
-        // A long history is encoded to JSON on the blocking pool, in two halves at once, before the
-        // transaction starts: it is CPU-bound work that would otherwise stall this async worker
-        // while the transaction holds its locks.
-        if adopt.messages.len() < PARALLEL_ENCODE_AT {
-            return self
-                .write(move |tx| {
-                    let seal = self.seal.clone();
-                    Box::pin(async move { roaming::adopt_session(tx, &seal, adopt, None).await })
-                })
-                .await;
-        }
         let adopt = std::sync::Arc::new(adopt);
-        let half = adopt.messages.len().div_ceil(2);
-        let sid = adopt.session.id.to_string();
-        let encode = |range: std::ops::Range<usize>| {
-            let (adopt, seal, sid) = (
-                std::sync::Arc::clone(&adopt),
-                self.seal.clone(),
-                sid.clone(),
-            );
-            tokio::task::spawn_blocking(move || {
-                ops::encode_bodies(&seal, &sid, &adopt.messages[range])
-            })
-        };
-        let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
-        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let (mut bodies, bytes) = first.map_err(failed)??;
-        let (rest, more) = second.map_err(failed)??;
-        bodies.extend(rest);
-        let encoded = (bodies, bytes + more);
+        let encoded = self
+            .encode_ahead(&adopt, |a| &a.messages, adopt.session.id)
+            .await?;
         let adopt = std::sync::Arc::unwrap_or_clone(adopt);
         self.write(move |tx| {
             let seal = self.seal.clone();
-            Box::pin(async move { roaming::adopt_session(tx, &seal, adopt, Some(encoded)).await })
+            Box::pin(async move { roaming::adopt_session(tx, &seal, adopt, encoded).await })
         })
         .await
     }

@@ -54,6 +54,10 @@
 //! With encryption at rest (`RedisTetherOptions::sealer`) an entry's `content` field is sealed
 //! like the SQL tether's column (bound to its session); the other fields are metadata.
 //!
+//! A session that moves to another gateway (L6) takes its tether along: the origin's commit drops
+//! the session's stream, and the target's adoption streams the carried entries under their seqs
+//! (see the [`crate::HoldStore`] impl).
+//!
 //! Not supported: Redis Cluster (the scripts touch a session's stream and two shared keys). Streams
 //! and the `last` hash entry of a session are kept after it empties (an empty stream is ~200 bytes)
 //! because the `last` seq is what stops a replayed append.
@@ -193,6 +197,16 @@ if n > 0 then redis.call('DECRBY', KEYS[2], n) end
 return n
 ";
 
+/// Forgets a session's stream: its entries, its last streamed seq and their count in the depth.
+/// KEYS: stream, last-hash, depth. ARGV: session. Answers how many entries were dropped.
+const FORGET_LUA: &str = r"
+local n = redis.call('XLEN', KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if n > 0 then redis.call('DECRBY', KEYS[3], n) end
+return n
+";
+
 /// Rewrites a stream with the same ids and new fields (a reseal), only if it still holds exactly
 /// the expected ids. KEYS: stream. ARGV: n, the n ids, then per entry: id, field count, fields and
 /// values. Answers 1 when rewritten, 0 when the stream changed in between.
@@ -237,6 +251,7 @@ struct Shared<S: ?Sized> {
     append: Script,
     ack: Script,
     remove: Script,
+    forget: Script,
     owed: Mutex<Owed>,
     seal: Sealer,
 }
@@ -304,6 +319,7 @@ impl<S: Store + ?Sized + 'static> TetheredStore<S> {
             append: Script::new(APPEND_LUA),
             ack: Script::new(ACK_LUA),
             remove: Script::new(REMOVE_LUA),
+            forget: Script::new(FORGET_LUA),
             owed: Mutex::new(Owed::default()),
             seal: opts.sealer,
         });
@@ -645,6 +661,27 @@ impl<S: Store + ?Sized> Shared<S> {
             }
             after = Some(max);
         }
+    }
+
+    /// Drops everything Redis and the relay hold for the session (its entries, its last streamed
+    /// seq, work owed for it): the session left this gateway, or arrives with a tether whose
+    /// seqs this gateway's earlier stream of it must not shadow.
+    async fn forget(&self, session: Uuid) -> StoreResult<()> {
+        {
+            let mut owed = self.owed();
+            owed.unstreamed.remove(&session);
+            owed.handoff.remove(&session);
+        }
+        let _: i64 = self
+            .forget
+            .key(self.stream_key(session))
+            .key(self.last_key())
+            .key(self.depth_key())
+            .arg(session.to_string())
+            .invoke_async(&mut self.redis.clone())
+            .await
+            .map_err(redis_err)?;
+        Ok(())
     }
 
     /// After COMMIT: streams the new entry (or, after a gap, everything missing up to it).
@@ -1184,6 +1221,105 @@ impl<S: Store + ?Sized + 'static> crate::RegistryStore for TetheredStore<S> {
 
     async fn vouch(&self, gateway_id: &str) -> StoreResult<Option<crate::VouchRow>> {
         self.shared.inner.vouch(gateway_id).await
+    }
+}
+
+/// Holds live in SQL; a move also moves the tether, so the session's stream follows it: dropped
+/// at the origin once committed, and rebuilt at the target, where `adopt_migrated` writes the
+/// carried entries to the outbox under their seqs (as any committed entry) and streams them.
+#[async_trait]
+impl<S: Store + ?Sized + 'static> crate::HoldStore for TetheredStore<S> {
+    async fn hold(&self, session_id: Uuid) -> StoreResult<Option<crate::HoldRow>> {
+        self.shared.inner.hold(session_id).await
+    }
+
+    async fn lease_handover(&self, req: crate::LeaseRequest) -> StoreResult<crate::HoldRow> {
+        self.shared.inner.lease_handover(req).await
+    }
+
+    /// A failure to drop the stream after the SQL commit is returned: the commit is idempotent,
+    /// so the caller's retry drops it then.
+    async fn commit_handover(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<crate::HoldRow> {
+        let sh = &self.shared;
+        let moved = sh
+            .inner
+            .commit_handover(session_id, migration_id, by_gateway, now)
+            .await?;
+        sh.forget(session_id).await?;
+        Ok(moved)
+    }
+
+    async fn expire_leases(&self, now: Timestamp) -> StoreResult<u64> {
+        self.shared.inner.expire_leases(now).await
+    }
+
+    /// After the SQL write (which refuses a session held here, whose stream must stay): an
+    /// earlier visit's stream and last seq are dropped, so the carried seqs stream again; then
+    /// the carried entries are streamed from what was given, not read back from the outbox (an
+    /// earlier visit's handoff still in flight may delete outbox rows of those seqs). When Redis
+    /// fails, the relay or the next read streams them from the outbox.
+    async fn adopt_migrated(&self, m: crate::AdoptMigrated) -> StoreResult<SessionRecord> {
+        let sh = &self.shared;
+        let session = m.adopt.session.id;
+        let carried = m
+            .tether
+            .iter()
+            .map(|(seq, e)| {
+                let fields = sh.fields(
+                    session,
+                    &e.role,
+                    &e.content,
+                    &e.model_used,
+                    &e.created_at,
+                    e.chunk_id,
+                )?;
+                Ok((*seq, fields))
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        let adopted = sh.inner.adopt_migrated(m).await?;
+        sh.forget(session).await?;
+        let highest = carried.iter().map(|(seq, _)| *seq).max();
+        if let Some(highest) = highest {
+            // `all` mode never reports a gap; the script skips a seq that is out of order.
+            let mut sorted = carried;
+            sorted.sort_by_key(|(seq, _)| *seq);
+            match sh.append(session, false, &sorted).await {
+                Ok(last) => sh.note_streamed(session, last.unwrap_or(0).min(highest)),
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "streaming a migrated tether failed; the relay retries");
+                    sh.owed().unstreamed.insert(session);
+                }
+            }
+        }
+        Ok(adopted)
+    }
+
+    async fn finish_incoming(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        ok: bool,
+        now: Timestamp,
+    ) -> StoreResult<()> {
+        let sh = &self.shared;
+        sh.inner
+            .finish_incoming(session_id, migration_id, ok, now)
+            .await?;
+        // A failed move deleted the session: its stream goes too (a session still here keeps it).
+        if !ok && sh.inner.get_session(session_id).await?.is_none() {
+            sh.forget(session_id).await?;
+        }
+        Ok(())
+    }
+
+    async fn incoming_holds(&self) -> StoreResult<Vec<crate::HoldRow>> {
+        self.shared.inner.incoming_holds().await
     }
 }
 

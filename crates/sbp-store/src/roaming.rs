@@ -1,5 +1,6 @@
 //! Records of L3 roaming: stored bundles, exports (what a roaming token refers to), lineage links
-//! (forks, handoffs, imports) and the session memory document that travels in a bundle.
+//! (forks, handoffs, imports, and a session's moves between gateways) and the session memory
+//! document that travels in a bundle.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -58,11 +59,15 @@ pub struct ExportRecord {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum LinkKind {
     Fork,
     Handoff,
     Import,
+    /// The session moved from this gateway to `peer_gateway` (L6; the session is both ends).
+    MigratedTo,
+    /// The session moved to this gateway from `peer_gateway` (L6; the session is both ends).
+    MigratedFrom,
 }
 
 impl LinkKind {
@@ -71,13 +76,21 @@ impl LinkKind {
             Self::Fork => "fork",
             Self::Handoff => "handoff",
             Self::Import => "import",
+            Self::MigratedTo => "migrated_to",
+            Self::MigratedFrom => "migrated_from",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [Self::Fork, Self::Handoff, Self::Import]
-            .into_iter()
-            .find(|k| k.as_str() == s)
+        [
+            Self::Fork,
+            Self::Handoff,
+            Self::Import,
+            Self::MigratedTo,
+            Self::MigratedFrom,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
     }
 }
 
@@ -99,6 +112,8 @@ pub struct LinkRecord {
     /// An import with `allow_reuse` (a fork of the bundle; the token was not consumed).
     pub reused: bool,
     pub created_at: Timestamp,
+    /// The other gateway of a move (`MigratedTo`, `MigratedFrom`).
+    pub peer_gateway: Option<String>,
 }
 
 /// The memory document of a session: opaque `payload` in the format named by `schema_id`.

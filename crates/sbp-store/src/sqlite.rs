@@ -3,6 +3,7 @@
 
 mod codec;
 mod federation;
+mod holds;
 mod ops;
 mod reseal;
 mod roaming;
@@ -27,9 +28,10 @@ use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewSession, RetentionStore, RoamingStore, SessionRecord,
-    SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, Sweep, Swept,
-    TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RetentionStore, RoamingStore,
+    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, Sweep,
+    Swept, TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord,
+    TurnStore,
 };
 
 /// How long a connection waits for a lock held by another process before giving up with `Backend`.
@@ -414,6 +416,35 @@ impl SqliteStore {
         Ok(done)
     }
 
+    /// A long history's bodies encoded to JSON (and sealed) in two halves in parallel before the
+    /// write, so the single writer thread (which every other write waits for) only inserts them;
+    /// `None` for a short one. `messages` picks the history out of `owner`.
+    async fn encode_ahead<T: Send + Sync + 'static>(
+        &self,
+        owner: &Arc<T>,
+        messages: fn(&T) -> &[NewMessage],
+        session: Uuid,
+    ) -> StoreResult<Option<(Vec<String>, i64)>> {
+        let len = messages(owner).len();
+        if len < PARALLEL_ENCODE_AT {
+            return Ok(None);
+        }
+        let half = len.div_ceil(2);
+        let sid = codec::uuid(&session);
+        let encode = |range: std::ops::Range<usize>| {
+            let (owner, seal, sid) = (Arc::clone(owner), self.inner.seal.clone(), sid.clone());
+            tokio::task::spawn_blocking(move || {
+                ops::encode_bodies(&seal, &sid, &messages(&owner)[range])
+            })
+        };
+        let (first, second) = tokio::join!(encode(0..half), encode(half..len));
+        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
+        let (mut bodies, bytes) = first.map_err(failed)??;
+        let (rest, more) = second.map_err(failed)??;
+        bodies.extend(rest);
+        Ok(Some((bodies, bytes + more)))
+    }
+
     /// Runs `work` on a pooled read-only connection in the blocking pool.
     async fn read<T, F>(&self, work: F) -> StoreResult<T>
     where
@@ -673,29 +704,11 @@ impl RoamingStore for SqliteStore {
     }
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
-        // A long history is encoded to JSON (and sealed) in parallel before the write, so the
-        // single writer thread (which every other write waits for) only inserts.
-        if adopt.messages.len() < PARALLEL_ENCODE_AT {
-            return self
-                .write(move |c, s| roaming::adopt_session(c, s, &adopt, None))
-                .await;
-        }
         let adopt = Arc::new(adopt);
-        let half = adopt.messages.len().div_ceil(2);
-        let sid = codec::uuid(&adopt.session.id);
-        let encode = |range: std::ops::Range<usize>| {
-            let (adopt, seal, sid) = (Arc::clone(&adopt), self.inner.seal.clone(), sid.clone());
-            tokio::task::spawn_blocking(move || {
-                ops::encode_bodies(&seal, &sid, &adopt.messages[range])
-            })
-        };
-        let (first, second) = tokio::join!(encode(0..half), encode(half..adopt.messages.len()));
-        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let (mut bodies, bytes) = first.map_err(failed)??;
-        let (rest, more) = second.map_err(failed)??;
-        bodies.extend(rest);
-        let encoded = (bodies, bytes + more);
-        self.write(move |c, s| roaming::adopt_session(c, s, &adopt, Some(&encoded)))
+        let encoded = self
+            .encode_ahead(&adopt, |a| &a.messages, adopt.session.id)
+            .await?;
+        self.write(move |c, s| roaming::adopt_session(c, s, &adopt, encoded.as_ref()))
             .await
     }
 

@@ -59,6 +59,17 @@ macro_rules! for_each_case {
             registry_records_for_orders_and_excludes_expired,
             registry_vouch_round_trip,
             federation_sweep_drops_expired,
+            hold_lease_refused_while_a_turn_runs,
+            hold_lease_is_exclusive_and_idempotent,
+            hold_lease_and_turn_race_to_one,
+            hold_lease_expires_and_returns_home,
+            hold_guards_turns_and_pushes,
+            hold_commit_moves_the_session,
+            hold_commit_after_expiry_is_refused,
+            hold_adopt_migrated_round_trip,
+            hold_adopt_replaces_only_a_moved_copy,
+            hold_finish_incoming_false_deletes,
+            hold_epoch_grows_across_moves,
         );
     };
 }
@@ -965,7 +976,9 @@ pub(crate) mod sealing {
     use sbp_store::{Store, StoreError};
 
     use crate::suite::federation::{reads_federation, write_federation};
-    use crate::suite::sealing::{reads_everything, write_everything};
+    use crate::suite::sealing::{
+        reads_everything, reads_migrated, write_everything, write_migrated,
+    };
 
     pub(crate) fn key(n: u8) -> Key {
         Key::from_bytes(&[n; 32]).expect("32 bytes")
@@ -1038,7 +1051,11 @@ pub(crate) mod sealing {
             Arc::new(open_sqlite(dir.path(), sealer(1, &[])).await.expect("open"));
         let w1 = write_everything(&store, &first).await;
         reads_everything(&store, &w1, true).await;
+        let moved = marker();
+        let m1 = write_migrated(&store, &moved).await;
+        reads_migrated(&store, &m1).await;
         assert!(!files_contain(dir.path(), &first), "live WAL and database");
+        assert!(!files_contain(dir.path(), &moved), "a migrated session too");
         drop(store);
         assert!(!files_contain(dir.path(), &first), "after the last close");
 
@@ -1050,10 +1067,12 @@ pub(crate) mod sealing {
                 .expect("open"),
         );
         write_everything(&plain, &first).await;
+        write_migrated(&plain, &moved).await;
         assert!(
             files_contain(plain_dir.path(), &first),
             "the control finds its marker"
         );
+        assert!(files_contain(plain_dir.path(), &moved));
         drop(plain);
 
         assert_eq!(
@@ -1527,13 +1546,19 @@ pub(crate) mod sealing {
             let store: Arc<dyn Store> = Arc::new(opened.expect("open"));
             let w1 = write_everything(&store, &first).await;
             reads_everything(&store, &w1, true).await;
+            let moved = marker();
+            let m1 = write_migrated(&store, &moved).await;
+            reads_migrated(&store, &m1).await;
             assert!(!postgres_rows_contain(&name, &first).await);
+            assert!(!postgres_rows_contain(&name, &moved).await);
             let plain: Arc<dyn Store> = Arc::new(plain.expect("open plain"));
             write_everything(&plain, &first).await;
+            write_migrated(&plain, &moved).await;
             assert!(
                 postgres_rows_contain(&control_name, &first).await,
                 "the control finds it"
             );
+            assert!(postgres_rows_contain(&control_name, &moved).await);
 
             assert_eq!(
                 sealing_error(again.open_with(Sealer::off()).await),
@@ -1902,11 +1927,14 @@ pub(crate) mod sealing {
             assert!(!fields.iter().any(|f| f.contains(&first)), "{fields:?}");
             let plain: Arc<dyn Store> = plain;
             write_everything(&plain, &first).await;
+            let moved = marker();
+            write_migrated(&plain, &moved).await;
             let control = stream_fields(&control_prefix).await;
             assert!(
                 control.iter().any(|f| f.contains(&first)),
                 "the control finds it"
             );
+            assert!(control.iter().any(|f| f.contains(&moved)));
             drop((store, tethered));
 
             // Rotated: the stream entry sealed under key 1 is resealed under key 2.
@@ -1920,6 +1948,11 @@ pub(crate) mod sealing {
             }
             let store: Arc<dyn Store> = rotated;
             reads_everything(&store, &w1, true).await;
+            // A migrated session's carried tether is streamed sealed too.
+            let m1 = write_migrated(&store, &moved).await;
+            reads_migrated(&store, &m1).await;
+            let fields = stream_fields(&prefix).await;
+            assert!(!fields.iter().any(|f| f.contains(&moved)), "{fields:?}");
         };
         let outcome = tokio::spawn(case).await;
         control.run(async {}).await;

@@ -17,6 +17,7 @@ use super::codec::{
     snapshot_cols, snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols,
     turn_row, turn_state,
 };
+use super::holds::{HOLD_GUARD, guard_refusal};
 pub(crate) use crate::codec::encode_bodies;
 use crate::seal::{Column, Sealer};
 use crate::{
@@ -684,20 +685,16 @@ impl<'a> MessageArrays<'a> {
     }
 }
 
-/// Whether `begin` is only the one statement [`BEGIN_TURN`] (no session to create, no idempotency
-/// key to claim or re-claim): then it needs no transaction of its own.
-pub(crate) fn begin_is_one_statement(b: &BeginTurn) -> bool {
-    b.create.is_none() && b.idempotency.is_none() && b.retry_key.is_none()
-}
-
-/// Whether `finish` is only the one statement [`FINISH_TURN`] (no idempotency record to complete).
+/// Whether `finish` is only the one statement [`FINISH_TURN`] (a turn's reply: no idempotency
+/// record to complete, and no hold to check, as a pushed turn has).
 pub(crate) fn finish_is_one_statement(f: &FinishTurn) -> bool {
-    f.idempotency_done.is_none()
+    f.idempotency_done.is_none() && f.turn_id.is_some()
 }
 
-/// Runs on a connection with a transaction open ([`crate::postgres::PostgresStore`]'s `write`), or,
-/// when [`begin_is_one_statement`], on its own (the one statement commits by itself). The
-/// statements are sent together in order (pipelined), so a turn costs one round trip.
+/// Runs on a connection with a transaction open ([`crate::postgres::PostgresStore`]'s `write`).
+/// The statements are sent together in order (pipelined), so a turn costs one round trip and its
+/// COMMIT. The hold guard ([`HOLD_GUARD`]) reads right after [`BEGIN_TURN`] locked the session
+/// row: a lease committed before is seen, and none can commit before this transaction ends.
 pub(crate) async fn begin_turn(
     c: &Tx,
     seal: &Sealer,
@@ -708,7 +705,7 @@ pub(crate) async fn begin_turn(
     }
     // Everything prepared first (a cached statement costs nothing), so the executions below are
     // sent in this order: a first-time prepare would otherwise let a later statement overtake.
-    let (create_st, main, claim, retry) = tokio::try_join!(
+    let (create_st, main, guard, claim, retry) = tokio::try_join!(
         async {
             match &b.create {
                 Some(_) => prep(c, INSERT_SESSION).await.map(Some),
@@ -716,6 +713,7 @@ pub(crate) async fn begin_turn(
             }
         },
         prep(c, BEGIN_TURN),
+        prep(c, HOLD_GUARD),
         async {
             match &b.idempotency {
                 Some(_) => prep(
@@ -797,6 +795,7 @@ pub(crate) async fn begin_turn(
         .await
         .map_err(db_err)
     };
+    let guard = async { c.query(&guard, &[&b.session_id]).await.map_err(db_err) };
     let claim = async {
         let (Some(idem), Some(st)) = (&b.idempotency, &claim) else {
             return Ok(());
@@ -844,7 +843,7 @@ pub(crate) async fn begin_turn(
         }
         Ok(())
     };
-    let (create, main, claim, retry) = tokio::join!(create, main, claim, retry);
+    let (create, main, guard, claim, retry) = tokio::join!(create, main, guard, claim, retry);
     // A refused or missing session is the error to report, before what it made fail after it.
     let found = match &main {
         Ok(rows) => rows.first(),
@@ -856,9 +855,15 @@ pub(crate) async fn begin_turn(
             None => StoreError::NotFound,
         });
     }
+    if let Ok(held) = &guard
+        && let Some(kind) = guard_refusal(held, b.now)?
+    {
+        return Err(conflict(kind));
+    }
     first_error([
         create.err(),
         main.as_ref().err().cloned(),
+        guard.err(),
         claim.err(),
         retry.err(),
     ])?;
@@ -873,24 +878,35 @@ pub(crate) async fn begin_turn(
 }
 
 /// Like [`begin_turn`]: on a connection with a transaction open, or on its own when
-/// [`finish_is_one_statement`].
+/// [`finish_is_one_statement`]. A pushed turn (no `turn_id`) reads the hold guard right after
+/// [`FINISH_TURN`] locked the session row, as `begin_turn` does.
 pub(crate) async fn finish_turn(
     c: &Tx,
     seal: &Sealer,
     f: FinishTurn,
 ) -> StoreResult<FinishTurnOutcome> {
-    let (main, idem) = tokio::try_join!(prep(c, FINISH_TURN), async {
-        match &f.idempotency_done {
-            Some(_) => prep(
-                c,
-                "UPDATE idempotency SET state = $3, response_status = $4, response_body = $5, \
-                 updated_at = $6 WHERE key = $1 AND session_id = $2",
-            )
-            .await
-            .map(Some),
-            None => Ok(None),
-        }
-    })?;
+    let pushed = f.turn_id.is_none();
+    let (main, guard, idem) = tokio::try_join!(
+        prep(c, FINISH_TURN),
+        async {
+            match pushed {
+                true => prep(c, HOLD_GUARD).await.map(Some),
+                false => Ok(None),
+            }
+        },
+        async {
+            match &f.idempotency_done {
+                Some(_) => prep(
+                    c,
+                    "UPDATE idempotency SET state = $3, response_status = $4, \
+                     response_body = $5, updated_at = $6 WHERE key = $1 AND session_id = $2",
+                )
+                .await
+                .map(Some),
+                None => Ok(None),
+            }
+        },
+    )?;
     let appended = len_i64(&f.messages)?;
     let arrays = MessageArrays::new(seal, f.session_id, &f.messages)?;
     let sid = f.session_id.to_string();
@@ -1005,7 +1021,17 @@ pub(crate) async fn finish_turn(
         }
         Ok(())
     };
-    let (main, idem) = tokio::join!(main, idem);
+    let guard = async {
+        match &guard {
+            Some(st) => c
+                .query(st, &[&f.session_id])
+                .await
+                .map(Some)
+                .map_err(db_err),
+            None => Ok(None),
+        }
+    };
+    let (main, guard, idem) = tokio::join!(main, guard, idem);
     let rows = main?;
     let Some(first) = rows.first() else {
         // Nothing written: the session is missing, or the turn is not running in it.
@@ -1014,6 +1040,11 @@ pub(crate) async fn finish_turn(
             Some(_) => conflict(ConflictKind::TurnNotRunning),
         });
     };
+    if let Some(held) = guard?
+        && let Some(kind) = guard_refusal(&held, f.now)?
+    {
+        return Err(conflict(kind));
+    }
     idem?;
     let session = session_row(first, seal)?;
     let next_tether: i64 = get(first, FINISH_TETHER_COL)?;

@@ -46,7 +46,7 @@ fn export_row(row: &Row, seal: &Sealer) -> StoreResult<ExportRecord> {
 macro_rules! link_cols {
     () => {
         "id, kind, from_session, to_session, from_agent, to_agent, export_id, \
-    label, reason, fork_point, reused, created_at"
+    label, reason, fork_point, reused, created_at, peer_gateway"
     };
 }
 
@@ -71,6 +71,7 @@ fn link_row(row: &Row, seal: &Sealer) -> StoreResult<LinkRecord> {
         fork_point,
         reused: get(row, 10)?,
         created_at: get(row, 11)?,
+        peer_gateway: get(row, 12)?,
     })
 }
 
@@ -234,10 +235,10 @@ async fn consume_export(
 }
 
 const INSERT_LINK: &str = "INSERT INTO lineage (id, kind, from_session, to_session, from_agent, \
-     to_agent, export_id, label, reason, fork_point, reused, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+     to_agent, export_id, label, reason, fork_point, reused, created_at, peer_gateway) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
-async fn insert_link(tx: &Tx, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
+pub(crate) async fn insert_link(tx: &Tx, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
     let st = prep(tx, INSERT_LINK).await?;
     let fork_point = l.fork_point.map(int).transpose()?;
     let key = l.id.to_string();
@@ -258,6 +259,7 @@ async fn insert_link(tx: &Tx, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> 
             &fork_point,
             &l.reused,
             &l.created_at,
+            &opt_text(&l.peer_gateway),
         ],
     )
     .await

@@ -552,6 +552,8 @@ pub(crate) fn begin_turn(
         insert_session(conn, seal, create)?;
     }
     let current = current_status(conn, &sid)?;
+    // Read in this write: a lease granted before it is seen, and none can be granted during it.
+    super::holds::refuse_if_not_held(conn, &sid, &b.now)?;
     if let Some(to) = b.status {
         check_transition(current, to)?;
     }
@@ -653,6 +655,11 @@ pub(crate) fn finish_turn(
 ) -> StoreResult<FinishTurnOutcome> {
     let now = ts(&f.now);
     let sid = uuid(&f.session_id);
+    // A pushed turn is refused like a new turn while the session is away; a turn that began
+    // before the lease (none runs during one) still finishes.
+    if f.turn_id.is_none() {
+        super::holds::refuse_if_not_held(conn, &sid, &f.now)?;
+    }
     // One update moves the counts past the new messages and the step, so the snapshots below read
     // the final values; a missing session is `NotFound` before anything else is checked.
     let appended = len_i64(&f.messages)?;

@@ -47,7 +47,7 @@ fn export_row(row: &Row<'_>, seal: &Sealer) -> rusqlite::Result<ExportRecord> {
 }
 
 const LINK_COLS: &str = "id, kind, from_session, to_session, from_agent, to_agent, export_id, \
-    label, reason, fork_point, reused, created_at";
+    label, reason, fork_point, reused, created_at, peer_gateway";
 
 fn link_row(row: &Row<'_>, seal: &Sealer) -> rusqlite::Result<LinkRecord> {
     let id = col_uuid(row, 0)?;
@@ -70,6 +70,7 @@ fn link_row(row: &Row<'_>, seal: &Sealer) -> rusqlite::Result<LinkRecord> {
         fork_point,
         reused: row.get(10)?,
         created_at: col_ts(row, 11)?,
+        peer_gateway: row.get(12)?,
     })
 }
 
@@ -219,15 +220,15 @@ fn consume_export(
     }
 }
 
-fn insert_link(conn: &Connection, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
+pub(crate) fn insert_link(conn: &Connection, seal: &Sealer, l: &LinkRecord) -> StoreResult<()> {
     let fork_point = l.fork_point.map(int).transpose()?;
     let key = uuid(&l.id);
     let label = seal.seal_opt(Column::LinkLabel, &key, l.label.as_deref())?;
     let reason = seal.seal_opt(Column::LinkReason, &key, l.reason.as_deref())?;
     conn.prepare_cached(
         "INSERT INTO lineage (id, kind, from_session, to_session, from_agent, to_agent, export_id, \
-         label, reason, fork_point, reused, created_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+         label, reason, fork_point, reused, created_at, peer_gateway) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )
     .and_then(|mut st| {
         st.execute(params![
@@ -243,6 +244,7 @@ fn insert_link(conn: &Connection, seal: &Sealer, l: &LinkRecord) -> StoreResult<
             fork_point,
             l.reused,
             ts(&l.created_at),
+            l.peer_gateway,
         ])
     })
     .map_err(db_err)?;

@@ -16,11 +16,13 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 pub mod federation;
+mod holds;
 mod replicas;
 mod reserved;
 mod roaming;
 pub mod sealing;
 pub use federation::*;
+pub use holds::*;
 pub use replicas::*;
 pub use reserved::*;
 pub use roaming::*;

@@ -47,6 +47,7 @@ fn link(kind: LinkKind, from: Uuid, to: Uuid, export_id: Option<Uuid>) -> LinkRe
         fork_point: Some(3),
         reused: false,
         created_at: t(40),
+        peer_gateway: None,
     }
 }
 

@@ -1,13 +1,14 @@
 //! Encryption at rest, backend-agnostic: a session that puts a marker string in every column that
-//! holds content (written through every unit of work), and the check that reads all of it back as
-//! it was written. The backend tests then look at the raw rows (or files) for the marker.
+//! holds content (written through every unit of work), a session moved in from another gateway
+//! with the same, and the checks that read all of it back as it was written. The backend tests
+//! then look at the raw rows (or files, or streams) for the marker.
 
 use std::sync::Arc;
 
 use sbp_protocol::{SessionStatus, SnapshotKind};
 use sbp_store::{
-    AdoptSession, FailTurn, FinishTurn, LinkKind, LinkRecord, NewBundle, NewExport, NewSession,
-    NewSnapshot, RestoredSnapshot, Store,
+    AdoptMigrated, AdoptSession, FailTurn, FinishTurn, LinkKind, LinkRecord, NewBundle, NewExport,
+    NewSession, NewSnapshot, RestoredSnapshot, Store,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -144,6 +145,7 @@ pub async fn write_everything(store: &Arc<dyn Store>, marker: &str) -> Written {
         fork_point: Some(3),
         reused: false,
         created_at: t(40),
+        peer_gateway: None,
     };
     let mut restored = super::snap(SnapshotKind::Checkpoint);
     restored.current_task = Some(marked(marker, "restored task"));
@@ -293,5 +295,86 @@ pub async fn reads_everything(store: &Arc<dyn Store>, w: &Written, tether: bool)
     assert_eq!(
         restored.current_task.as_deref(),
         Some(marked(&w.marker, "restored task").as_str())
+    );
+}
+
+/// What [`write_migrated`] wrote, to read back.
+pub struct Migrated {
+    pub session: NewSession,
+    pub messages: Vec<Value>,
+    pub tether: String,
+}
+
+/// Adopts a session moving in from another gateway with `marker` in its metadata, task,
+/// messages, snapshot, memory and carried tether entry (L6).
+pub async fn write_migrated(store: &Arc<dyn Store>, marker: &str) -> Migrated {
+    let mut session = new_session("agent-moved");
+    session.metadata = json!({ "note": marked(marker, "moved metadata") });
+    let messages = vec![
+        msg("user", &marked(marker, "moved prompt")),
+        msg("assistant", &marked(marker, "moved reply")),
+    ];
+    let tether = marked(marker, "moved tether");
+    let mut snapshot = super::snap(SnapshotKind::Checkpoint);
+    snapshot.current_task = Some(marked(marker, "moved snapshot task"));
+    store
+        .adopt_migrated(AdoptMigrated {
+            adopt: AdoptSession {
+                session: session.clone(),
+                status: SessionStatus::Suspended,
+                step_count: 1,
+                last_task: Some(marked(marker, "moved task")),
+                model: None,
+                messages: messages.clone(),
+                snapshot: Some(RestoredSnapshot {
+                    snapshot,
+                    step_count: 1,
+                    message_count: 2,
+                }),
+                memory: Some((
+                    "sbp.memory.v1".to_owned(),
+                    json!({ "facts": [marked(marker, "moved memory")] }),
+                )),
+                bundle: None,
+                export: None,
+                consume_export: None,
+                link: None,
+                suspend: None,
+                now: t(50),
+            },
+            tether: vec![(7, tether_entry(&tether))],
+            tether_next_seq: 8,
+            epoch: 1,
+            from_gateway: "gw-a".to_owned(),
+            from_url: "https://a.example".to_owned(),
+            migration_id: Uuid::now_v7(),
+        })
+        .await
+        .expect("adopt migrated");
+    Migrated {
+        session,
+        messages: messages.into_iter().map(|m| m.body).collect(),
+        tether,
+    }
+}
+
+/// Everything [`write_migrated`] wrote reads back as it was written.
+pub async fn reads_migrated(store: &Arc<dyn Store>, m: &Migrated) {
+    let id = m.session.id;
+    let s = store.get_session(id).await.expect("session").expect("kept");
+    assert_eq!(s.metadata, m.session.metadata);
+    let history: Vec<Value> = store
+        .history(id)
+        .await
+        .expect("history")
+        .into_iter()
+        .map(|x| x.body)
+        .collect();
+    assert_eq!(history, m.messages);
+    let pending = store.tether_pending(id, None, 10).await.expect("tether");
+    assert_eq!(pending.len(), 1);
+    assert_eq!(
+        (pending[0].seq, pending[0].content.as_deref()),
+        (7, Some(m.tether.as_str()))
     );
 }

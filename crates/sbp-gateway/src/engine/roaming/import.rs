@@ -387,6 +387,7 @@ impl Roaming {
             fork_point: Some(restored),
             reused: plan.allow_reuse,
             created_at: now,
+            peer_gateway: None,
         };
         let snapshot_restored = snapshot.is_some();
         let memory_restored = memory.is_some();

@@ -300,6 +300,7 @@ impl Roaming {
             fork_point: Some(history_len),
             reused: false,
             created_at: now,
+            peer_gateway: None,
         };
         let session = self
             .inner
@@ -405,6 +406,7 @@ impl Roaming {
             fork_point: Some(point_msg),
             reused: false,
             created_at: now,
+            peer_gateway: None,
         };
         let session = self
             .inner
