@@ -66,8 +66,8 @@ pub struct FederationArgs {
     /// `gateway_name` in the manifest. [default: the host name]
     #[arg(long, env = "SBP_GATEWAY_NAME")]
     pub gateway_name: Option<String>,
-    /// Lifetime of a record announced to a tracker (renewed while the export lives), at most 24h.
-    /// [default: 24h]
+    /// Lifetime of a record announced to a tracker, at most 24h (an export announced again, or
+    /// exported again, is announced anew). [default: 24h]
     #[arg(long, env = "SBP_ANNOUNCE_TTL")]
     pub announce_ttl: Option<String>,
     /// (tracker) Records one gateway may hold. [default: 10000]
@@ -230,7 +230,13 @@ pub fn load(s: &FederationSettings, data_dir: &Path) -> anyhow::Result<Federatio
         tracing::info!(key_id = %key.key_id(), path = %path.display(), "generated the federation identity key");
         key
     };
-    let old_keys = read_rotation(&path)?
+    let rotated = read_rotation(&path)?;
+    // The gateway id derives from the first key this node had, expired or not.
+    let first_public_key = rotated
+        .last()
+        .map(|(k, _)| k.public_key())
+        .unwrap_or_else(|| key.public_key());
+    let old_keys = rotated
         .into_iter()
         .filter(|(_, expires_at)| *expires_at > Utc::now())
         .map(|(key, expires_at)| OldIdentityKey {
@@ -242,6 +248,7 @@ pub fn load(s: &FederationSettings, data_dir: &Path) -> anyhow::Result<Federatio
         role: s.role,
         gateway_name: s.gateway_name.clone().unwrap_or_else(host_name),
         key: Arc::new(key),
+        first_public_key,
         old_keys,
         peers: s.peers.clone(),
         trackers: s.trackers.clone(),
@@ -281,8 +288,7 @@ fn generate() -> IdentityKey {
 }
 
 fn read_key(path: &Path) -> anyhow::Result<IdentityKey> {
-    crate::config::narrow(path, 0o600)
-        .with_context(|| format!("restricting {}", path.display()))?;
+    warn_if_open(path);
     let pem = std::fs::read_to_string(path)
         .with_context(|| format!("reading the federation key {}", path.display()))?;
     IdentityKey::from_pkcs8_pem(&pem).map_err(|e| {
@@ -291,6 +297,20 @@ fn read_key(path: &Path) -> anyhow::Result<IdentityKey> {
             path.display()
         )
     })
+}
+
+/// Logs a key file that others may read (an operator's file is not changed: it may sit on a
+/// read-only secret mount).
+fn warn_if_open(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        if let Ok(meta) = std::fs::metadata(path)
+            && meta.permissions().mode() & 0o077 != 0
+        {
+            tracing::warn!(path = %path.display(), "the federation key file is readable by others; make it 0600");
+        }
+    }
 }
 
 /// `FILE.rotation.json`: the keys rotated away from.

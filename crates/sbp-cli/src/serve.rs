@@ -85,6 +85,12 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
                     "--insecure-no-session-auth cannot be used with federation: a session moves between gateways on its token"
                 );
             }
+            if s.listen.ip().is_unspecified() && s.public_urls.is_empty() {
+                anyhow::bail!(
+                    "federation on {} needs --public-url: peers must be told an address they can reach",
+                    s.listen
+                );
+            }
             if s.bus.is_some() && f.key_file.is_none() {
                 anyhow::bail!(
                     "replicas with federation need --federation-key FILE: every replica of a deployment signs with the same key"

@@ -294,6 +294,9 @@ pub struct FederationConfig {
     pub gateway_name: String,
     /// The node's Ed25519 identity key: signs the manifest, federation tokens, tracker answers.
     pub key: std::sync::Arc<sbp_protocol::federation::IdentityKey>,
+    /// The public key of the first identity key this node had: the gateway id derives from it
+    /// (at the first start; then the stored id stays).
+    pub first_public_key: sbp_protocol::federation::PublicKey,
     /// Keys rotated away from, with the time each stops verifying: listed in the manifest's
     /// `old_keys`; the newest unexpired one signs `old_signature`. Newest first.
     pub old_keys: Vec<OldIdentityKey>,

@@ -139,6 +139,21 @@ pub enum FedError {
     /// A peer that could not be reached (or did not answer in time).
     #[error("{0}")]
     PeerUnreachable(String),
+    /// The session is being handed over to another gateway; retry after `retry_after` seconds.
+    #[error("this session is moving to another gateway; retry in {retry_after} s")]
+    SessionMoving { retry_after: u64 },
+    /// The session moved to another gateway: continue there.
+    #[error("this session moved to gateway {gateway_id} ({gateway_url})")]
+    SessionMoved {
+        gateway_id: String,
+        gateway_url: String,
+    },
+    /// A handover asked while a turn of the session runs.
+    #[error("a turn of this session is running; retry when it ends")]
+    SessionBusy,
+    /// A handover committed after its lease expired (or by another gateway than the lease's).
+    #[error("the handover lease expired")]
+    LeaseExpired,
     /// A registry record or announce refused by a tracker.
     #[error("{message}")]
     Registry {
@@ -244,6 +259,18 @@ impl Error {
 impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
+            StoreError::Conflict(sbp_store::ConflictKind::SessionBusy) => {
+                Self::Federation(FedError::SessionBusy)
+            }
+            // A session that moved is told apart (with where to) before its write is tried; a
+            // move racing the write is answered like a move in progress, and the retry learns
+            // where it went.
+            StoreError::Conflict(
+                sbp_store::ConflictKind::SessionMoving | sbp_store::ConflictKind::SessionMoved,
+            ) => Self::Federation(FedError::SessionMoving { retry_after: 1 }),
+            StoreError::Conflict(sbp_store::ConflictKind::LeaseExpired) => {
+                Self::Federation(FedError::LeaseExpired)
+            }
             StoreError::NotFound => Self::SessionNotFound("not found".into()),
             StoreError::Conflict(kind) => Self::Conflict(kind.to_string()),
             StoreError::Consumed => Self::TokenConsumed,

@@ -3,8 +3,7 @@
 //! each what it needs, and gives the transport their handles.
 //!
 //! ```text
-//! turns ─► surfaces ─► tools ─► sessions ─► replicas ─► connections, calls, tasks
-//! federation ─► roaming ─► sessions
+//! turns ─► surfaces ─► federation ─► roaming ─► tools ─► sessions ─► replicas ─► connections, calls, tasks
 //! retention (a background sweep of the store)
 //! ```
 //! (each service uses only those to its right). Services are handles around one `Arc`.
@@ -138,27 +137,6 @@ impl Gateway {
             sessions.clone(),
             metrics.clone(),
         );
-        let surfaces = Surfaces::new(
-            store.clone(),
-            config.clone(),
-            connections.clone(),
-            replicas.clone(),
-            sessions.clone(),
-            tools.clone(),
-            provider.clone(),
-            tasks.clone(),
-            metrics.clone(),
-        );
-        let turns = Turns::new(
-            store.clone(),
-            provider,
-            config.clone(),
-            replicas.clone(),
-            sessions.clone(),
-            tools.clone(),
-            metrics.clone(),
-            tasks.clone(),
-        );
         let roaming = Roaming::new(
             store.clone(),
             config.clone(),
@@ -174,6 +152,29 @@ impl Gateway {
             &tasks,
         )
         .await?;
+        let surfaces = Surfaces::new(
+            store.clone(),
+            config.clone(),
+            federation.clone(),
+            connections.clone(),
+            replicas.clone(),
+            sessions.clone(),
+            tools.clone(),
+            provider.clone(),
+            tasks.clone(),
+            metrics.clone(),
+        );
+        let turns = Turns::new(
+            store.clone(),
+            provider,
+            config.clone(),
+            federation.clone(),
+            replicas.clone(),
+            sessions.clone(),
+            tools.clone(),
+            metrics.clone(),
+            tasks.clone(),
+        );
         if let Some(inbox) = inbox {
             replicas.start(inbox);
         }

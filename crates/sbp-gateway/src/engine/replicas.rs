@@ -287,6 +287,28 @@ impl Replicas {
         Ok(())
     }
 
+    /// Displaces the session's surface wherever it is attached (the session left this
+    /// deployment: it moved to another gateway).
+    pub async fn displace(&self, session: Uuid) {
+        let Some(att) = self.locate(session).await else {
+            return;
+        };
+        match (att.replica(), &self.inner.bus) {
+            (Some(replica), Some(bus)) => {
+                bus.send(
+                    &replica,
+                    BusMsg::Displace {
+                        session,
+                        conn: att.conn_id,
+                    },
+                );
+            }
+            _ => {
+                self.inner.connections.displace(session, att.conn_id);
+            }
+        }
+    }
+
     /// Withdraws a claim whose attach failed (the claim may have been applied before the error):
     /// the registry must not name a connection that never served.
     pub async fn withdraw(&self, session: Uuid, conn: u64) {

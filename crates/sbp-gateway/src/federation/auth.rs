@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use chrono::{TimeZone, Utc};
-use sbp_protocol::federation::{CLOCK_SKEW_SECS, Expect, FedTokenError, peek};
+use sbp_protocol::federation::{
+    CLOCK_SKEW_SECS, Expect, FedTokenError, MAX_FED_TOKEN_LIFETIME_SECS, peek,
+};
 use sbp_store::Store;
 
 use super::trust::{PeerDirectory, TrustError};
@@ -17,6 +19,8 @@ use crate::metrics::{Metrics, fed};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
     pub gateway_id: String,
+    /// Its manifest's role: only gateways (not trackers) fetch bundles and take sessions.
+    pub role: sbp_protocol::federation::Role,
 }
 
 pub struct FedAuth {
@@ -65,20 +69,50 @@ impl FedAuth {
             ));
         };
         let unverified = peek(token).map_err(|e| self.reject(e.reason(), e.to_string()))?;
-        let iss = unverified.claims.iss.clone();
+        // Everything that needs no key first: a token for another node, route or subject, or
+        // out of its time, is refused before any peer is looked up (or fetched).
+        let c = &unverified.claims;
+        let now = Utc::now().timestamp();
+        let pre = if c.aud != self.own_id {
+            Some(FedTokenError::Aud)
+        } else if c.sub != sub {
+            Some(FedTokenError::Sub)
+        } else if c.htm != method {
+            Some(FedTokenError::Htm)
+        } else if c.htu != path {
+            Some(FedTokenError::Htu)
+        } else if c.exp - c.iat > MAX_FED_TOKEN_LIFETIME_SECS || c.exp <= c.iat {
+            Some(FedTokenError::Lifetime)
+        } else if c.iat > now + CLOCK_SKEW_SECS {
+            Some(FedTokenError::IatFuture)
+        } else if c.exp <= now - CLOCK_SKEW_SECS {
+            Some(FedTokenError::Expired)
+        } else {
+            None
+        };
+        if let Some(e) = pre {
+            return Err(self.reject(e.reason(), e.to_string()));
+        }
+        if !super::identity::is_gateway_id(&c.iss) {
+            return Err(self.reject("malformed", "`iss` is not a gateway id"));
+        }
+        let iss = c.iss.clone();
         let key = match self.directory.key_for(&iss, &unverified.kid).await {
             Ok(k) => k,
-            Err(TrustError::UnknownKid(kid)) => {
-                return Err(self.reject("unknown_kid", format!("unknown key id {kid}")));
-            }
             Err(TrustError::Store(e)) => return Err(Error::internal("checking a peer", e)),
-            Err(e @ (TrustError::Untrusted(_) | TrustError::Peer(_))) => {
+            Err(TrustError::Untrusted(why)) => {
+                tracing::info!(iss = %iss, why = %why, "federation token from an untrusted issuer");
                 self.metrics
                     .federation
                     .count(fed::TOKEN_REJECTIONS, "untrusted");
-                return Err(
-                    FedError::Untrusted(format!("gateway {iss} is not trusted here: {e}")).into(),
-                );
+                return Err(FedError::Untrusted(format!(
+                    "gateway {iss} is not trusted by this node"
+                ))
+                .into());
+            }
+            Err(e @ (TrustError::UnknownKid(_) | TrustError::Peer(_))) => {
+                tracing::info!(iss = %iss, error = %e, "federation token with a key this node cannot verify");
+                return Err(self.reject("unknown_kid", "unknown key id"));
             }
         };
         let expect = Expect {
@@ -88,8 +122,23 @@ impl FedAuth {
             htu: path,
         };
         let claims = unverified
-            .verify(&key, &expect, Utc::now().timestamp())
+            .verify(&key, &expect, now)
             .map_err(|e: FedTokenError| self.reject(e.reason(), e.to_string()))?;
+        let role = self
+            .directory
+            .known(&claims.iss)
+            .map(|p| p.role)
+            .unwrap_or(sbp_protocol::federation::Role::Tracker);
+        if !role.hosts_sessions() {
+            self.metrics
+                .federation
+                .count(fed::TOKEN_REJECTIONS, "not_a_gateway");
+            return Err(FedError::Untrusted(format!(
+                "{} is not a gateway: only gateways call this",
+                claims.iss
+            ))
+            .into());
+        }
         let until = Utc
             .timestamp_opt(claims.exp.saturating_add(CLOCK_SKEW_SECS), 0)
             .single()
@@ -106,6 +155,7 @@ impl FedAuth {
         }
         Ok(Caller {
             gateway_id: claims.iss,
+            role,
         })
     }
 }

@@ -60,15 +60,17 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    pub fn new(allow_http: bool) -> Self {
+    /// The client; an error only when the TLS stack cannot start (no fallback: a default client
+    /// would follow redirects and wait for ever).
+    pub fn new(allow_http: bool) -> Result<Self, PeerError> {
         let http = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(3))
             .timeout(CALL_TIMEOUT)
             .user_agent(concat!("sbp-federation/", env!("CARGO_PKG_VERSION")))
             .build()
-            .unwrap_or_default();
-        Self { http, allow_http }
+            .map_err(|e| PeerError::Refused(format!("the federation HTTP client: {e}")))?;
+        Ok(Self { http, allow_http })
     }
 
     /// Whether this node may call `url`: https, or http to a loopback address (or anywhere with
@@ -199,7 +201,7 @@ mod tests {
 
     #[test]
     fn https_anywhere_http_only_to_loopback_unless_allowed() {
-        let strict = PeerClient::new(false);
+        let strict = PeerClient::new(false).expect("client");
         assert!(strict.check_url("https://peer.example/x").is_ok());
         assert!(strict.check_url("http://127.0.0.1:9/x").is_ok());
         assert!(strict.check_url("http://[::1]:9/x").is_ok());
@@ -208,7 +210,7 @@ mod tests {
         assert!(strict.check_url("http://peer.example/x").is_err());
         assert!(strict.check_url("ftp://peer.example/x").is_err());
         assert!(strict.check_url("https://user:pw@peer.example/x").is_err());
-        let lax = PeerClient::new(true);
+        let lax = PeerClient::new(true).expect("client");
         assert!(lax.check_url("http://10.0.0.5/x").is_ok());
     }
 }

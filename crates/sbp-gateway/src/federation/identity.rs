@@ -19,6 +19,13 @@ const MANIFEST_VALIDITY: Duration = Duration::hours(24);
 /// Lifetime of the federation tokens this node mints (at most 5 minutes are allowed).
 const TOKEN_LIFETIME_SECS: i64 = 120;
 
+/// A gateway id as this implementation derives them: 32 lower-case hex digits.
+pub fn is_gateway_id(s: &str) -> bool {
+    s.len() == 32
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 pub struct Identity {
     gateway_id: String,
     role: Role,
@@ -41,14 +48,9 @@ impl Identity {
         public_base: Option<String>,
         store: &dyn sbp_store::FederationStore,
     ) -> Result<Self, Error> {
-        let first = config
-            .old_keys
-            .last()
-            .map(|k| k.key.clone())
-            .unwrap_or_else(|| config.key.clone());
-        let derived = first.public_key().derive_gateway_id();
+        let first = &config.first_public_key;
         let stored = store
-            .init_identity(&derived, &first.key_id(), Utc::now())
+            .init_identity(&first.derive_gateway_id(), &first.key_id(), Utc::now())
             .await?;
         let base_url = OnceLock::new();
         if let Some(base) = public_base {

@@ -8,10 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
-use sbp_protocol::federation::{
-    ManifestError, ManifestTrust, PublicKey, Role, VerifiedManifest, verify_manifest,
-};
+use chrono::{DateTime, Utc};
+use sbp_protocol::federation::{ManifestTrust, PublicKey, Role, VerifiedManifest, verify_manifest};
 use sbp_store::{PeerRecord, PeerSource, Store};
 
 use super::client::{PeerClient, PeerError};
@@ -19,33 +17,122 @@ use crate::config::PeerSpec;
 
 /// A peer may be asked for its manifest again (an unknown `kid`) at most this often.
 const REFETCH_INTERVAL: Duration = Duration::from_secs(30);
+/// How many on-demand fetches are remembered at once (beyond, none is made until some age out).
+const MAX_REFETCH_ENTRIES: usize = 10_000;
+
+/// The pin or tracker that admitted a stored key.
+fn admitted_by(p: &PeerRecord) -> Option<String> {
+    p.old_keys
+        .get("admitted_by")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned)
+}
 
 /// A peer whose manifest verified under the trust rules.
 #[derive(Debug, Clone)]
 pub struct TrustedPeer {
     pub gateway_id: String,
-    /// The base URL it was learned at.
+    /// The origin it was learned at (every endpoint of its manifest lives under it).
     pub url: String,
     pub role: Role,
-    /// The current key, then the old keys still verifying.
-    pub keys: Vec<(String, PublicKey)>,
+    /// The current key, then the old keys, each with the time it stops verifying.
+    pub keys: Vec<(String, PublicKey, DateTime<Utc>)>,
     pub source: PeerSource,
     /// `endpoints.bundle` (with `{bundle_cid}`), when it serves bundles.
     pub bundle_endpoint: Option<String>,
+    /// When what was learned must be checked again (the manifest's or vouch's expiry).
+    pub valid_until: DateTime<Utc>,
 }
 
 impl TrustedPeer {
+    /// The key `kid`, if it still verifies now.
     pub fn key(&self, kid: &str) -> Option<&PublicKey> {
-        self.keys.iter().find(|(id, _)| id == kid).map(|(_, k)| k)
+        let now = Utc::now();
+        if self.valid_until <= now {
+            return None;
+        }
+        self.keys
+            .iter()
+            .find(|(id, _, until)| id == kid && *until > now)
+            .map(|(_, k, _)| k)
     }
 
-    /// The current key's `public_key` string.
-    pub fn public_key(&self) -> String {
+    /// The keys that verify now.
+    pub fn live_keys(&self) -> impl Iterator<Item = &PublicKey> {
+        let now = Utc::now();
+        let fresh = self.valid_until > now;
         self.keys
-            .first()
-            .map(|(_, k)| k.to_b64_spki())
-            .unwrap_or_default()
+            .iter()
+            .filter(move |(_, _, until)| fresh && *until > now)
+            .map(|(_, k, _)| k)
     }
+
+    fn expired(&self) -> bool {
+        self.valid_until <= Utc::now()
+    }
+}
+
+/// Whether every endpoint of a manifest lives under `origin` (the one it was fetched from): a
+/// manifest copied to another server names the original's endpoints and is refused there.
+pub fn endpoints_under(m: &sbp_protocol::federation::Manifest, origin: &str) -> bool {
+    let e = &m.endpoints;
+    [&e.ws, &e.export, &e.import, &e.bundle, &e.registry]
+        .into_iter()
+        .flatten()
+        .all(|endpoint| {
+            let as_http = endpoint
+                .strip_prefix("wss://")
+                .map(|r| format!("https://{r}"))
+                .or_else(|| {
+                    endpoint
+                        .strip_prefix("ws://")
+                        .map(|r| format!("http://{r}"))
+                })
+                .unwrap_or_else(|| endpoint.clone());
+            reqwest::Url::parse(&as_http.replace(['{', '}'], ""))
+                .is_ok_and(|u| super::client::origin(&u) == origin)
+        })
+}
+
+/// The origin (`scheme://host[:port]`) of a configured or learned base URL.
+pub fn origin_of(url: &str) -> Option<String> {
+    reqwest::Url::parse(url)
+        .ok()
+        .map(|u| super::client::origin(&u))
+}
+
+/// Whether `gateway_id` is derived from `key` or from an old key the manifest proves it still
+/// holds (a valid `old_signature`): no one can claim another gateway's id with their own key.
+pub fn id_is_derived(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    v: &VerifiedManifest,
+) -> bool {
+    let id = &v.manifest.gateway_id;
+    if v.key.derive_gateway_id() == *id {
+        return true;
+    }
+    v.manifest.old_keys.iter().any(|k| {
+        PublicKey::from_b64_spki(&k.public_key).is_ok_and(|pk| {
+            pk.derive_gateway_id() == *id
+                && sbp_protocol::federation::verify_old_signature(obj, &pk).is_ok()
+        })
+    })
+}
+
+fn keys_of(v: &VerifiedManifest) -> Vec<(String, PublicKey, DateTime<Utc>)> {
+    let current = (
+        v.manifest.key_id.clone(),
+        v.key.clone(),
+        v.manifest.valid_until,
+    );
+    std::iter::once(current)
+        .chain(v.manifest.old_keys.iter().filter_map(|k| {
+            PublicKey::from_b64_spki(&k.public_key)
+                .ok()
+                .map(|pk| (k.key_id.clone(), pk, k.expires_at))
+        }))
+        .filter(|(id, _, _)| v.valid_keys.iter().any(|(vid, _)| vid == id))
+        .collect()
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -85,7 +172,10 @@ impl PeerDirectory {
         trackers: Vec<PeerSpec>,
         tofu: bool,
     ) -> Self {
-        let tracker_urls = trackers.iter().map(|t| t.url.clone()).collect();
+        let tracker_urls = trackers
+            .iter()
+            .map(|t| origin_of(&t.url).unwrap_or_else(|| t.url.clone()))
+            .collect();
         let mut configured = peers;
         configured.extend(trackers);
         Self {
@@ -119,6 +209,13 @@ impl PeerDirectory {
     fn may_refetch(&self, key: &str) -> bool {
         let mut at = self.refetched.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
+        // Bounded: entries past the interval carry no information.
+        if at.len() >= MAX_REFETCH_ENTRIES {
+            at.retain(|_, last| now.duration_since(*last) < REFETCH_INTERVAL);
+        }
+        if at.len() >= MAX_REFETCH_ENTRIES {
+            return false;
+        }
         match at.get(key) {
             Some(last) if now.duration_since(*last) < REFETCH_INTERVAL => false,
             _ => {
@@ -128,134 +225,180 @@ impl PeerDirectory {
         }
     }
 
-    fn pin_for(&self, url: &str) -> Option<&str> {
+    /// The pin configured for the peer at `origin`.
+    fn pin_for(&self, origin: &str) -> Option<&str> {
         self.configured
             .iter()
-            .find(|p| p.url == url)
+            .find(|p| origin_of(&p.url).as_deref() == Some(origin))
             .and_then(|p| p.pin.as_deref())
     }
 
     /// Fetches the manifest at `url` and trusts it if a rule allows; remembers the peer (and
     /// stores a key it followed, so a rotation outlives the old key's expiry).
+    ///
+    /// - A pinned URL: its pin, or a key followed from that pin by rotation; nothing else.
+    /// - Otherwise a gateway id this node knows must keep its stored key (or rotate it).
+    /// - A new one only with `--federation-tofu`, and only with an id derived from its key.
+    ///
+    /// In every case the manifest's endpoints must live under the URL it was fetched from.
     pub async fn learn(&self, url: &str) -> Result<TrustedPeer, TrustError> {
         let url = url.trim_end_matches('/').to_owned();
-        let manifest = self.client.manifest(&url).await?;
-        let stored = self
-            .stored_for_url(&url)
-            .await?
-            .filter(|p| self.stored_source_applies(p, &url));
+        let origin =
+            origin_of(&url).ok_or_else(|| TrustError::Untrusted(format!("{url} is not a URL")))?;
+        let manifest = self.client.manifest(&origin).await?;
+        let claimed = manifest
+            .get("gateway_id")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
         let now = Utc::now();
-        let pin = self.pin_for(&url).map(str::to_owned);
-        let mut anchors: Vec<(PublicKey, PeerSource)> = Vec::new();
-        if let Some(pin) = &pin
-            && let Ok(k) = PublicKey::from_b64_spki(pin)
-        {
-            anchors.push((k, PeerSource::Pin));
-        }
-        if let Some(s) = &stored
-            && let Ok(k) = PublicKey::from_b64_spki(&s.public_key)
-        {
-            anchors.push((k, s.source));
-        }
-        let mut last_err: Option<ManifestError> = None;
-        let mut verified: Option<(VerifiedManifest, PeerSource)> = None;
-        for (anchor, source) in &anchors {
-            match verify_manifest(&manifest, ManifestTrust::Pinned(anchor), now) {
-                Ok(v) => {
-                    verified = Some((v, *source));
-                    break;
-                }
-                Err(e) => last_err = Some(e),
+        let untrusted = |why: String| TrustError::Untrusted(why);
+        let stored = self.stored(&claimed).await?;
+        let pin = self.pin_for(&origin).map(str::to_owned);
+        let (verified, source, admitted_by) = if let Some(pin) = pin {
+            let mut anchors = vec![pin.clone()];
+            if let Some(s) = &stored
+                && s.source == PeerSource::Pin
+                && admitted_by(s).as_deref() == Some(pin.as_str())
+            {
+                anchors.push(s.public_key.clone());
             }
-        }
-        if verified.is_none() && anchors.is_empty() && self.tofu {
-            match verify_manifest(&manifest, ManifestTrust::SelfSigned, now) {
-                Ok(v) => verified = Some((v, PeerSource::Tofu)),
-                Err(e) => last_err = Some(e),
-            }
-        }
-        let Some((v, source)) = verified else {
-            return Err(TrustError::Untrusted(match last_err {
-                Some(e) => format!("the manifest at {url} does not verify: {e}"),
-                None => {
-                    format!("{url} is not a trusted peer (no pinned key; --federation-tofu is off)")
+            let mut last = None;
+            let mut ok = None;
+            for anchor in anchors {
+                let Ok(k) = PublicKey::from_b64_spki(&anchor) else {
+                    continue;
+                };
+                match verify_manifest(&manifest, ManifestTrust::Pinned(&k), now) {
+                    Ok(v) => {
+                        ok = Some(v);
+                        break;
+                    }
+                    Err(e) => last = Some(e),
                 }
-            }));
+            }
+            let v = ok.ok_or_else(|| {
+                untrusted(format!(
+                    "the manifest at {origin} does not verify by its pinned key: {}",
+                    last.map(|e| e.to_string()).unwrap_or_default()
+                ))
+            })?;
+            (v, PeerSource::Pin, Some(pin))
+        } else if let Some(s) = stored.filter(|s| self.stored_source_applies(s)) {
+            let k = PublicKey::from_b64_spki(&s.public_key)
+                .map_err(|e| untrusted(format!("stored key of {claimed}: {e}")))?;
+            let v = verify_manifest(&manifest, ManifestTrust::Pinned(&k), now).map_err(|e| {
+                untrusted(format!(
+                    "the manifest at {origin} does not verify by the key known for {claimed}: {e}"
+                ))
+            })?;
+            let by = admitted_by(&s);
+            (v, s.source, by)
+        } else if self.tofu {
+            let v = verify_manifest(&manifest, ManifestTrust::SelfSigned, now)
+                .map_err(|e| untrusted(format!("the manifest at {origin} does not verify: {e}")))?;
+            if !id_is_derived(&manifest, &v) {
+                return Err(untrusted(format!(
+                    "{origin} claims gateway id {claimed}, which its keys do not derive"
+                )));
+            }
+            (v, PeerSource::Tofu, None)
+        } else {
+            return Err(untrusted(format!(
+                "{origin} is not a trusted peer (no pinned key; --federation-tofu is off)"
+            )));
         };
-        if v.manifest.gateway_id == self.own_id {
-            return Err(TrustError::Untrusted(format!("{url} is this node")));
+        if verified.manifest.gateway_id == self.own_id {
+            return Err(untrusted(format!("{origin} is this node")));
         }
-        if let Some(s) = &stored
-            && s.gateway_id != v.manifest.gateway_id
-        {
-            return Err(TrustError::Untrusted(format!(
-                "{url} now claims gateway id {} (was {})",
-                v.manifest.gateway_id, s.gateway_id
+        if !endpoints_under(&verified.manifest, &origin) {
+            return Err(untrusted(format!(
+                "the manifest at {origin} names endpoints elsewhere"
             )));
         }
         let peer = TrustedPeer {
-            gateway_id: v.manifest.gateway_id.clone(),
-            url: url.clone(),
-            role: v.manifest.role,
-            keys: v.valid_keys.clone(),
+            gateway_id: verified.manifest.gateway_id.clone(),
+            url: origin,
+            role: verified.manifest.role,
+            keys: keys_of(&verified),
             source,
-            bundle_endpoint: v.manifest.endpoints.bundle.clone(),
+            bundle_endpoint: verified.manifest.endpoints.bundle.clone(),
+            valid_until: verified.manifest.valid_until,
         };
-        self.persist(&peer, &v).await?;
+        self.persist(&peer, &verified, admitted_by.as_deref())
+            .await?;
         self.remember(&peer);
         Ok(peer)
     }
 
-    /// Trusts `gateway_id` at `url` with `public_key` because a pinned tracker vouched for it.
+    /// Trusts `gateway_id` at `url` with `public_key` because pinned tracker `tracker_id`
+    /// vouched for it (until `until`).
     pub async fn learn_vouched(
         &self,
         gateway_id: &str,
         url: &str,
         public_key: &PublicKey,
+        tracker_id: &str,
+        until: DateTime<Utc>,
     ) -> Result<TrustedPeer, TrustError> {
-        let url = url.trim_end_matches('/').to_owned();
-        let manifest = self.client.manifest(&url).await?;
+        let origin =
+            origin_of(url).ok_or_else(|| TrustError::Untrusted(format!("{url} is not a URL")))?;
+        // A pinned URL is trusted by its pin only.
+        if self.pin_for(&origin).is_some() {
+            return self.learn(&origin).await;
+        }
+        let manifest = self.client.manifest(&origin).await?;
         let v = verify_manifest(&manifest, ManifestTrust::Pinned(public_key), Utc::now()).map_err(
-            |e| TrustError::Untrusted(format!("the manifest at {url} does not verify: {e}")),
+            |e| TrustError::Untrusted(format!("the manifest at {origin} does not verify: {e}")),
         )?;
-        if v.manifest.gateway_id != gateway_id {
+        if v.manifest.gateway_id != gateway_id || gateway_id == self.own_id {
             return Err(TrustError::Untrusted(format!(
-                "{url} is gateway {}, not {gateway_id}",
+                "{origin} is gateway {}, not {gateway_id}",
                 v.manifest.gateway_id
+            )));
+        }
+        if !endpoints_under(&v.manifest, &origin) {
+            return Err(TrustError::Untrusted(format!(
+                "the manifest at {origin} names endpoints elsewhere"
             )));
         }
         let peer = TrustedPeer {
             gateway_id: gateway_id.to_owned(),
-            url,
+            url: origin,
             role: v.manifest.role,
-            keys: v.valid_keys.clone(),
+            keys: keys_of(&v),
             source: PeerSource::Tracker,
             bundle_endpoint: v.manifest.endpoints.bundle.clone(),
+            valid_until: v.manifest.valid_until.min(until),
         };
-        self.persist(&peer, &v).await?;
+        self.persist(&peer, &v, Some(tracker_id)).await?;
         self.remember(&peer);
         Ok(peer)
     }
 
-    async fn persist(&self, peer: &TrustedPeer, v: &VerifiedManifest) -> Result<(), TrustError> {
+    async fn persist(
+        &self,
+        peer: &TrustedPeer,
+        v: &VerifiedManifest,
+        admitted_by: Option<&str>,
+    ) -> Result<(), TrustError> {
         let now = Utc::now();
-        let old_keys = serde_json::Value::Array(
-            v.manifest
-                .old_keys
-                .iter()
-                .map(|k| {
-                    serde_json::json!({"key_id": k.key_id, "public_key": k.public_key,
-                                       "expires_at": k.expires_at.to_rfc3339()})
-                })
-                .collect(),
-        );
+        let old_keys: Vec<serde_json::Value> = v
+            .manifest
+            .old_keys
+            .iter()
+            .map(|k| {
+                serde_json::json!({"key_id": k.key_id, "public_key": k.public_key,
+                                   "expires_at": k.expires_at.to_rfc3339()})
+            })
+            .collect();
         self.store
             .upsert_peer(PeerRecord {
                 gateway_id: peer.gateway_id.clone(),
                 url: peer.url.clone(),
                 public_key: v.manifest.public_key.clone(),
                 key_id: v.manifest.key_id.clone(),
-                old_keys,
+                old_keys: serde_json::json!({ "old_keys": old_keys, "admitted_by": admitted_by }),
                 source: peer.source,
                 verified_at: now,
                 updated_at: now,
@@ -264,26 +407,33 @@ impl PeerDirectory {
             .map_err(|e| TrustError::Store(e.to_string()))
     }
 
-    async fn stored_for_url(&self, url: &str) -> Result<Option<PeerRecord>, TrustError> {
-        let peers = self
-            .store
-            .peers()
+    async fn stored(&self, gateway_id: &str) -> Result<Option<PeerRecord>, TrustError> {
+        if gateway_id.is_empty() {
+            return Ok(None);
+        }
+        self.store
+            .peer(gateway_id)
             .await
-            .map_err(|e| TrustError::Store(e.to_string()))?;
-        Ok(peers.into_iter().find(|p| p.url == url))
+            .map_err(|e| TrustError::Store(e.to_string()))
     }
 
     /// A stored key counts only while the rule that admitted it still holds.
-    fn stored_source_applies(&self, p: &PeerRecord, url: &str) -> bool {
+    fn stored_source_applies(&self, p: &PeerRecord) -> bool {
         match p.source {
-            PeerSource::Pin => self.pin_for(url).is_some(),
+            // The pin that admitted it must still be configured (for its URL).
+            PeerSource::Pin => origin_of(&p.url)
+                .and_then(|o| self.pin_for(&o).map(str::to_owned))
+                .is_some_and(|pin| admitted_by(p).as_deref() == Some(pin.as_str())),
             PeerSource::Tofu => self.tofu,
-            PeerSource::Tracker => self.configured_trackers_exist(),
+            PeerSource::Tracker => admitted_by(p).is_some_and(|t| self.tracker_ids_contain(&t)),
         }
     }
 
-    fn configured_trackers_exist(&self) -> bool {
-        !self.trackers.is_empty()
+    fn tracker_ids_contain(&self, tracker_id: &str) -> bool {
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+        known
+            .get(tracker_id)
+            .is_some_and(|p| self.trackers.contains(&p.url))
     }
 
     pub fn tracker_urls(&self) -> &[String] {
@@ -318,11 +468,7 @@ impl PeerDirectory {
                 continue;
             }
             let Ok(obj) = a.object(&url) else { continue };
-            if !tracker
-                .keys
-                .iter()
-                .any(|(_, k)| verify_object(&obj, k).is_ok())
-            {
+            if !tracker.live_keys().any(|k| verify_object(&obj, k).is_ok()) {
                 tracing::warn!(tracker = %tracker.url, "a vouch not signed by its tracker was ignored");
                 continue;
             }
@@ -337,7 +483,13 @@ impl PeerDirectory {
             }
             let Ok(key) = vouch.key() else { continue };
             match self
-                .learn_vouched(gateway_id, &vouch.gateway_url, &key)
+                .learn_vouched(
+                    gateway_id,
+                    &vouch.gateway_url,
+                    &key,
+                    &tracker.gateway_id,
+                    vouch.expires_at,
+                )
                 .await
             {
                 Ok(p) => return Some(p),
@@ -347,16 +499,35 @@ impl PeerDirectory {
         None
     }
 
-    /// The peer at `url`: known already, or learned now.
+    /// Whether `url` is a configured peer or tracker, or a peer this node has learned.
+    pub fn is_configured_or_known(&self, url: &str) -> bool {
+        let Some(origin) = origin_of(url) else {
+            return false;
+        };
+        if self
+            .configured
+            .iter()
+            .any(|s| origin_of(&s.url).as_deref() == Some(origin.as_str()))
+        {
+            return true;
+        }
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+        known.values().any(|p| p.url == origin)
+    }
+
+    /// The peer at `url`: known (and still fresh) already, or learned now.
     pub async fn at_url(&self, url: &str) -> Result<TrustedPeer, TrustError> {
-        let url = url.trim_end_matches('/');
+        let origin = origin_of(url).unwrap_or_else(|| url.to_owned());
         let known = {
             let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-            known.values().find(|p| p.url == url).cloned()
+            known
+                .values()
+                .find(|p| p.url == origin && !p.expired())
+                .cloned()
         };
         match known {
             Some(p) => Ok(p),
-            None => self.learn(url).await,
+            None => self.learn(&origin).await,
         }
     }
 
@@ -365,16 +536,9 @@ impl PeerDirectory {
     pub async fn configured(&self) -> Vec<TrustedPeer> {
         let mut out = Vec::new();
         for spec in &self.configured {
-            let known = {
-                let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-                known.values().find(|p| p.url == spec.url).cloned()
-            };
-            match known {
-                Some(p) => out.push(p),
-                None => match self.learn(&spec.url).await {
-                    Ok(p) => out.push(p),
-                    Err(e) => tracing::warn!(peer = %spec.url, error = %e, "peer not usable"),
-                },
+            match self.at_url(&spec.url).await {
+                Ok(p) => out.push(p),
+                Err(e) => tracing::warn!(peer = %spec.url, error = %e, "peer not usable"),
             }
         }
         out
@@ -388,7 +552,7 @@ impl PeerDirectory {
             if let Some(k) = peer.key(kid) {
                 return Ok(k.clone());
             }
-            if self.may_refetch(iss) {
+            if peer.expired() || self.may_refetch(iss) {
                 let peer = self.learn(&peer.url).await?;
                 if let Some(k) = peer.key(kid) {
                     return Ok(k.clone());
@@ -402,8 +566,8 @@ impl PeerDirectory {
             let known = self.known.read().unwrap_or_else(|e| e.into_inner());
             self.configured
                 .iter()
-                .filter(|s| !known.values().any(|p| p.url == s.url))
-                .map(|s| s.url.clone())
+                .filter_map(|s| origin_of(&s.url))
+                .filter(|o| !known.values().any(|p| &p.url == o))
                 .collect()
         };
         for url in unlearned {
@@ -422,8 +586,8 @@ impl PeerDirectory {
                 .await
                 .map_err(|e| TrustError::Store(e.to_string()))?;
             if let Some(p) = stored
-                && p.source != PeerSource::Pin
-                && self.stored_source_applies(&p, &p.url)
+                && p.source == PeerSource::Tofu
+                && self.stored_source_applies(&p)
                 && self.may_refetch(&p.url)
             {
                 let _ = self.learn(&p.url).await;

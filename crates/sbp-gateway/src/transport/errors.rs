@@ -28,6 +28,15 @@ impl IntoResponse for Error {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, retry_after_secs(*retry_after).into());
             }
+            Error::Federation(FedError::TokenInvalid {
+                reason: "missing", ..
+            }) => {
+                // RFC 6750 3.1: no error code when no credentials were sent.
+                resp.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"sbp-federation\""),
+                );
+            }
             Error::Federation(FedError::TokenInvalid { message, .. }) => {
                 // RFC 6750: the reason in `error_description` (quotes and controls dropped).
                 let description: String = message
@@ -41,6 +50,14 @@ impl IntoResponse for Error {
                 if let Ok(v) = HeaderValue::from_str(&value) {
                     resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
                 }
+            }
+            Error::Federation(FedError::SessionMoving { retry_after }) => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+            }
+            Error::Federation(FedError::SessionBusy) => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             Error::Federation(FedError::TokenReplayed) => {
                 resp.headers_mut().insert(
@@ -219,6 +236,10 @@ fn fed_code(e: &FedError) -> ErrorCode {
         FedError::BundleCorrupt(_) => ErrorCode::BundleCorrupt,
         FedError::BundleUnavailable(_) => ErrorCode::BundleUnavailable,
         FedError::PeerUnreachable(_) => ErrorCode::PeerUnreachable,
+        FedError::SessionMoving { .. } => ErrorCode::SessionMoving,
+        FedError::SessionMoved { .. } => ErrorCode::SessionMoved,
+        FedError::SessionBusy => ErrorCode::SessionBusy,
+        FedError::LeaseExpired => ErrorCode::LeaseExpired,
         FedError::Registry { refusal, .. } => match refusal {
             RegistryRefusal::Invalid => ErrorCode::RegistryRecordInvalid,
             RegistryRefusal::Signature => ErrorCode::RegistrySignature,
@@ -271,6 +292,13 @@ fn detail(e: &Error) -> Option<Value> {
             "continue_with": format!("POST /v1/sbp/sessions/{session_id}/fork {{\"keep_last\": N}}"),
         })),
         Error::InvalidBundle { path, .. } => Some(json!({ "path": path })),
+        Error::Federation(FedError::SessionMoved {
+            gateway_id,
+            gateway_url,
+        }) => Some(json!({ "gateway_id": gateway_id, "gateway_url": gateway_url })),
+        Error::Federation(FedError::SessionMoving { retry_after }) => {
+            Some(json!({ "retry_after": retry_after }))
+        }
         Error::InTurn { session, cause } => {
             let mut detail = detail(cause).unwrap_or_else(|| json!({}));
             if let Some(obj) = detail.as_object_mut() {

@@ -10,9 +10,10 @@ use sha2::{Digest, Sha256};
 
 use super::extract::{JsonObject, bearer};
 use crate::Gateway;
+use crate::engine::federation::migration::{commit_path, handover_path, locate_path};
 use crate::engine::federation::tracker::Announced;
 use crate::engine::federation::{REDEEM_PATH, is_cid, roaming_sid};
-use crate::error::{Error, FedError};
+use crate::error::{Error, FedError, parse_uuid};
 
 type ApiResult = Result<Response, Error>;
 
@@ -136,4 +137,112 @@ pub async fn redeem(
         .redeem_for(&caller, &token, allow_reuse)
         .await?;
     Ok(no_store(axum::Json(answer).into_response()))
+}
+
+/// `GET /v1/sbp/federation/sessions/{id}`: where a session is, for a peer that holds a token
+/// for it (`sub` = the session id).
+pub async fn locate(
+    State(gw): State<Gateway>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    let id = parse_uuid(&id)?;
+    gw.federation()
+        .authenticate(
+            bearer(&headers).as_deref(),
+            "GET",
+            &locate_path(id),
+            &id.to_string(),
+        )
+        .await?;
+    match gw.federation().session_location(id).await? {
+        Some(where_) => Ok(no_store(axum::Json(where_).into_response())),
+        None => Err(Error::session_not_found(id)),
+    }
+}
+
+/// `POST /v1/sbp/federation/sessions/{id}/handover {session_token, migration_id}`.
+pub async fn handover(
+    State(gw): State<Gateway>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    JsonObject(body): JsonObject,
+) -> ApiResult {
+    let id = parse_uuid(&id)?;
+    let caller = gw
+        .federation()
+        .authenticate(
+            bearer(&headers).as_deref(),
+            "POST",
+            &handover_path(id),
+            &id.to_string(),
+        )
+        .await?;
+    let token = match body.get("session_token") {
+        Some(serde_json::Value::String(t)) if t.len() <= 512 => t.clone(),
+        _ => return Err(Error::invalid("`session_token` must be a string")),
+    };
+    let migration_id = match body.get("migration_id") {
+        Some(serde_json::Value::String(m)) => parse_uuid(m)?,
+        _ => return Err(Error::invalid("`migration_id` must be a UUID")),
+    };
+    let envelope = gw
+        .federation()
+        .grant_handover(&caller, id, &token, migration_id)
+        .await?;
+    Ok(no_store(axum::Json(envelope).into_response()))
+}
+
+/// `POST /v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit`.
+pub async fn commit(
+    State(gw): State<Gateway>,
+    Path((id, migration_id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> ApiResult {
+    let id = parse_uuid(&id)?;
+    let migration_id = parse_uuid(&migration_id)?;
+    let caller = gw
+        .federation()
+        .authenticate(
+            bearer(&headers).as_deref(),
+            "POST",
+            &commit_path(id, migration_id),
+            &id.to_string(),
+        )
+        .await?;
+    let answer = gw
+        .federation()
+        .commit_handover(&caller, id, migration_id)
+        .await?;
+    // Surfaces still attached here hear that the session left (4409).
+    gw.surfaces().displace_everywhere(id).await;
+    Ok(no_store(axum::Json(answer).into_response()))
+}
+
+/// With federation, session routes refuse a session that moved away (409 SBP_SESSION_MOVED
+/// naming its holder) or is being handed over (409 SBP_SESSION_MOVING, Retry-After); reading a
+/// session's own record still answers, saying where it went.
+pub async fn guard(
+    State(gw): State<Gateway>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some((id, is_record_read)) = session_in_path(req.uri().path(), req.method())
+        && !is_record_read
+        && let Err(e) = gw.federation().guard(id).await
+    {
+        return e.into_response();
+    }
+    next.run(req).await
+}
+
+/// The session a session route names, and whether the request reads the session's own record.
+fn session_in_path(path: &str, method: &axum::http::Method) -> Option<(uuid::Uuid, bool)> {
+    let rest = path
+        .strip_prefix("/v1/sbp/sessions/")
+        .or_else(|| path.strip_prefix("/v1/sessions/"))?;
+    let mut parts = rest.split('/');
+    let id = sbp_protocol::id::parse_canonical(parts.next()?)?;
+    let more = parts.next();
+    Some((id, more.is_none() && method == axum::http::Method::GET))
 }

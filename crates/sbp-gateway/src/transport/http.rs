@@ -168,8 +168,19 @@ pub async fn get_session(
     Path(id): Path<String>,
 ) -> ApiResult {
     let session = gw.sessions().authorized(&id, &caller).await?;
+    let sid = session.id;
     let view = gw.sessions().view(session).await?;
-    Ok(Json(to_wire::session_info(view)).into_response())
+    let mut body = serde_json::to_value(to_wire::session_info(view))
+        .map_err(|e| Error::internal("writing a session", e))?;
+    // A session that moved to another gateway says where it went.
+    if gw.federation().enabled()
+        && let Some(location) = gw.federation().session_location(sid).await?
+        && location.get("state").and_then(Value::as_str) == Some("moved")
+        && let Some(obj) = body.as_object_mut()
+    {
+        obj.insert("federation".into(), Value::Object(location));
+    }
+    Ok(Json(body).into_response())
 }
 
 pub async fn list_messages(

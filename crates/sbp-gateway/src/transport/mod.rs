@@ -45,9 +45,20 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
         Some(Role::Tracker) => Router::new()
             .route("/healthz", get(http::healthz))
             .route("/metrics", get(http::metrics)),
+        // Session routes refuse a session that moved away or is moving (`federation::guard`).
         Some(_) => session_routes(&gateway)
+            .layer(from_fn_with_state(gateway.clone(), federation::guard))
             .route("/v1/sbp/bundles/{cid}", get(federation::bundle))
-            .route("/v1/sbp/federation/tokens/redeem", post(federation::redeem)),
+            .route("/v1/sbp/federation/tokens/redeem", post(federation::redeem))
+            .route("/v1/sbp/federation/sessions/{id}", get(federation::locate))
+            .route(
+                "/v1/sbp/federation/sessions/{id}/handover",
+                post(federation::handover),
+            )
+            .route(
+                "/v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit",
+                post(federation::commit),
+            ),
         None => session_routes(&gateway),
     };
     if role.is_some() {

@@ -36,6 +36,8 @@ pub use sbp_protocol::frames::CLOSE_DISPLACED;
 const WS_BUFFER: usize = 1024;
 /// Close code for an internal failure during attach.
 const CLOSE_INTERNAL: u16 = 1011;
+/// RFC 6455 1013: try again later (a session another gateway could not hand over now).
+const CLOSE_TRY_AGAIN: u16 = 1013;
 
 pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUpgrade) -> Response {
     let (response, on_upgrade) = ws.accept();
@@ -160,7 +162,8 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             .ws_connections
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let timeout = gw.config().attach_timeout;
-        let first = match tokio::time::timeout(timeout, socket.recv()).await {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let first = match tokio::time::timeout_at(deadline, socket.recv()).await {
             Err(_) => {
                 let detail = format!("Expected ATTACH_SESSION within {} s", timeout.as_secs_f64());
                 return refuse(
@@ -217,7 +220,7 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
         drop(first);
         // Rarely-awaited, large futures are boxed: each connection task holds its state machine for
         // as long as the surface stays attached, so only the small idle loop should live inline.
-        let attached = match Box::pin(gw.surfaces().attach(&path_id, attach)).await {
+        let attached = match Box::pin(gw.surfaces().attach(&path_id, attach, deadline)).await {
             Ok(a) => a,
             Err(e) => {
                 let (frame, code, reason) = match e {
@@ -234,6 +237,11 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
                     AttachError::Protocol(d) => {
                         (protocol_error(d), CLOSE_PROTOCOL_ERROR, "protocol error")
                     }
+                    AttachError::TryAgain(d) => (
+                        protocol_error(format!("try again: {d}")),
+                        CLOSE_TRY_AGAIN,
+                        "try again later",
+                    ),
                     AttachError::Internal(d) => {
                         tracing::error!(error = %d, "attach failed");
                         (
@@ -357,7 +365,8 @@ async fn reattach(
         Err(
             AttachError::NotFound(detail)
             | AttachError::Protocol(detail)
-            | AttachError::Internal(detail),
+            | AttachError::Internal(detail)
+            | AttachError::TryAgain(detail),
         ) => Err(refused(
             socket,
             protocol_error(detail),

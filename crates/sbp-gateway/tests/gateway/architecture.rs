@@ -76,10 +76,11 @@ fn services_are_not_handed_the_gateway() {
 }
 
 /// The engine's modules, each allowed to use only those after it (ARCHITECTURE.md, `engine/mod.rs`).
-const LAYERS: [&str; 9] = [
+const LAYERS: [&str; 10] = [
     "turns",
-    "roaming",
     "surfaces",
+    "federation",
+    "roaming",
     "tools",
     "sessions",
     "replicas",

@@ -32,12 +32,17 @@ fn bytes_have_cid(bytes: &[u8], cid: &str) -> Option<Value> {
 }
 
 /// How one provider's attempt ended.
-enum Attempt {
+pub(super) enum Attempt {
     Got(Value),
     NotFound,
     BadBytes,
+    /// It answered, but refused this gateway (its token, its trust).
+    Refused,
     Unreachable,
 }
+
+/// How long an import by CID may look for its bundle, all providers together.
+const FETCH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Federation {
     /// `GET /v1/sbp/bundles/{cid}` for an authenticated peer: the stored bytes, verified.
@@ -82,8 +87,13 @@ impl Federation {
     async fn providers(&self, cid: &str, from: Option<&str>) -> Result<Vec<TrustedPeer>, Error> {
         let inner = self.on()?;
         let mut out: Vec<TrustedPeer> = Vec::new();
-        if let Some(url) = from {
-            match inner.directory.learn(url).await {
+        // A `from` is only a hint: it is asked when it is a peer this node knows or is configured
+        // with (or, with TOFU, may come to trust); a stranger's URL is never fetched.
+        if let Some(url) = from
+            && (inner.config.federation.as_ref().is_some_and(|f| f.tofu)
+                || inner.directory.is_configured_or_known(url))
+        {
+            match inner.directory.at_url(url).await {
                 Ok(p) => out.push(p),
                 Err(e) => {
                     tracing::warn!(from = url, error = %e, "the named provider is not trusted");
@@ -108,7 +118,7 @@ impl Federation {
         Ok(out)
     }
 
-    async fn fetch_from(&self, peer: &TrustedPeer, cid: &str) -> Attempt {
+    pub(super) async fn fetch_from(&self, peer: &TrustedPeer, cid: &str) -> Attempt {
         let Ok(inner) = self.on() else {
             return Attempt::Unreachable;
         };
@@ -138,8 +148,12 @@ impl Federation {
                 }
             }
             Ok(a) if a.status == 404 => Attempt::NotFound,
+            Ok(a) if a.status == 401 || a.status == 403 => {
+                tracing::warn!(provider = %peer.url, status = a.status, "a provider refused this gateway");
+                Attempt::Refused
+            }
             Ok(a) => {
-                tracing::warn!(provider = %peer.url, status = a.status, "bundle fetch refused");
+                tracing::warn!(provider = %peer.url, status = a.status, "bundle fetch failed");
                 Attempt::Unreachable
             }
             Err(PeerError::TooLarge { .. }) => Attempt::BadBytes,
@@ -152,47 +166,49 @@ impl Federation {
 
     /// The bundle `cid` from the first provider that serves exactly it.
     pub async fn fetch_bundle(&self, cid: &str, from: Option<&str>) -> Result<Value, Error> {
-        let inner = self.on()?;
         if !is_cid(cid) {
             return Err(FedError::InvalidCid(cid.to_owned()).into());
         }
-        let (mut bad, mut unreachable, mut asked) = (0, 0, 0);
+        match tokio::time::timeout(FETCH_DEADLINE, self.fetch_bundle_now(cid, from)).await {
+            Ok(r) => r,
+            Err(_) => Err(FedError::PeerUnreachable(format!(
+                "no provider of bundle {cid} answered in time"
+            ))
+            .into()),
+        }
+    }
+
+    async fn fetch_bundle_now(&self, cid: &str, from: Option<&str>) -> Result<Value, Error> {
+        let inner = self.on()?;
+        let (mut bad, mut unreachable, mut answered) = (0, 0, 0);
         for peer in self.providers(cid, from).await? {
-            asked += 1;
-            match self.fetch_from(&peer, cid).await {
-                Attempt::Got(v) => {
-                    inner.metrics.federation.count(fed::BUNDLE_FETCHES, "ok");
-                    return Ok(v);
-                }
-                Attempt::NotFound => {
-                    inner
-                        .metrics
-                        .federation
-                        .count(fed::BUNDLE_FETCHES, "not_found");
-                }
+            let outcome = self.fetch_from(&peer, cid).await;
+            let label = match &outcome {
+                Attempt::Got(_) => "ok",
+                Attempt::NotFound => "not_found",
+                Attempt::BadBytes => "bad_bytes",
+                Attempt::Refused => "refused",
+                Attempt::Unreachable => "unreachable",
+            };
+            inner.metrics.federation.count(fed::BUNDLE_FETCHES, label);
+            match outcome {
+                Attempt::Got(v) => return Ok(v),
                 Attempt::BadBytes => {
                     bad += 1;
-                    inner
-                        .metrics
-                        .federation
-                        .count(fed::BUNDLE_FETCHES, "bad_bytes");
+                    answered += 1;
                 }
-                Attempt::Unreachable => {
-                    unreachable += 1;
-                    inner
-                        .metrics
-                        .federation
-                        .count(fed::BUNDLE_FETCHES, "unreachable");
-                }
+                Attempt::NotFound | Attempt::Refused => answered += 1,
+                Attempt::Unreachable => unreachable += 1,
             }
         }
-        if bad > 0 {
+        // 502 when every provider that answered served bad bytes; 503 when none answered.
+        if bad > 0 && bad == answered {
             return Err(FedError::BundleUnavailable(format!(
                 "every provider of bundle {cid} served bytes that do not match it"
             ))
             .into());
         }
-        if asked > 0 && unreachable == asked {
+        if answered == 0 && unreachable > 0 {
             return Err(FedError::PeerUnreachable(format!(
                 "no provider of bundle {cid} could be reached"
             ))

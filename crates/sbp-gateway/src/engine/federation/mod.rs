@@ -4,6 +4,7 @@
 //! asked for). Off (every method refuses) unless the gateway runs with federation.
 
 mod bundles;
+pub mod migration;
 mod redeem;
 mod registry;
 pub mod tracker;
@@ -68,8 +69,10 @@ impl Federation {
         let identity = Arc::new(
             Identity::establish(fed, &config.sbp_version, public_base, store.as_ref()).await?,
         );
+        let client = PeerClient::new(fed.allow_http)
+            .map_err(|e| Error::internal("starting federation", e))?;
         let directory = Arc::new(PeerDirectory::new(
-            PeerClient::new(fed.allow_http),
+            client.clone(),
             store.clone(),
             identity.gateway_id().to_owned(),
             fed.peers.clone(),
@@ -87,7 +90,7 @@ impl Federation {
             Tracker::new(
                 identity.clone(),
                 store.clone(),
-                PeerClient::new(fed.allow_http),
+                client.clone(),
                 metrics.clone(),
                 fed.tracker_max_records,
                 fed.tracker_announce_rate,
@@ -107,6 +110,7 @@ impl Federation {
             "federation on"
         );
         let register = !fed.trackers.is_empty() && fed.role.hosts_sessions();
+        let hosts_sessions = fed.role.hosts_sessions();
         let this = Self {
             inner: Some(Arc::new(Inner {
                 identity,
@@ -122,6 +126,12 @@ impl Federation {
         };
         if register {
             this.start_registering(tasks);
+        }
+        if hosts_sessions {
+            // Sessions a crash left half-adopted (adopted, commit unanswered) are settled with
+            // their holder: kept when the commit went through, dropped when it did not.
+            let settle = this.clone();
+            tasks.spawn(async move { settle.resolve_all_incoming().await });
         }
         Ok(this)
     }

@@ -128,6 +128,10 @@ impl Federation {
                 (422, _) => Error::TokenInvalid(format!(
                     "the gateway that minted this token refused it ({code})"
                 )),
+                (401 | 403, _) => FedError::BundleUnavailable(format!(
+                    "the gateway that minted this token refused this gateway ({code})"
+                ))
+                .into(),
                 (s, _) => FedError::PeerUnreachable(format!(
                     "the gateway that minted this token answered HTTP {s} ({code})"
                 ))
@@ -137,11 +141,7 @@ impl Federation {
         let obj = a
             .object(&url)
             .map_err(|e| FedError::PeerUnreachable(e.to_string()))?;
-        if !minter
-            .keys
-            .iter()
-            .any(|(_, k)| verify_object(&obj, k).is_ok())
-        {
+        if !minter.live_keys().any(|k| verify_object(&obj, k).is_ok()) {
             return Err(FedError::PeerUnreachable(
                 "the redeem answer is not signed by the minting gateway".into(),
             )

@@ -173,10 +173,7 @@ impl Federation {
                     .count(fed::TRACKER_QUERIES, "bad_answer");
                 continue;
             };
-            let signed_ok = tracker
-                .keys
-                .iter()
-                .any(|(_, k)| verify_object(&obj, k).is_ok());
+            let signed_ok = tracker.live_keys().any(|k| verify_object(&obj, k).is_ok());
             let read = RegistryAnswer::read(&obj);
             let answer = match (signed_ok, read) {
                 (true, Ok(a))
@@ -225,8 +222,7 @@ impl Federation {
         if parsed.gateway_id == inner.identity.gateway_id() {
             return None;
         }
-        let verifies =
-            |p: &TrustedPeer| p.keys.iter().any(|(_, k)| verify_object(record, k).is_ok());
+        let verifies = |p: &TrustedPeer| p.live_keys().any(|k| verify_object(record, k).is_ok());
         if let Some(p) = inner.directory.known(&parsed.gateway_id) {
             return verifies(&p).then_some(p);
         }

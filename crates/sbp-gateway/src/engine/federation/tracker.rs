@@ -21,15 +21,29 @@ use crate::federation::client::{PeerClient, origin};
 use crate::federation::identity::Identity;
 use crate::metrics::{Metrics, fed};
 
+/// The largest record accepted (its JSON): a record is a reference, never content.
+const MAX_RECORD_BYTES: usize = 2048;
+/// The fields a record may have.
+const RECORD_FIELDS: [&str; 7] = [
+    "gateway_id",
+    "bundle_cid",
+    "bundle_url",
+    "seq",
+    "issued_at",
+    "expires_at",
+    "signature",
+];
+/// A manifest that failed to admit is not fetched again from the same origin sooner.
+const ADMIT_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(30);
+/// Origins remembered for the cooldown at most (then the oldest are dropped).
+const MAX_COOLDOWNS: usize = 10_000;
+
 /// Providers returned for one CID at most.
 const MAX_PROVIDERS: u32 = 50;
 /// How long a signed lookup answer is valid.
 const ANSWER_VALIDITY: Duration = Duration::minutes(5);
 /// How long a vouch stays valid for its readers.
 const VOUCH_VALIDITY: Duration = Duration::hours(1);
-/// A gateway's key verified this recently is reused for its next announce without fetching its
-/// manifest again.
-const VOUCH_REUSE: Duration = Duration::minutes(10);
 
 fn vouch_row(v: &VerifiedManifest, origin: &str, now: chrono::DateTime<Utc>) -> VouchRow {
     VouchRow {
@@ -56,6 +70,8 @@ pub struct Tracker {
     metrics: Arc<Metrics>,
     max_records: u64,
     rate: Option<DefaultKeyedRateLimiter<String>>,
+    /// Origins whose manifest failed to admit recently, and when.
+    cooldown: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
 fn refuse(refusal: RegistryRefusal, message: impl Into<String>) -> Error {
@@ -89,6 +105,24 @@ impl Tracker {
             metrics,
             max_records,
             rate,
+            cooldown: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// Whether the manifest at `origin` may be fetched now (not after a recent failure).
+    fn may_fetch(&self, origin: &str) -> bool {
+        let map = self.cooldown.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(origin)
+            .is_none_or(|at| at.elapsed() >= ADMIT_COOLDOWN)
+    }
+
+    fn failed(&self, origin: &str) {
+        let mut map = self.cooldown.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_COOLDOWNS {
+            map.retain(|_, at| at.elapsed() < ADMIT_COOLDOWN);
+        }
+        if map.len() < MAX_COOLDOWNS {
+            map.insert(origin.to_owned(), std::time::Instant::now());
         }
     }
 
@@ -119,18 +153,37 @@ impl Tracker {
 
     async fn accept(&self, record: Map<String, Value>) -> Result<Announced, Error> {
         let now = Utc::now();
+        let size = serde_json::to_vec(&record)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        if size > MAX_RECORD_BYTES {
+            return Err(refuse(
+                RegistryRefusal::Invalid,
+                format!("a record is at most {MAX_RECORD_BYTES} bytes"),
+            ));
+        }
+        if let Some(extra) = record.keys().find(|k| !RECORD_FIELDS.contains(&k.as_str())) {
+            return Err(refuse(
+                RegistryRefusal::Invalid,
+                format!(
+                    "a record has no field `{}`",
+                    extra.chars().take(40).collect::<String>()
+                ),
+            ));
+        }
         let parsed = ProviderRecord::read(&record)
             .map_err(|e| refuse(RegistryRefusal::Invalid, format!("invalid record: {e}")))?;
         parsed
             .check(now)
             .map_err(|e| refuse(RegistryRefusal::Invalid, format!("invalid record: {e}")))?;
-        if let Some(limiter) = &self.rate
-            && limiter.check_key(&parsed.gateway_id).is_err()
-        {
+        if !crate::federation::identity::is_gateway_id(&parsed.gateway_id) {
             return Err(refuse(
-                RegistryRefusal::Quota,
-                format!("gateway {} announces too fast", parsed.gateway_id),
+                RegistryRefusal::Invalid,
+                "gateway_id must be 32 lower-case hex digits",
             ));
+        }
+        if parsed.seq > i64::MAX as u64 {
+            return Err(refuse(RegistryRefusal::Invalid, "seq is out of range"));
         }
         let url = self.client.check_url(&parsed.bundle_url).map_err(|_| {
             refuse(
@@ -140,6 +193,18 @@ impl Tracker {
         })?;
         let origin = origin(&url);
         let vouch = self.verified_key(&parsed, &origin, &record).await?;
+        // Counted only once the record is the gateway's own: no one can spend its budget.
+        if let Some(limiter) = &self.rate {
+            if limiter.len() > MAX_COOLDOWNS {
+                limiter.retain_recent();
+            }
+            if limiter.check_key(&parsed.gateway_id).is_err() {
+                return Err(refuse(
+                    RegistryRefusal::Quota,
+                    format!("gateway {} announces too fast", parsed.gateway_id),
+                ));
+            }
+        }
         self.store.put_vouch(vouch).await?;
         let row = RegistryRecordRow {
             gateway_id: parsed.gateway_id.clone(),
@@ -181,14 +246,24 @@ impl Tracker {
         signed: &Map<String, Value>,
     ) -> Result<VouchRow, Error> {
         let now = Utc::now();
+        // A key verified at this origin before verifies the gateway's next records without a
+        // fetch (records that fail it, junk included, cost at most one fetch per 30 s).
         if let Some(v) = self.store.vouch(&record.gateway_id).await?
             && v.gateway_url == origin
-            && now - v.verified_at < VOUCH_REUSE
             && let Ok(key) = PublicKey::from_b64_spki(&v.public_key)
             && verify_object(signed, &key).is_ok()
         {
             return Ok(v);
         }
+        if !self.may_fetch(origin) {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                format!("the manifest at {origin} did not verify recently; try again later"),
+            ));
+        }
+        // Whatever the outcome, the next fetch of this origin waits (unless a record verifies by
+        // the key this fetch records).
+        self.failed(origin);
         let verified = self.admit(origin).await?;
         let m = &verified.manifest;
         if m.gateway_id != record.gateway_id {
@@ -254,22 +329,17 @@ impl Tracker {
                 format!("the manifest at {origin} is not gateway {claimed}'s: {e}"),
             )
         })?;
-        if trust.is_none() {
-            let derives = std::iter::once(verified.key.clone())
-                .chain(
-                    verified
-                        .manifest
-                        .old_keys
-                        .iter()
-                        .filter_map(|k| PublicKey::from_b64_spki(&k.public_key).ok()),
-                )
-                .any(|k| k.derive_gateway_id() == claimed);
-            if !derives {
-                return Err(refuse(
-                    RegistryRefusal::NotOwner,
-                    format!("gateway id {claimed} is not derived from the manifest's keys"),
-                ));
-            }
+        if trust.is_none() && !crate::federation::trust::id_is_derived(&manifest, &verified) {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                format!("gateway id {claimed} is not derived from the manifest's keys"),
+            ));
+        }
+        if !crate::federation::trust::endpoints_under(&verified.manifest, origin) {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                format!("the manifest at {origin} names endpoints elsewhere"),
+            ));
         }
         Ok(verified)
     }
@@ -284,6 +354,15 @@ impl Tracker {
             )
         })?;
         let origin = origin(&url);
+        if !self.may_fetch(&origin) {
+            return Err(refuse(
+                RegistryRefusal::NotOwner,
+                format!("the manifest at {origin} did not verify recently; try again later"),
+            ));
+        }
+        // One fetch per origin per 30 s, whatever its outcome: registering cannot be used to
+        // make this tracker hammer a server.
+        self.failed(&origin);
         let verified = self.admit(&origin).await;
         self.metrics.federation.count(
             fed::TRACKER_ANNOUNCES,

@@ -265,7 +265,7 @@ impl Roaming {
     /// Refuses a bundle whose content is beyond what this gateway stores: a message or a
     /// transcript past the configured limits (with the note the import adds), an agent id or a
     /// label longer than a session or lineage takes.
-    fn check_importable(&self, parsed: &ParsedBundle) -> Result<(), Error> {
+    pub(super) fn check_importable(&self, parsed: &ParsedBundle) -> Result<(), Error> {
         let limits = &self.inner.config.limits;
         let refuse = |path: String, reason: String| Error::InvalidBundle { path, reason };
         let mut total = Size::default();
@@ -469,7 +469,7 @@ fn verify_as(bundle: &Value, expected: &str) -> Result<(), Error> {
 
 /// A bundle received in a request: verified by its CID and sealed for storage in one serialisation,
 /// then parsed.
-fn received(mut bundle: Value) -> Result<(NewBundle, ParsedBundle), Error> {
+pub(super) fn received(mut bundle: Value) -> Result<(NewBundle, ParsedBundle), Error> {
     let map = bundle
         .as_object_mut()
         .ok_or_else(|| Error::invalid("a bundle must be a JSON object"))?;
@@ -488,7 +488,7 @@ fn parse(bundle: Value) -> Result<ParsedBundle, Error> {
     bundle::parse_bundle(bundle).map_err(malformed)
 }
 
-fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
+pub(super) fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
     NewMessage {
         role: m.role,
         body: m.body,
@@ -500,7 +500,7 @@ fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
 
 /// The bundle's `state_snapshot` as a snapshot of the new session, whose first `restored` messages
 /// are the bundle's.
-fn restored_snapshot(
+pub(super) fn restored_snapshot(
     snap: Option<BundleSnapshot>,
     restored: u64,
     now: Timestamp,
@@ -521,7 +521,9 @@ fn restored_snapshot(
 }
 
 /// The bundle's memory when its schema is one this gateway knows; otherwise why it is skipped.
-fn restorable_memory(memory: Option<BundleMemory>) -> (Option<(String, Value)>, Option<String>) {
+pub(super) fn restorable_memory(
+    memory: Option<BundleMemory>,
+) -> (Option<(String, Value)>, Option<String>) {
     match memory {
         None => (
             None,

@@ -6,6 +6,7 @@
 
 mod export;
 mod import;
+mod migrate;
 mod redeem;
 
 pub use redeem::{REDEEM_RETRY_WINDOW, Redeemed};

@@ -25,6 +25,8 @@ use super::sessions::{Sessions, TokenCheck};
 use super::tasks::Tasks;
 use super::tools::Tools;
 use crate::config::GatewayConfig;
+use crate::engine::federation::Federation;
+use crate::engine::federation::migration::PullError;
 use crate::metrics::Metrics;
 use ctp::Ctp;
 use render::{Rendering, chunk_frame, complete_frame, rendering_for};
@@ -50,6 +52,8 @@ pub enum AttachError {
     Protocol(String),
     /// PROTOCOL_ERROR, 1011: the gateway could not complete the attach.
     Internal(String),
+    /// 1013: the session is held by another gateway that could not hand it over now; retry.
+    TryAgain(String),
 }
 
 fn internal(e: StoreError) -> AttachError {
@@ -86,6 +90,7 @@ pub struct Surfaces {
 struct Shared {
     store: Arc<dyn Store>,
     config: Arc<GatewayConfig>,
+    federation: Federation,
     connections: Arc<Connections>,
     replicas: Replicas,
     sessions: Sessions,
@@ -99,6 +104,7 @@ impl Surfaces {
     pub fn new(
         store: Arc<dyn Store>,
         config: Arc<GatewayConfig>,
+        federation: Federation,
         connections: Arc<Connections>,
         replicas: Replicas,
         sessions: Sessions,
@@ -112,6 +118,7 @@ impl Surfaces {
             inner: Arc::new(Shared {
                 store,
                 config,
+                federation,
                 connections,
                 replicas,
                 sessions,
@@ -124,10 +131,13 @@ impl Surfaces {
 
     /// Validates ATTACH_SESSION, marks the session attached (tether on for later detaches, suspended
     /// -> running), registers the connection (displacing any other) and prepares the drain.
+    /// With federation, a session another gateway holds is brought here first, all before
+    /// `deadline` (the attach timeout, counted from the connection's start).
     pub async fn attach(
         &self,
         path_id: &str,
         frame: AttachSession,
+        deadline: tokio::time::Instant,
     ) -> Result<Attached, AttachError> {
         if frame.session_id != path_id {
             return Err(AttachError::Protocol(format!(
@@ -140,7 +150,7 @@ impl Surfaces {
                 "No session with ID {path_id} (ids are lower-case hyphenated UUIDs)"
             ))
         })?;
-        self.check_token(id, &frame.session_token).await?;
+        self.arrive(id, &frame.session_token, deadline).await?;
         let surface = Arc::new(frame.surface_context.clone().unwrap_or_default());
         let (conn_id, inbox) = self
             .inner
@@ -442,6 +452,43 @@ impl Surfaces {
             tracing::error!(session_id = %d.session_id, error = %e, "suspending on detach failed");
         }
         tracing::info!(session_id = %d.session_id, conn_id = d.conn_id, reason, "surface detached; tether active");
+    }
+
+    /// Closes the session's surface (4409), here or on another replica: it moved to another
+    /// gateway.
+    pub async fn displace_everywhere(&self, id: Uuid) {
+        self.inner.replicas.displace(id).await;
+    }
+
+    /// The session is here (brought from the peer holding it, with federation, when it is not)
+    /// and `token` is its token.
+    async fn arrive(
+        &self,
+        id: Uuid,
+        token: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), AttachError> {
+        let federation = &self.inner.federation;
+        let checked = self.check_token(id, token).await;
+        let away = match &checked {
+            Err(AttachError::NotFound(_)) => federation.enabled(),
+            Ok(()) => federation.is_away(id).await.map_err(internal)?,
+            Err(_) => false,
+        };
+        if !away {
+            return checked;
+        }
+        match federation.pull_session(id, token, deadline).await {
+            Ok(()) => self.check_token(id, token).await,
+            Err(PullError::NotHeld) => match checked {
+                Err(e) => Err(e),
+                Ok(()) => Err(AttachError::NotFound(format!("No session with ID {id}"))),
+            },
+            Err(PullError::Forbidden) => Err(AttachError::Forbidden(
+                "session_token invalid or expired".into(),
+            )),
+            Err(PullError::TryAgain(why)) => Err(AttachError::TryAgain(why)),
+        }
     }
 
     /// The session exists (else SESSION_NOT_FOUND) and `token` is its token (else FORBIDDEN).

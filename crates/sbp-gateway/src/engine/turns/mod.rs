@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::connections::Attachment;
+use super::federation::Federation;
 use super::replicas::Replicas;
 use super::sessions::{Sessions, new_agent_id};
 use super::surfaces::render::shape_request;
@@ -166,6 +167,7 @@ struct Shared {
     store: Arc<dyn Store>,
     provider: Arc<dyn Provider>,
     config: Arc<GatewayConfig>,
+    federation: Federation,
     replicas: Replicas,
     sessions: Sessions,
     tools: Tools,
@@ -179,6 +181,7 @@ impl Turns {
         store: Arc<dyn Store>,
         provider: Arc<dyn Provider>,
         config: Arc<GatewayConfig>,
+        federation: Federation,
         replicas: Replicas,
         sessions: Sessions,
         tools: Tools,
@@ -190,6 +193,7 @@ impl Turns {
                 store,
                 provider,
                 config,
+                federation,
                 replicas,
                 sessions,
                 tools,
@@ -528,6 +532,7 @@ impl Turns {
                 ));
             }
             self.inner.sessions.admit(session.id)?;
+            self.inner.federation.guard(session.id).await?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,
@@ -544,6 +549,7 @@ impl Turns {
                 ));
             }
             self.inner.sessions.admit(session.id)?;
+            self.inner.federation.guard(session.id).await?;
             if opts.force_new_session {
                 return Ok(Resolved::New {
                     agent_id: session.agent_id,
