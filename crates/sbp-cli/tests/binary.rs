@@ -1,7 +1,8 @@
 //! End-to-end tests of the real `sbp` binary: durability across `kill -9`, an in-flight turn cut
 //! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM, and
 //! operator API keys; several processes as replicas of one deployment (`binary/replicas.rs`);
-//! PostgreSQL over TLS (`binary/postgres_tls.rs`). Each test runs its own gateway processes on
+//! PostgreSQL over TLS (`binary/postgres_tls.rs`); federation between gateways and trackers
+//! (`binary/federation.rs`). Each test runs its own gateway processes on
 //! 127.0.0.1:0 over temp data dirs.
 
 mod support;
@@ -30,6 +31,9 @@ mod private_and_bounded;
 
 #[path = "binary/postgres_tls.rs"]
 mod postgres_tls;
+
+#[path = "binary/federation.rs"]
+mod federation;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
