@@ -1172,7 +1172,6 @@ async fn announced_records_expire_and_announces_are_rate_limited() {
 /// 24 h export, the tracker keeps finding the bundle past the first record's expiry, under a
 /// newer record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: announced records are never renewed (--announce-ttl help promises it; Store::announcements_expiring_before is unused)"]
 async fn announced_records_are_renewed_while_the_export_lives() {
     let mut t = Node::new("tracker-seven-b", 73).await;
     t.start(&["--role", "tracker"]).await;
@@ -1684,7 +1683,6 @@ async fn the_tracker_refuses_records_it_cannot_vouch_for() {
 /// verify (anyone can send them) must not use it up, or anyone could keep its bundles out of the
 /// tracker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: the tracker's per-gateway announce rate is charged before the record's signature is checked, so forged records in a gateway's name use up its budget"]
 async fn forged_records_do_not_use_up_a_gateways_announce_rate() {
     let mut t = Node::new("tracker-eleven", 111).await;
     t.start(&["--role", "tracker", "--tracker-announce-rate", "1/m,2"])

@@ -72,14 +72,15 @@ impl TrustedPeer {
     }
 }
 
-/// Whether every endpoint of a manifest lives under `origin` (the one it was fetched from): a
-/// manifest copied to another server names the original's endpoints and is refused there.
-pub fn endpoints_under(m: &sbp_protocol::federation::Manifest, origin: &str) -> bool {
+/// The one origin every endpoint of a manifest lives at (ws/wss counted as http/https). A peer is
+/// called there, never at the URL its manifest was read from: a manifest copied to another server
+/// still sends callers to the gateway that signed it.
+pub fn endpoints_origin(m: &sbp_protocol::federation::Manifest) -> Option<String> {
     let e = &m.endpoints;
-    [&e.ws, &e.export, &e.import, &e.bundle, &e.registry]
+    let mut origins = [&e.ws, &e.export, &e.import, &e.bundle, &e.registry]
         .into_iter()
         .flatten()
-        .all(|endpoint| {
+        .map(|endpoint| {
             let as_http = endpoint
                 .strip_prefix("wss://")
                 .map(|r| format!("https://{r}"))
@@ -90,8 +91,13 @@ pub fn endpoints_under(m: &sbp_protocol::federation::Manifest, origin: &str) -> 
                 })
                 .unwrap_or_else(|| endpoint.clone());
             reqwest::Url::parse(&as_http.replace(['{', '}'], ""))
-                .is_ok_and(|u| super::client::origin(&u) == origin)
-        })
+                .ok()
+                .map(|u| super::client::origin(&u))
+        });
+    let first = origins.next()??;
+    origins
+        .all(|o| o.as_deref() == Some(first.as_str()))
+        .then_some(first)
 }
 
 /// The origin (`scheme://host[:port]`) of a configured or learned base URL.
@@ -159,6 +165,8 @@ pub struct PeerDirectory {
     trackers: Vec<String>,
     tofu: bool,
     known: RwLock<HashMap<String, TrustedPeer>>,
+    /// The gateway each URL's manifest named (a peer may be reached under several names).
+    aliases: RwLock<HashMap<String, String>>,
     /// When each gateway's (or URL's) manifest was last fetched on demand.
     refetched: Mutex<HashMap<String, Instant>>,
 }
@@ -186,6 +194,7 @@ impl PeerDirectory {
             trackers: tracker_urls,
             tofu,
             known: RwLock::new(HashMap::new()),
+            aliases: RwLock::new(HashMap::new()),
             refetched: Mutex::new(HashMap::new()),
         }
     }
@@ -198,6 +207,28 @@ impl PeerDirectory {
     pub fn known(&self, gateway_id: &str) -> Option<TrustedPeer> {
         let known = self.known.read().unwrap_or_else(|e| e.into_inner());
         known.get(gateway_id).cloned()
+    }
+
+    fn alias(&self, origin: &str, gateway_id: &str) {
+        let mut aliases = self.aliases.write().unwrap_or_else(|e| e.into_inner());
+        if aliases.len() >= MAX_REFETCH_ENTRIES {
+            aliases.clear();
+        }
+        aliases.insert(origin.to_owned(), gateway_id.to_owned());
+    }
+
+    /// The known, fresh peer reached at `origin` (its own origin, or a name it was learned under).
+    fn at_origin(&self, origin: &str) -> Option<TrustedPeer> {
+        let via = {
+            let aliases = self.aliases.read().unwrap_or_else(|e| e.into_inner());
+            aliases.get(origin).cloned()
+        };
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+        known
+            .values()
+            .find(|p| p.url == origin || via.as_deref() == Some(p.gateway_id.as_str()))
+            .filter(|p| !p.expired())
+            .cloned()
     }
 
     fn remember(&self, peer: &TrustedPeer) {
@@ -311,14 +342,15 @@ impl PeerDirectory {
         if verified.manifest.gateway_id == self.own_id {
             return Err(untrusted(format!("{origin} is this node")));
         }
-        if !endpoints_under(&verified.manifest, &origin) {
-            return Err(untrusted(format!(
-                "the manifest at {origin} names endpoints elsewhere"
-            )));
-        }
+        let home = endpoints_origin(&verified.manifest).ok_or_else(|| {
+            untrusted(format!(
+                "the manifest at {origin} names no endpoints, or endpoints at several origins"
+            ))
+        })?;
+        self.alias(&origin, &verified.manifest.gateway_id);
         let peer = TrustedPeer {
             gateway_id: verified.manifest.gateway_id.clone(),
-            url: origin,
+            url: home,
             role: verified.manifest.role,
             keys: keys_of(&verified),
             source,
@@ -357,14 +389,15 @@ impl PeerDirectory {
                 v.manifest.gateway_id
             )));
         }
-        if !endpoints_under(&v.manifest, &origin) {
-            return Err(TrustError::Untrusted(format!(
-                "the manifest at {origin} names endpoints elsewhere"
-            )));
-        }
+        let home = endpoints_origin(&v.manifest).ok_or_else(|| {
+            TrustError::Untrusted(format!(
+                "the manifest at {origin} names no endpoints, or endpoints at several origins"
+            ))
+        })?;
+        self.alias(&origin, gateway_id);
         let peer = TrustedPeer {
             gateway_id: gateway_id.to_owned(),
-            url: origin,
+            url: home,
             role: v.manifest.role,
             keys: keys_of(&v),
             source: PeerSource::Tracker,
@@ -511,21 +544,13 @@ impl PeerDirectory {
         {
             return true;
         }
-        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-        known.values().any(|p| p.url == origin)
+        self.at_origin(&origin).is_some()
     }
 
     /// The peer at `url`: known (and still fresh) already, or learned now.
     pub async fn at_url(&self, url: &str) -> Result<TrustedPeer, TrustError> {
         let origin = origin_of(url).unwrap_or_else(|| url.to_owned());
-        let known = {
-            let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-            known
-                .values()
-                .find(|p| p.url == origin && !p.expired())
-                .cloned()
-        };
-        match known {
+        match self.at_origin(&origin) {
             Some(p) => Ok(p),
             None => self.learn(&origin).await,
         }
@@ -567,7 +592,12 @@ impl PeerDirectory {
             self.configured
                 .iter()
                 .filter_map(|s| origin_of(&s.url))
-                .filter(|o| !known.values().any(|p| &p.url == o))
+                .filter(|o| {
+                    let aliases = self.aliases.read().unwrap_or_else(|e| e.into_inner());
+                    !known
+                        .values()
+                        .any(|p| &p.url == o || aliases.get(o) == Some(&p.gateway_id))
+                })
                 .collect()
         };
         for url in unlearned {

@@ -10,6 +10,7 @@ mod registry;
 pub mod tracker;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::Utc;
 use sbp_protocol::federation::Role;
@@ -126,6 +127,7 @@ impl Federation {
         };
         if register {
             this.start_registering(tasks);
+            this.start_reannouncing(tasks);
         }
         if hosts_sessions {
             // Sessions a crash left half-adopted (adopted, commit unanswered) are settled with
@@ -134,6 +136,56 @@ impl Federation {
             tasks.spawn(async move { settle.resolve_all_incoming().await });
         }
         Ok(this)
+    }
+
+    /// A tracked task that announces again, before they expire, the bundles announced earlier
+    /// that this gateway still serves.
+    fn start_reannouncing(&self, tasks: &Tasks) {
+        let Some(ttl) = self
+            .inner
+            .as_ref()
+            .and_then(|i| i.config.federation.as_ref())
+            .map(|f| f.announce_ttl)
+        else {
+            return;
+        };
+        let every = (ttl / 3).clamp(Duration::from_secs(1), Duration::from_secs(600));
+        let this = self.clone();
+        let stop = tasks.stopping();
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                this.reannounce(ttl / 2).await;
+            }
+        });
+    }
+
+    /// Announces again the bundles whose records expire within `within` and that are still
+    /// stored here (a bundle lives as long as an export refers to it).
+    async fn reannounce(&self, within: Duration) {
+        let Some(inner) = &self.inner else {
+            return;
+        };
+        let before = Utc::now() + chrono::Duration::from_std(within).unwrap_or_default();
+        let due = match inner.store.announcements_expiring_before(before).await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing announcements to renew");
+                return;
+            }
+        };
+        for a in due {
+            match inner.store.get_bundle(&a.bundle_cid).await {
+                Ok(Some(_)) => {
+                    self.announce(&a.bundle_cid).await;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "checking a bundle to renew its record"),
+            }
+        }
     }
 
     /// A tracked task that makes this gateway known to its trackers once it listens, retried

@@ -45,6 +45,31 @@ const ANSWER_VALIDITY: Duration = Duration::minutes(5);
 /// How long a vouch stays valid for its readers.
 const VOUCH_VALIDITY: Duration = Duration::hours(1);
 
+/// A gateway as this tracker admitted it from its manifest.
+#[derive(Clone)]
+struct Admitted {
+    origin: String,
+    bundle_template: Option<String>,
+    keys: Vec<PublicKey>,
+    vouch: VouchRow,
+}
+
+/// The record's `bundle_url` must be the gateway's own bundle endpoint for its CID.
+fn check_record_url(a: &Admitted, record: &ProviderRecord) -> Result<(), Error> {
+    let endpoint = a
+        .bundle_template
+        .as_deref()
+        .map(|t| t.replace("{bundle_cid}", &record.bundle_cid));
+    if endpoint.as_deref() == Some(record.bundle_url.as_str()) {
+        Ok(())
+    } else {
+        Err(refuse(
+            RegistryRefusal::NotOwner,
+            "bundle_url is not the gateway's own bundle endpoint for this CID",
+        ))
+    }
+}
+
 fn vouch_row(v: &VerifiedManifest, origin: &str, now: chrono::DateTime<Utc>) -> VouchRow {
     VouchRow {
         gateway_id: v.manifest.gateway_id.clone(),
@@ -70,7 +95,9 @@ pub struct Tracker {
     metrics: Arc<Metrics>,
     max_records: u64,
     rate: Option<DefaultKeyedRateLimiter<String>>,
-    /// Origins whose manifest failed to admit recently, and when.
+    /// Gateways admitted from their manifests (bounded; a miss costs one fetch).
+    admitted: std::sync::Mutex<std::collections::HashMap<String, Admitted>>,
+    /// Origins whose manifest was fetched recently, and when.
     cooldown: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
@@ -105,6 +132,7 @@ impl Tracker {
             metrics,
             max_records,
             rate,
+            admitted: std::sync::Mutex::new(std::collections::HashMap::new()),
             cooldown: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
@@ -237,8 +265,8 @@ impl Tracker {
         }
     }
 
-    /// The announcing gateway's key, verified against its manifest at `origin` (or a recent
-    /// verification of it), with the record's signature checked by it.
+    /// The announcing gateway's key, verified against its manifest at `origin` (or what this
+    /// tracker admitted of it before), with the record's URL and signature checked by it.
     async fn verified_key(
         &self,
         record: &ProviderRecord,
@@ -246,57 +274,75 @@ impl Tracker {
         signed: &Map<String, Value>,
     ) -> Result<VouchRow, Error> {
         let now = Utc::now();
-        // A key verified at this origin before verifies the gateway's next records without a
-        // fetch (records that fail it, junk included, cost at most one fetch per 30 s).
-        if let Some(v) = self.store.vouch(&record.gateway_id).await?
-            && v.gateway_url == origin
-            && let Ok(key) = PublicKey::from_b64_spki(&v.public_key)
-            && verify_object(signed, &key).is_ok()
-        {
-            return Ok(v);
-        }
-        if !self.may_fetch(origin) {
+        let known = self.admitted_as(&record.gateway_id, origin);
+        if let Some(a) = &known {
+            check_record_url(a, record)?;
+            if a.keys.iter().any(|k| verify_object(signed, k).is_ok()) {
+                return Ok(a.vouch.clone());
+            }
+            // Not the key admitted: a rotation (fetch again, at most once per 30 s) or a forgery.
+            if !self.may_fetch(origin) {
+                return Err(refuse(
+                    RegistryRefusal::Signature,
+                    "the record's signature does not verify by the gateway's key",
+                ));
+            }
+        } else if !self.may_fetch(origin) {
             return Err(refuse(
                 RegistryRefusal::NotOwner,
-                format!("the manifest at {origin} did not verify recently; try again later"),
+                format!("the manifest at {origin} was read moments ago; try again later"),
             ));
         }
-        // Whatever the outcome, the next fetch of this origin waits (unless a record verifies by
-        // the key this fetch records).
+        // Whatever the outcome, the next fetch of this origin waits: records that fail cannot
+        // make this tracker hammer a server.
         self.failed(origin);
         let verified = self.admit(origin).await?;
-        let m = &verified.manifest;
-        if m.gateway_id != record.gateway_id {
+        // What the manifest proved is kept, whoever the record claimed to be.
+        let admitted = Admitted {
+            origin: origin.to_owned(),
+            bundle_template: verified.manifest.endpoints.bundle.clone(),
+            keys: verified.valid_keys.iter().map(|(_, k)| k.clone()).collect(),
+            vouch: vouch_row(&verified, origin, now),
+        };
+        self.remember(&verified.manifest.gateway_id, admitted.clone());
+        if verified.manifest.gateway_id != record.gateway_id {
             return Err(refuse(
                 RegistryRefusal::NotOwner,
                 format!(
                     "{origin} is gateway {}, not {}: a gateway announces only itself",
-                    m.gateway_id, record.gateway_id
+                    verified.manifest.gateway_id, record.gateway_id
                 ),
             ));
         }
-        let endpoint = m
-            .endpoints
-            .bundle
-            .as_deref()
-            .map(|t| t.replace("{bundle_cid}", &record.bundle_cid));
-        if endpoint.as_deref() != Some(record.bundle_url.as_str()) {
-            return Err(refuse(
-                RegistryRefusal::NotOwner,
-                "bundle_url is not the gateway's own bundle endpoint for this CID",
-            ));
-        }
-        if !verified
-            .valid_keys
+        check_record_url(&admitted, record)?;
+        if !admitted
+            .keys
             .iter()
-            .any(|(_, k)| verify_object(signed, k).is_ok())
+            .any(|k| verify_object(signed, k).is_ok())
         {
             return Err(refuse(
                 RegistryRefusal::Signature,
                 "the record's signature does not verify by the gateway's key",
             ));
         }
-        Ok(vouch_row(&verified, origin, now))
+        Ok(admitted.vouch)
+    }
+
+    /// What this tracker admitted of `gateway_id` at `origin` (its manifest, read before).
+    fn admitted_as(&self, gateway_id: &str, origin: &str) -> Option<Admitted> {
+        let map = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(gateway_id).filter(|a| a.origin == origin).cloned()
+    }
+
+    fn remember(&self, gateway_id: &str, admitted: Admitted) {
+        let mut map = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_COOLDOWNS && !map.contains_key(gateway_id) {
+            // Bounded: forgetting one only costs it one more manifest fetch.
+            if let Some(k) = map.keys().next().cloned() {
+                map.remove(&k);
+            }
+        }
+        map.insert(gateway_id.to_owned(), admitted);
     }
 
     /// The manifest at `origin`, admitted as what this tracker vouches for: a gateway id known
@@ -335,7 +381,8 @@ impl Tracker {
                 format!("gateway id {claimed} is not derived from the manifest's keys"),
             ));
         }
-        if !crate::federation::trust::endpoints_under(&verified.manifest, origin) {
+        if crate::federation::trust::endpoints_origin(&verified.manifest).as_deref() != Some(origin)
+        {
             return Err(refuse(
                 RegistryRefusal::NotOwner,
                 format!("the manifest at {origin} names endpoints elsewhere"),
@@ -355,10 +402,28 @@ impl Tracker {
         })?;
         let origin = origin(&url);
         if !self.may_fetch(&origin) {
-            return Err(refuse(
-                RegistryRefusal::NotOwner,
-                format!("the manifest at {origin} did not verify recently; try again later"),
-            ));
+            // Read moments ago: what it proved then stands.
+            let recent = {
+                let map = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
+                map.values()
+                    .find(|a| a.origin == origin)
+                    .map(|a| a.vouch.gateway_id.clone())
+            };
+            let outcome = if recent.is_some() {
+                "registered"
+            } else {
+                "not_registered"
+            };
+            self.metrics
+                .federation
+                .count(fed::TRACKER_ANNOUNCES, outcome);
+            return match recent {
+                Some(id) => self.vouch(&id).await,
+                None => Err(refuse(
+                    RegistryRefusal::NotOwner,
+                    format!("the manifest at {origin} was read moments ago; try again later"),
+                )),
+            };
         }
         // One fetch per origin per 30 s, whatever its outcome: registering cannot be used to
         // make this tracker hammer a server.
@@ -374,6 +439,15 @@ impl Tracker {
         );
         let verified = verified?;
         let row = vouch_row(&verified, &origin, Utc::now());
+        self.remember(
+            &row.gateway_id,
+            Admitted {
+                origin: origin.clone(),
+                bundle_template: verified.manifest.endpoints.bundle.clone(),
+                keys: verified.valid_keys.iter().map(|(_, k)| k.clone()).collect(),
+                vouch: row.clone(),
+            },
+        );
         let gateway_id = row.gateway_id.clone();
         self.store.put_vouch(row).await?;
         self.vouch(&gateway_id).await
