@@ -463,8 +463,29 @@ pub fn lineage(session_id: Uuid, view: &sbp_store::Lineage) -> Lineage {
                 extra: Map::new(),
             })
             .collect(),
-        extra: Map::new(),
+        extra: migrations(view),
     }
+}
+
+/// Federation: the gateways this session moved to and from (`migrated_to` / `migrated_from`).
+fn migrations(view: &sbp_store::Lineage) -> Map<String, Value> {
+    let moves: Vec<Value> = view
+        .outgoing
+        .iter()
+        .filter(|l| matches!(l.kind, LinkKind::MigratedTo | LinkKind::MigratedFrom))
+        .map(|l| {
+            serde_json::json!({
+                "kind": l.kind.as_str(),
+                "gateway_id": l.peer_gateway,
+                "at": iso(&l.created_at),
+            })
+        })
+        .collect();
+    let mut extra = Map::new();
+    if !moves.is_empty() {
+        extra.insert("migrations".into(), Value::Array(moves));
+    }
+    extra
 }
 
 pub fn memory(session_id: Uuid, m: MemoryRecord) -> Memory {
