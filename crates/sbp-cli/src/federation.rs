@@ -372,6 +372,9 @@ pub enum FederationCommand {
     RotateKey(KeyArgs),
     /// Print the node's `public_key` (what peers pin with `--peer URL#KEY`) and its key id.
     PublicKey(KeyArgs),
+    /// Make the node's identity key now if it has none (as `sbp serve` would at its first
+    /// start), then print its `public_key`: so pins can be handed out before the nodes start.
+    Init(KeyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -400,6 +403,26 @@ impl KeyArgs {
 pub fn run(cmd: FederationCommand) -> anyhow::Result<()> {
     use std::io::Write as _;
     match cmd {
+        FederationCommand::Init(args) => {
+            let path = args.path();
+            if !path.exists() {
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    crate::config::private_dir(dir)?;
+                }
+                let key = generate();
+                crate::config::write_private(&path, key.to_pkcs8_pem().as_bytes())
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!(
+                    "federation key {} written to {}",
+                    key.key_id(),
+                    path.display()
+                );
+            }
+            let key = read_key(&path)?;
+            let mut out = std::io::stdout();
+            writeln!(out, "{}", key.public_key().to_b64_spki())?;
+            Ok(())
+        }
         FederationCommand::PublicKey(args) => {
             let path = args.path();
             let key = read_key(&path)?;

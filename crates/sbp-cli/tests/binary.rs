@@ -32,6 +32,9 @@ mod private_and_bounded;
 #[path = "binary/postgres_tls.rs"]
 mod postgres_tls;
 
+#[path = "binary/federation_readme.rs"]
+mod federation_readme;
+
 #[path = "binary/federation.rs"]
 mod federation;
 

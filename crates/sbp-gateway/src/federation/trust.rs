@@ -15,6 +15,11 @@ use sbp_store::{PeerRecord, PeerSource, Store};
 use super::client::{PeerClient, PeerError};
 use crate::config::PeerSpec;
 
+/// What [`PeerDirectory::learn`] returns.
+pub type Learning<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<TrustedPeer, TrustError>> + Send + 'a>,
+>;
+
 /// A peer may be asked for its manifest again (an unknown `kid`) at most this often.
 const REFETCH_INTERVAL: Duration = Duration::from_secs(30);
 /// How many on-demand fetches are remembered at once (beyond, none is made until some age out).
@@ -272,7 +277,12 @@ impl PeerDirectory {
     /// - A new one only with `--federation-tofu`, and only with an id derived from its key.
     ///
     /// In every case the manifest's endpoints must live under the URL it was fetched from.
-    pub async fn learn(&self, url: &str) -> Result<TrustedPeer, TrustError> {
+    pub fn learn<'a>(&'a self, url: &'a str) -> Learning<'a> {
+        // Boxed: learning a peer may ask a tracker, and learning a tracker is a `learn` too.
+        Box::pin(self.learn_now(url))
+    }
+
+    async fn learn_now(&self, url: &str) -> Result<TrustedPeer, TrustError> {
         let url = url.trim_end_matches('/').to_owned();
         let origin =
             origin_of(&url).ok_or_else(|| TrustError::Untrusted(format!("{url} is not a URL")))?;
@@ -334,6 +344,14 @@ impl PeerDirectory {
                 )));
             }
             (v, PeerSource::Tofu, None)
+        } else if !self.trackers.is_empty() && super::identity::is_gateway_id(&claimed) {
+            // A pinned tracker may vouch for it (its key, at its own origin).
+            return self.via_trackers(&claimed).await.ok_or_else(|| {
+                untrusted(format!(
+                    "{origin} is not a trusted peer (no pinned key, no tracker vouches for it, \
+                     --federation-tofu is off)"
+                ))
+            });
         } else {
             return Err(untrusted(format!(
                 "{origin} is not a trusted peer (no pinned key; --federation-tofu is off)"
@@ -375,9 +393,11 @@ impl PeerDirectory {
     ) -> Result<TrustedPeer, TrustError> {
         let origin =
             origin_of(url).ok_or_else(|| TrustError::Untrusted(format!("{url} is not a URL")))?;
-        // A pinned URL is trusted by its pin only.
+        // A pinned URL is trusted by its pin only (learned through `learn`, never a vouch).
         if self.pin_for(&origin).is_some() {
-            return self.learn(&origin).await;
+            return Err(TrustError::Untrusted(format!(
+                "{origin} is pinned: a vouch does not replace its pin"
+            )));
         }
         let manifest = self.client.manifest(&origin).await?;
         let v = verify_manifest(&manifest, ManifestTrust::Pinned(public_key), Utc::now()).map_err(
