@@ -278,7 +278,8 @@ pub struct ServeArgs {
     /// SPEC 6.1 strict mode: requests with neither `sbp` nor a session token are proxied untracked.
     #[arg(long, env = "SBP_STRICT_SBP")]
     pub strict_sbp: bool,
-    /// Serve the public conformance suite's test-only endpoints (`/_test/tether`).
+    /// Serve the public conformance suite's test-only endpoints (`/_test/tether`), and honour
+    /// `SBP_TEST_HANDOVER_PAUSE_MS` (a pause between adopting a moved session and committing it).
     #[arg(long, env = "SBP_ENABLE_TEST_HOOKS")]
     pub enable_test_hooks: bool,
     /// INSECURE: session-scoped endpoints stop requiring the session token (for conformance runs).

@@ -2,7 +2,8 @@
 //! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM, and
 //! operator API keys; several processes as replicas of one deployment (`binary/replicas.rs`);
 //! PostgreSQL over TLS (`binary/postgres_tls.rs`); federation between gateways and trackers
-//! (`binary/federation.rs`). Each test runs its own gateway processes on
+//! (`binary/federation.rs`) and sessions moving between them with their surface
+//! (`binary/federation_migration.rs`). Each test runs its own gateway processes on
 //! 127.0.0.1:0 over temp data dirs.
 
 mod support;
@@ -37,6 +38,9 @@ mod federation_readme;
 
 #[path = "binary/federation.rs"]
 mod federation;
+
+#[path = "binary/federation_migration.rs"]
+mod federation_migration;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;

@@ -48,7 +48,8 @@ pub struct GatewayConfig {
     pub api_keys: Vec<String>,
     /// SPEC 6.1 strict mode: a request with neither `sbp` nor a session token is passed through untracked.
     pub strict_sbp: bool,
-    /// Serves the public conformance suite's test-only endpoints.
+    /// Serves the public conformance suite's test-only endpoints, and lets end-to-end tests pause
+    /// a handover between adopt and commit (`SBP_TEST_HANDOVER_PAUSE_MS`).
     pub enable_test_hooks: bool,
     /// Session-scoped endpoints stop requiring the session token. Insecure; for conformance runs only.
     pub insecure_no_session_auth: bool,

@@ -8,9 +8,9 @@
 //! marked `ignore = "defect: ..."` show what the gateway gets wrong today.
 
 #[path = "federation/fakes.rs"]
-mod fakes;
+pub mod fakes;
 #[path = "federation/net.rs"]
-mod net;
+pub mod net;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::time::Duration;

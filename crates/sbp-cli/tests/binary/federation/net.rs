@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use sbp_protocol::bundle::compute_cid;
 
-use crate::support::{Sbp, WAIT, eventually, msg, reply_text, send};
+use crate::support::{Sbp, WAIT, eventually, msg, reply_text, sbp_serve_in, send};
 
 /// A loopback port the test owns, forwarding each connection to whichever port the node behind
 /// it listens on now. Nodes are started with `--public-url` set to it, so their manifests, pins
@@ -96,6 +96,8 @@ pub struct Node {
     pub gateway_id: String,
     relay: Relay,
     args: Vec<String>,
+    /// Environment variables the process gets (on top of a clean `SBP_*`-free environment).
+    env: Vec<(String, String)>,
     gw: Option<Sbp>,
     _dir: tempfile::TempDir,
 }
@@ -120,6 +122,7 @@ impl Node {
             url: relay.url.clone(),
             relay,
             args: Vec::new(),
+            env: Vec::new(),
             gw: None,
             _dir: dir,
         }
@@ -158,6 +161,14 @@ impl Node {
         self.spawn().await;
     }
 
+    /// Sets (`Some`) or removes (`None`) an environment variable for the next start.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_owned(), v.to_owned()));
+        }
+    }
+
     /// Starts the process again with the same options and data dir.
     pub async fn restart(&mut self) {
         assert!(self.gw.is_none(), "{} is still running", self.name);
@@ -166,7 +177,9 @@ impl Node {
 
     async fn spawn(&mut self) {
         let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        let mut gw = Sbp::start(&self.data_dir, &args).await;
+        let mut cmd = sbp_serve_in(&self.data_dir, &args);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        let mut gw = Sbp::spawn(cmd).await;
         self.relay.point_at(port_of(&gw.url));
         gw.url = self.url.clone();
         self.gw = Some(gw);

@@ -23,6 +23,7 @@ use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use super::Federation;
+use crate::config::GatewayConfig;
 use crate::error::{Error, FedError};
 use crate::federation::auth::Caller;
 use crate::federation::trust::TrustedPeer;
@@ -41,6 +42,22 @@ pub enum PullError {
     /// The holder could not hand it over now (a turn runs, another gateway is taking it, it or a
     /// peer is unreachable, the deadline passed): the surface should retry (1013).
     TryAgain(String),
+}
+
+/// With `--enable-test-hooks`, a pause (milliseconds) between adopting a moved session and
+/// committing it, so end-to-end tests can kill the target mid-handover.
+const TEST_PAUSE_ENV: &str = "SBP_TEST_HANDOVER_PAUSE_MS";
+
+fn test_handover_pause(config: &GatewayConfig) -> Option<Duration> {
+    if !config.enable_test_hooks {
+        return None;
+    }
+    let ms = std::env::var(TEST_PAUSE_ENV)
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_millis(ms))
 }
 
 /// The paths of the migration routes, for tokens' `htu`.
@@ -453,6 +470,10 @@ impl Federation {
             return Err(PullError::TryAgain(
                 "the session could not be adopted".into(),
             ));
+        }
+        if let Some(pause) = test_handover_pause(&inner.config) {
+            tracing::warn!(session_id = %id, %migration_id, pause_ms = pause.as_millis() as u64, "test hook: handover paused between adopt and commit");
+            tokio::time::sleep(pause).await;
         }
         self.commit_at(&holder, id, migration_id, deadline).await
     }
