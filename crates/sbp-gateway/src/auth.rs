@@ -45,6 +45,33 @@ pub fn token_matches(token: &str, stored_hash: &str) -> bool {
     h.as_bytes().ct_eq(stored_hash.as_bytes()).into()
 }
 
+/// Proof of holding a session's token without sending it (federation handovers): HMAC-SHA256
+/// keyed by the token's stored hash over the session id, the migration id and the gateway asked.
+/// The holder recomputes it from the hash it keeps; nobody else can, and it is bound to one
+/// handover at one gateway.
+pub fn token_proof(token_hash: &str, session_id: &str, migration_id: &str, holder: &str) -> String {
+    let mut mac = <Hmac<Sha256> as hmac::digest::KeyInit>::new_from_slice(token_hash.as_bytes())
+        // HMAC takes a key of any length: this cannot fail.
+        .unwrap_or_else(|_| <Hmac<Sha256> as hmac::digest::KeyInit>::new(&Default::default()));
+    for part in [session_id, migration_id, holder] {
+        mac.update(part.as_bytes());
+        mac.update(b"\n");
+    }
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// Whether `proof` is [`token_proof`] of the stored hash, compared in constant time.
+pub fn proof_matches(
+    proof: &str,
+    stored_hash: &str,
+    session_id: &str,
+    migration_id: &str,
+    holder: &str,
+) -> bool {
+    let expected = token_proof(stored_hash, session_id, migration_id, holder);
+    expected.as_bytes().ct_eq(proof.as_bytes()).into()
+}
+
 /// Whether `presented` equals one of the configured keys (each compared in constant time).
 pub fn api_key_matches(presented: &str, keys: &[String]) -> bool {
     api_key_index(presented, keys).is_some()

@@ -1225,8 +1225,8 @@ async fn srv_peers_are_candidates_that_must_pass_trust() {
     let dns = TestDns::start(
         "fed.test.",
         vec![
-            TestSrv::new(SERVICE, 20, 0, a.relay_port(), "localhost."),
-            TestSrv::new(SERVICE, 10, 0, b.relay_port(), "localhost."),
+            TestSrv::new(SERVICE, 20, 0, a.relay_port(), "127.0.0.1."),
+            TestSrv::new(SERVICE, 10, 0, b.relay_port(), "127.0.0.1."),
         ],
     )
     .await;

@@ -397,7 +397,6 @@ async fn a_session_follows_its_surface_to_another_gateway_and_back() {
 /// 1b. The origin's lineage says where the session went while it is away (the issue: lineage
 /// records the move on both sides).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: the origin's lineage is unreadable while the session is away (409 SBP_SESSION_MOVED), so migrated_to is not shown"]
 async fn the_origin_shows_the_move_in_lineage_while_the_session_is_away() {
     let (a, b) = pair(115, &[], &[]).await;
     let (id, token) = conversation(a.gw(), "lineage").await;
@@ -500,7 +499,6 @@ async fn a_running_turn_makes_the_attach_try_again() {
 /// 4. The origin is down (`kill -9`) when the surface attaches on B: B closes 1013 within its
 /// attach timeout and writes nothing; once A is back, the same attach moves the session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: an unreachable origin is taken for 'no peer holds it': SESSION_NOT_FOUND (4004), not 1013"]
 async fn the_origin_down_makes_the_attach_try_again() {
     let (mut a, b) = pair(141, &[], &["--attach-timeout", "3"]).await;
     let (id, token) = conversation(a.gw(), "origin down").await;
@@ -564,7 +562,6 @@ async fn nothing_is_written_while_the_origin_is_down_and_the_move_works_once_it_
 /// locate names it, it says held, the other does not); a surface refused with 1013 retries and
 /// follows the move to the winner; a surface displaced by a later move hears 4409.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect (intermittent): the loser sometimes closes 4004, not 1013; see a_gateway_attaching_while_the_winner_settles_is_told_to_try_again"]
 async fn two_gateways_attaching_at_once_leave_one_owner() {
     let mut a = Node::new("gw-a-race", 151).await;
     let mut b = Node::new("gw-b-race", 152).await;
@@ -735,7 +732,6 @@ async fn an_attach_during_a_move_tries_again_then_follows_the_move() {
 /// exists and is about to be B's, so C must close 1013 (try again), not tell the surface its
 /// session does not exist; the retry after B settles follows the move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: a session moved to a target whose copy is still incoming is answered SESSION_NOT_FOUND (4004), not 1013"]
 async fn a_gateway_attaching_while_the_winner_settles_is_told_to_try_again() {
     let (a, b, c) = triangle(158, Some((PAUSE_ENV, "3000")), &["--enable-test-hooks"]).await;
     let (id, token) = conversation(a.gw(), "settling").await;
@@ -838,7 +834,6 @@ async fn the_target_dying_mid_handover_leaves_the_session_at_the_origin() {
 /// session anew from the holder (here refused again, the pause outlasting the lease: 1013 and
 /// a second lease granted), rather than failing inside the gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: a dropped incoming copy leaves its token hash cached; the next attach skips the pull and closes 1011"]
 async fn a_dropped_incoming_copy_does_not_block_the_next_attach() {
     let mut a = Node::new("gw-a-dropped", 165).await;
     let mut b = Node::new("gw-b-dropped", 166).await;

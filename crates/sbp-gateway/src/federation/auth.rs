@@ -81,11 +81,11 @@ impl FedAuth {
             Some(FedTokenError::Htm)
         } else if c.htu != path {
             Some(FedTokenError::Htu)
-        } else if c.exp - c.iat > MAX_FED_TOKEN_LIFETIME_SECS || c.exp <= c.iat {
+        } else if c.exp.saturating_sub(c.iat) > MAX_FED_TOKEN_LIFETIME_SECS || c.exp <= c.iat {
             Some(FedTokenError::Lifetime)
-        } else if c.iat > now + CLOCK_SKEW_SECS {
+        } else if c.iat > now.saturating_add(CLOCK_SKEW_SECS) {
             Some(FedTokenError::IatFuture)
-        } else if c.exp <= now - CLOCK_SKEW_SECS {
+        } else if c.exp <= now.saturating_sub(CLOCK_SKEW_SECS) {
             Some(FedTokenError::Expired)
         } else {
             None

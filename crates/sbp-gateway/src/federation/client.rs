@@ -95,8 +95,23 @@ impl PeerClient {
         bearer: Option<&str>,
         cap: usize,
     ) -> Result<Answer, PeerError> {
+        self.get_within(url, bearer, cap, CALL_TIMEOUT).await
+    }
+
+    /// [`PeerClient::get`] allowed `timeout` (a large bundle within an attach's deadline).
+    pub async fn get_within(
+        &self,
+        url: &str,
+        bearer: Option<&str>,
+        cap: usize,
+        timeout: Duration,
+    ) -> Result<Answer, PeerError> {
         let parsed = self.check_url(url)?;
-        let mut req = self.http.get(parsed).header("accept", "application/json");
+        let mut req = self
+            .http
+            .get(parsed)
+            .timeout(timeout)
+            .header("accept", "application/json");
         if let Some(t) = bearer {
             req = req.bearer_auth(t);
         }
@@ -111,10 +126,23 @@ impl PeerClient {
         body: &Value,
         cap: usize,
     ) -> Result<Answer, PeerError> {
+        self.post_within(url, bearer, body, cap, CALL_TIMEOUT).await
+    }
+
+    /// [`PeerClient::post`] allowed `timeout`.
+    pub async fn post_within(
+        &self,
+        url: &str,
+        bearer: Option<&str>,
+        body: &Value,
+        cap: usize,
+        timeout: Duration,
+    ) -> Result<Answer, PeerError> {
         let parsed = self.check_url(url)?;
         let mut req = self
             .http
             .post(parsed)
+            .timeout(timeout)
             .header("accept", "application/json")
             .json(body);
         if let Some(t) = bearer {

@@ -78,8 +78,8 @@ impl TrustedPeer {
 }
 
 /// The one origin every endpoint of a manifest lives at (ws/wss counted as http/https). A peer is
-/// called there, never at the URL its manifest was read from: a manifest copied to another server
-/// still sends callers to the gateway that signed it.
+/// trusted only at the origin its manifest was read from and names: a manifest copied to another
+/// server, or one naming someone else's address, is refused.
 pub fn endpoints_origin(m: &sbp_protocol::federation::Manifest) -> Option<String> {
     let e = &m.endpoints;
     let mut origins = [&e.ws, &e.export, &e.import, &e.bundle, &e.registry]
@@ -360,11 +360,13 @@ impl PeerDirectory {
         if verified.manifest.gateway_id == self.own_id {
             return Err(untrusted(format!("{origin} is this node")));
         }
-        let home = endpoints_origin(&verified.manifest).ok_or_else(|| {
-            untrusted(format!(
-                "the manifest at {origin} names no endpoints, or endpoints at several origins"
-            ))
-        })?;
+        let home = endpoints_origin(&verified.manifest)
+            .filter(|home| *home == origin)
+            .ok_or_else(|| {
+                untrusted(format!(
+                    "the manifest at {origin} names endpoints elsewhere: a peer is reached where it says it is"
+                ))
+            })?;
         self.alias(&origin, &verified.manifest.gateway_id);
         let peer = TrustedPeer {
             gateway_id: verified.manifest.gateway_id.clone(),
@@ -409,11 +411,13 @@ impl PeerDirectory {
                 v.manifest.gateway_id
             )));
         }
-        let home = endpoints_origin(&v.manifest).ok_or_else(|| {
-            TrustError::Untrusted(format!(
-                "the manifest at {origin} names no endpoints, or endpoints at several origins"
-            ))
-        })?;
+        let home = endpoints_origin(&v.manifest)
+            .filter(|home| *home == origin)
+            .ok_or_else(|| {
+                TrustError::Untrusted(format!(
+                    "the manifest at {origin} names endpoints elsewhere"
+                ))
+            })?;
         self.alias(&origin, gateway_id);
         let peer = TrustedPeer {
             gateway_id: gateway_id.to_owned(),
@@ -574,6 +578,11 @@ impl PeerDirectory {
             Some(p) => Ok(p),
             None => self.learn(&origin).await,
         }
+    }
+
+    /// The configured peers' and trackers' URLs.
+    pub fn configured_urls(&self) -> Vec<String> {
+        self.configured.iter().map(|s| s.url.clone()).collect()
     }
 
     /// The configured peers and trackers, learned now when not yet known (failures skipped and

@@ -10,7 +10,9 @@ use sha2::{Digest, Sha256};
 
 use super::extract::{JsonObject, bearer};
 use crate::Gateway;
-use crate::engine::federation::migration::{commit_path, handover_path, locate_path};
+use crate::engine::federation::migration::{
+    TokenCredential, commit_path, handover_path, locate_path,
+};
 use crate::engine::federation::tracker::Announced;
 use crate::engine::federation::{REDEEM_PATH, is_cid, roaming_sid};
 use crate::error::{Error, FedError, parse_uuid};
@@ -178,9 +180,18 @@ pub async fn handover(
             &id.to_string(),
         )
         .await?;
-    let token = match body.get("session_token") {
-        Some(serde_json::Value::String(t)) if t.len() <= 512 => t.clone(),
-        _ => return Err(Error::invalid("`session_token` must be a string")),
+    let credential = match (body.get("session_token_proof"), body.get("session_token")) {
+        (Some(serde_json::Value::String(p)), _) if p.len() <= 128 => {
+            TokenCredential::Proof(p.clone())
+        }
+        (None, Some(serde_json::Value::String(t))) if t.len() <= 512 => {
+            TokenCredential::Token(t.clone())
+        }
+        _ => {
+            return Err(Error::invalid(
+                "send `session_token_proof` (or `session_token`) as a string",
+            ));
+        }
     };
     let migration_id = match body.get("migration_id") {
         Some(serde_json::Value::String(m)) => parse_uuid(m)?,
@@ -188,7 +199,7 @@ pub async fn handover(
     };
     let envelope = gw
         .federation()
-        .grant_handover(&caller, id, &token, migration_id)
+        .grant_handover(&caller, id, &credential, migration_id)
         .await?;
     Ok(no_store(axum::Json(envelope).into_response()))
 }
@@ -227,16 +238,21 @@ pub async fn guard(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Some((id, is_record_read)) = session_in_path(req.uri().path(), req.method())
-        && !is_record_read
-        && let Err(e) = gw.federation().guard(id).await
-    {
-        return e.into_response();
+    if let Some((id, read)) = session_in_path(req.uri().path(), req.method()) {
+        let checked = if read {
+            gw.federation().guard_read(id).await
+        } else {
+            gw.federation().guard(id).await
+        };
+        if let Err(e) = checked {
+            return e.into_response();
+        }
     }
     next.run(req).await
 }
 
-/// The session a session route names, and whether the request reads the session's own record.
+/// The session a session route names, and whether the request reads what stays true of a
+/// session that moved away (its own record, its lineage).
 fn session_in_path(path: &str, method: &axum::http::Method) -> Option<(uuid::Uuid, bool)> {
     let rest = path
         .strip_prefix("/v1/sbp/sessions/")
@@ -244,5 +260,8 @@ fn session_in_path(path: &str, method: &axum::http::Method) -> Option<(uuid::Uui
     let mut parts = rest.split('/');
     let id = sbp_protocol::id::parse_canonical(parts.next()?)?;
     let more = parts.next();
-    Some((id, more.is_none() && method == axum::http::Method::GET))
+    let rest_empty = parts.next().is_none();
+    let read =
+        method == axum::http::Method::GET && rest_empty && matches!(more, None | Some("lineage"));
+    Some((id, read))
 }

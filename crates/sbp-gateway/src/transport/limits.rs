@@ -85,12 +85,17 @@ pub async fn enforce(State(limits): State<Arc<Limits>>, req: Request, next: Next
     }
     let credentials = req.headers().contains_key("x-session-token")
         || req.headers().contains_key(header::AUTHORIZATION);
+    // A handover refused for the surface's session token is the surface's failure, not the
+    // calling gateway's: it must not get the peer's address blocked here.
+    let handover = req.uri().path().starts_with("/v1/sbp/federation/sessions/");
     let resp = next.run(req).await;
+    let failed = match resp.status() {
+        StatusCode::UNAUTHORIZED => true,
+        StatusCode::FORBIDDEN => !handover,
+        _ => false,
+    };
     if credentials
-        && matches!(
-            resp.status(),
-            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
-        )
+        && failed
         && let (Some(failures), Some(ip)) = (&limits.failures, ip)
     {
         failures.strike(&ip);

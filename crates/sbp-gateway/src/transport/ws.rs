@@ -237,11 +237,18 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
                     AttachError::Protocol(d) => {
                         (protocol_error(d), CLOSE_PROTOCOL_ERROR, "protocol error")
                     }
-                    AttachError::TryAgain(d) => (
-                        protocol_error(format!("try again: {d}")),
-                        CLOSE_TRY_AGAIN,
-                        "try again later",
-                    ),
+                    AttachError::TryAgain(d) => {
+                        // The reason names peers: logged, not sent to the surface.
+                        tracing::info!(reason = %d, "attach to try again later");
+                        (
+                            protocol_error(
+                                "this session is held by another gateway that cannot hand it over now; try again"
+                                    .into(),
+                            ),
+                            CLOSE_TRY_AGAIN,
+                            "try again later",
+                        )
+                    }
                     AttachError::Internal(d) => {
                         tracing::error!(error = %d, "attach failed");
                         (

@@ -119,6 +119,23 @@ impl Federation {
     }
 
     pub(super) async fn fetch_from(&self, peer: &TrustedPeer, cid: &str) -> Attempt {
+        let cap = self
+            .inner
+            .as_ref()
+            .map(|i| i.config.max_body_bytes)
+            .unwrap_or(1 << 20);
+        self.fetch_within(peer, cid, cap, crate::federation::client::CALL_TIMEOUT)
+            .await
+    }
+
+    /// [`Federation::fetch_from`] with its own size cap and time (a handover's bundle).
+    pub(super) async fn fetch_within(
+        &self,
+        peer: &TrustedPeer,
+        cid: &str,
+        cap: usize,
+        timeout: std::time::Duration,
+    ) -> Attempt {
         let Ok(inner) = self.on() else {
             return Attempt::Unreachable;
         };
@@ -132,8 +149,12 @@ impl Federation {
         let token = inner
             .identity
             .token(&peer.gateway_id, cid, "GET", parsed.path());
-        let cap = inner.config.max_body_bytes;
-        match inner.directory.client().get(&url, Some(&token), cap).await {
+        match inner
+            .directory
+            .client()
+            .get_within(&url, Some(&token), cap, timeout)
+            .await
+        {
             Ok(a) if a.status == 200 => {
                 let bytes = a.body;
                 let cid_owned = cid.to_owned();

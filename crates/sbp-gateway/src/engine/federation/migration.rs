@@ -26,7 +26,7 @@ use super::Federation;
 use crate::config::GatewayConfig;
 use crate::error::{Error, FedError};
 use crate::federation::auth::Caller;
-use crate::federation::trust::TrustedPeer;
+use crate::federation::trust::{TrustError, TrustedPeer};
 use crate::metrics::fed;
 
 /// How many `moved` answers a locate follows.
@@ -60,6 +60,15 @@ fn test_handover_pause(config: &GatewayConfig) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
+/// How a gateway asking for a handover shows it holds the surface's session token: a proof
+/// ([`crate::auth::token_proof`], what this gateway sends: the token itself never leaves the
+/// gateway the surface gave it to), or the token (accepted from other implementations).
+#[derive(Debug, Clone)]
+pub enum TokenCredential {
+    Proof(String),
+    Token(String),
+}
+
 /// The paths of the migration routes, for tokens' `htu`.
 pub fn locate_path(id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}")
@@ -71,6 +80,24 @@ pub fn handover_path(id: Uuid) -> String {
 
 pub fn commit_path(id: Uuid, migration_id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit")
+}
+
+/// Whether `a` is the holder's signed confirmation of this commit.
+fn committed(
+    a: &crate::federation::client::Answer,
+    holder: &TrustedPeer,
+    id: Uuid,
+    migration_id: Uuid,
+) -> bool {
+    let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(&a.body) else {
+        return false;
+    };
+    holder.live_keys().any(|k| verify_object(&obj, k).is_ok())
+        && HandoverCommit::read(&obj).is_ok_and(|c| {
+            c.session_id == id
+                && c.migration_id == migration_id
+                && c.state == HandoverCommit::COMMITTED
+        })
 }
 
 /// The stored tether item as the envelope carries it.
@@ -131,7 +158,10 @@ impl Federation {
                     json!(sbp_protocol::time::iso(&h.updated_at)),
                 );
             }
-            Some(h) if h.state == HoldState::Incoming => return Ok(None),
+            Some(h) if h.state == HoldState::Incoming => {
+                out.insert("state".into(), json!("incoming"));
+                out.insert("epoch".into(), json!(h.epoch));
+            }
             other => {
                 out.insert("state".into(), json!("held"));
                 out.insert("gateway_id".into(), json!(own));
@@ -142,16 +172,31 @@ impl Federation {
         Ok(Some(out))
     }
 
-    /// Whether session `id`, stored here, moved to another gateway.
+    /// Whether session `id` is not (or not yet) this gateway's: moved away, still arriving, or
+    /// not stored here at all (a copy dropped after a refused commit may still have its token
+    /// cached by the attach's token check).
     pub async fn is_away(&self, id: Uuid) -> Result<bool, sbp_store::StoreError> {
         let Some(inner) = &self.inner else {
             return Ok(false);
         };
-        Ok(inner
-            .store
-            .hold(id)
-            .await?
-            .is_some_and(|h| h.state == HoldState::Moved || h.state == HoldState::Incoming))
+        if let Some(h) = inner.store.hold(id).await? {
+            return Ok(h.state == HoldState::Moved || h.state == HoldState::Incoming);
+        }
+        Ok(inner.store.get_session(id).await?.is_none())
+    }
+
+    /// For reads of a session's own record and lineage: refused only while it is arriving here
+    /// (a move away still answers, saying where it went).
+    pub async fn guard_read(&self, id: Uuid) -> Result<(), Error> {
+        let Some(inner) = &self.inner else {
+            return Ok(());
+        };
+        match inner.store.hold(id).await? {
+            Some(h) if h.state == HoldState::Incoming => {
+                Err(FedError::SessionMoving { retry_after: 1 }.into())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Refuses work on a session that moved away or is being handed over (federation on).
@@ -169,6 +214,8 @@ impl Federation {
                 gateway_url: h.peer_url.unwrap_or_default(),
             }
             .into()),
+            // Arriving here: usable once its holder committed the move.
+            HoldState::Incoming => Err(FedError::SessionMoving { retry_after: 1 }.into()),
             HoldState::Leased if h.lease_expires_at.is_some_and(|t| t > now) => {
                 let left = h
                     .lease_expires_at
@@ -189,7 +236,7 @@ impl Federation {
         &self,
         caller: &Caller,
         id: Uuid,
-        session_token: &str,
+        credential: &TokenCredential,
         migration_id: Uuid,
     ) -> Result<Map<String, Value>, Error> {
         let inner = self.on()?;
@@ -200,6 +247,23 @@ impl Federation {
             count("origin_not_found");
             return Err(Error::session_not_found(id));
         };
+        let own = inner.identity.gateway_id();
+        let holds_token = match credential {
+            TokenCredential::Proof(proof) => crate::auth::proof_matches(
+                proof,
+                &session.token_hash,
+                &id.to_string(),
+                &migration_id.to_string(),
+                own,
+            ),
+            TokenCredential::Token(token) => crate::auth::token_matches(token, &session.token_hash),
+        };
+        if !holds_token {
+            count("origin_forbidden");
+            return Err(Error::forbidden(
+                "the session token does not match this session",
+            ));
+        }
         if let Some(h) = inner.store.hold(id).await?
             && h.state == HoldState::Moved
         {
@@ -209,12 +273,6 @@ impl Federation {
                 gateway_url: h.peer_url.unwrap_or_default(),
             }
             .into());
-        }
-        if !crate::auth::token_matches(session_token, &session.token_hash) {
-            count("origin_forbidden");
-            return Err(Error::forbidden(
-                "the session token does not match this session",
-            ));
         }
         let peer = inner
             .directory
@@ -299,6 +357,15 @@ impl Federation {
         .to_signed_map(inner.identity.key()))
     }
 
+    /// The largest session this gateway takes over: what its own limits let a session grow to
+    /// (a bundle or envelope carries at most that, plus its envelope).
+    fn handover_cap(&self) -> usize {
+        self.inner.as_ref().map_or(8 << 20, |i| {
+            let session = usize::try_from(i.config.limits.max_session_bytes).unwrap_or(usize::MAX);
+            session.saturating_add(1 << 20).max(i.config.max_body_bytes)
+        })
+    }
+
     fn lease_duration(&self) -> Duration {
         self.inner
             .as_ref()
@@ -308,22 +375,39 @@ impl Federation {
     }
 
     /// The peers that may hold a session: where it went last (when it moved from here), the
-    /// static peers and the SRV peers that host sessions.
-    async fn session_candidates(&self, id: Uuid) -> Vec<TrustedPeer> {
+    /// static peers and the SRV peers that host sessions; and how many could not be reached (a
+    /// peer that is down may be the one holding it).
+    async fn session_candidates(&self, id: Uuid) -> (Vec<TrustedPeer>, usize) {
         let Some(inner) = &self.inner else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         let mut out: Vec<TrustedPeer> = Vec::new();
+        let mut unreachable = 0;
+        let mut urls: Vec<String> = Vec::new();
         if let Ok(Some(h)) = inner.store.hold(id).await
             && h.state == HoldState::Moved
-            && let Some(url) = &h.peer_url
-            && let Ok(p) = inner.directory.at_url(url).await
+            && let Some(url) = h.peer_url
         {
-            out.push(p);
+            urls.push(url);
         }
-        for p in inner.directory.configured().await {
-            if p.role.hosts_sessions() && !out.iter().any(|o| o.gateway_id == p.gateway_id) {
-                out.push(p);
+        urls.extend(inner.directory.configured_urls());
+        // Learned at once, each bounded by the client's timeout: a silent peer costs one timeout,
+        // not one per peer.
+        let learned =
+            futures::future::join_all(urls.iter().map(|u| inner.directory.at_url(u))).await;
+        for (url, got) in urls.iter().zip(learned) {
+            match got {
+                Ok(p) => {
+                    if p.role.hosts_sessions() && !out.iter().any(|o| o.gateway_id == p.gateway_id)
+                    {
+                        out.push(p);
+                    }
+                }
+                Err(TrustError::Peer(e)) => {
+                    tracing::info!(peer = %url, error = %e, "a peer that may hold the session is unreachable");
+                    unreachable += 1;
+                }
+                Err(_) => {}
             }
         }
         for p in self.srv_peers().await {
@@ -331,12 +415,17 @@ impl Federation {
                 out.push(p);
             }
         }
-        out
+        (out, unreachable)
     }
 
-    /// Asks `peer` where session `id` is.
-    async fn ask_location(&self, peer: &TrustedPeer, id: Uuid) -> Option<Map<String, Value>> {
-        let inner = self.inner.as_ref()?;
+    /// Asks `peer` where session `id` is: its answer, `Ok(None)` when it does not know the
+    /// session, `Err` when it could not be asked.
+    async fn ask_location(
+        &self,
+        peer: &TrustedPeer,
+        id: Uuid,
+    ) -> Result<Option<Map<String, Value>>, ()> {
+        let inner = self.inner.as_ref().ok_or(())?;
         let path = locate_path(id);
         let url = format!("{}{path}", peer.url);
         let token = inner
@@ -347,24 +436,38 @@ impl Federation {
             .client()
             .get(&url, Some(&token), 16 << 10)
             .await
-            .ok()?;
-        if a.status != 200 {
-            return None;
+            .map_err(|_| ())?;
+        match a.status {
+            200 => a.object(&url).map(Some).map_err(|_| ()),
+            404 => Ok(None),
+            _ => Err(()),
         }
-        a.object(&url).ok()
     }
 
-    /// The gateway holding session `id`, following `moved` answers.
-    async fn find_holder(&self, id: Uuid) -> Option<TrustedPeer> {
-        let inner = self.inner.as_ref()?;
-        let candidates = self.session_candidates(id).await;
+    /// The gateway holding session `id`, following `moved` answers. `TryAgain` when a peer that
+    /// may hold it could not be asked, or the session is arriving somewhere (a move in progress).
+    async fn find_holder(&self, id: Uuid) -> Result<TrustedPeer, PullError> {
+        let Some(inner) = self.inner.as_ref() else {
+            return Err(PullError::NotHeld);
+        };
+        let busy = || PullError::TryAgain("the session is moving; try again".into());
+        let (candidates, mut unreachable) = self.session_candidates(id).await;
         let answers =
             futures::future::join_all(candidates.iter().map(|p| self.ask_location(p, id))).await;
         let mut next: Option<String> = None;
+        let mut arriving = false;
         for (peer, answer) in candidates.iter().zip(answers) {
-            let Some(a) = answer else { continue };
+            let a = match answer {
+                Ok(Some(a)) => a,
+                Ok(None) => continue,
+                Err(()) => {
+                    unreachable += 1;
+                    continue;
+                }
+            };
             match a.get("state").and_then(Value::as_str) {
-                Some("held") => return Some(peer.clone()),
+                Some("held") => return Ok(peer.clone()),
+                Some("incoming") => arriving = true,
                 Some("moved") => {
                     next = a
                         .get("gateway_id")
@@ -384,21 +487,35 @@ impl Federation {
             }
             let peer = match inner.directory.known(&gateway_id) {
                 Some(p) => p,
-                None => inner.directory.via_trackers(&gateway_id).await?,
+                None => match inner.directory.via_trackers(&gateway_id).await {
+                    Some(p) => p,
+                    None => return Err(busy()),
+                },
             };
-            let a = self.ask_location(&peer, id).await?;
-            match a.get("state").and_then(Value::as_str) {
-                Some("held") => return Some(peer),
-                Some("moved") => {
-                    next = a
-                        .get("gateway_id")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned);
-                }
-                _ => {}
+            match self.ask_location(&peer, id).await {
+                Ok(Some(a)) => match a.get("state").and_then(Value::as_str) {
+                    Some("held") => return Ok(peer),
+                    Some("moved") => {
+                        next = a
+                            .get("gateway_id")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned);
+                    }
+                    _ => return Err(busy()),
+                },
+                // Moved there and not known there: it is arriving, or that gateway is down.
+                Ok(None) | Err(()) => return Err(busy()),
             }
         }
-        None
+        if arriving {
+            return Err(busy());
+        }
+        if unreachable > 0 {
+            return Err(PullError::TryAgain(
+                "a peer that may hold the session could not be reached".into(),
+            ));
+        }
+        Err(PullError::NotHeld)
     }
 
     /// Brings session `id` here from the gateway that holds it, for a surface presenting
@@ -423,9 +540,7 @@ impl Federation {
             count("target_timeout");
             return Err(PullError::TryAgain("locating the session timed out".into()));
         };
-        let Some(holder) = holder else {
-            return Err(PullError::NotHeld);
-        };
+        let holder = holder?;
         let migration_id = Uuid::now_v7();
         let envelope = match tokio::time::timeout_at(
             deadline,
@@ -439,22 +554,25 @@ impl Federation {
                 return Err(PullError::TryAgain("the handover timed out".into()));
             }
         };
-        let bundle =
-            match tokio::time::timeout_at(deadline, self.fetch_from(&holder, &envelope.bundle_cid))
-                .await
-            {
-                Ok(super::bundles::Attempt::Got(v)) => v,
-                Ok(_) => {
-                    count("target_bad_bundle");
-                    return Err(PullError::TryAgain(
-                        "the holder did not serve the session's bundle".into(),
-                    ));
-                }
-                Err(_) => {
-                    count("target_timeout");
-                    return Err(PullError::TryAgain("fetching the bundle timed out".into()));
-                }
-            };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let bundle = match tokio::time::timeout_at(
+            deadline,
+            self.fetch_within(&holder, &envelope.bundle_cid, self.handover_cap(), left),
+        )
+        .await
+        {
+            Ok(super::bundles::Attempt::Got(v)) => v,
+            Ok(_) => {
+                count("target_bad_bundle");
+                return Err(PullError::TryAgain(
+                    "the holder did not serve the session's bundle".into(),
+                ));
+            }
+            Err(_) => {
+                count("target_timeout");
+                return Err(PullError::TryAgain("fetching the bundle timed out".into()));
+            }
+        };
         let tether: Vec<(u64, sbp_store::NewTetherEntry)> = envelope
             .tether
             .iter()
@@ -505,8 +623,13 @@ impl Federation {
                     .post(&url, Some(&token), &json!({}), 16 << 10),
             )
             .await;
+            let code = |a: &crate::federation::client::Answer| {
+                serde_json::from_slice::<sbp_protocol::ErrorBody>(&a.body)
+                    .map(|b| b.error.code)
+                    .unwrap_or_default()
+            };
             match sent {
-                Ok(Ok(a)) if a.status == 200 => {
+                Ok(Ok(a)) if a.status == 200 && committed(&a, holder, id, migration_id) => {
                     if let Err(e) = inner
                         .store
                         .finish_incoming(id, migration_id, true, Utc::now())
@@ -519,17 +642,33 @@ impl Federation {
                     tracing::info!(session_id = %id, from = %holder.gateway_id, "session moved here");
                     return Ok(());
                 }
-                Ok(Ok(a)) => {
-                    // Refused (the lease expired): nothing of it stays here.
-                    let _ = inner
+                // Only a definitive refusal drops the copy: the lease is gone, or the holder
+                // no longer knows the session. Anything else (a proxy's 5xx, a 429, a 401 from
+                // a clock) may hide a commit that went through: keep the copy `incoming`.
+                Ok(Ok(a))
+                    if (a.status == 409 && code(&a) == "SBP_SESSION_LEASE_EXPIRED")
+                        || a.status == 404 =>
+                {
+                    if let Err(e) = inner
                         .store
                         .finish_incoming(id, migration_id, false, Utc::now())
-                        .await;
+                        .await
+                    {
+                        tracing::warn!(session_id = %id, error = %e, "dropping a refused copy");
+                    }
                     count("target_commit_refused");
                     return Err(PullError::TryAgain(format!(
                         "the holder refused the commit (HTTP {})",
                         a.status
                     )));
+                }
+                Ok(Ok(a)) => {
+                    tracing::warn!(session_id = %id, status = a.status, "commit not confirmed; retrying");
+                    if tokio::time::Instant::now() + Duration::from_millis(200) >= deadline {
+                        count("target_commit_unknown");
+                        return Err(PullError::TryAgain("the commit was not confirmed".into()));
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(session_id = %id, error = %e, "commit not answered; retrying");
@@ -611,11 +750,23 @@ impl Federation {
         let token = inner
             .identity
             .token(&holder.gateway_id, &id.to_string(), "POST", &path);
-        let body = json!({ "session_token": session_token, "migration_id": migration_id });
+        let proof = crate::auth::token_proof(
+            &crate::auth::hash_token(session_token),
+            &id.to_string(),
+            &migration_id.to_string(),
+            &holder.gateway_id,
+        );
+        let body = json!({ "session_token_proof": proof, "migration_id": migration_id });
         let a = inner
             .directory
             .client()
-            .post(&url, Some(&token), &body, 1 << 20)
+            .post_within(
+                &url,
+                Some(&token),
+                &body,
+                self.handover_cap(),
+                Duration::from_secs(10),
+            )
             .await
             .map_err(|e| {
                 count("target_unreachable");
@@ -651,6 +802,7 @@ impl Federation {
             || envelope.session_id != id
             || envelope.migration_id != migration_id
             || envelope.from_gateway != holder.gateway_id
+            || !crate::auth::token_matches(session_token, &envelope.token_hash)
         {
             count("target_bad_envelope");
             return Err(PullError::TryAgain(

@@ -112,6 +112,7 @@ impl Federation {
         );
         let register = !fed.trackers.is_empty() && fed.role.hosts_sessions();
         let hosts_sessions = fed.role.hosts_sessions();
+        let handover_lease = fed.handover_lease;
         let this = Self {
             inner: Some(Arc::new(Inner {
                 identity,
@@ -132,8 +133,20 @@ impl Federation {
         if hosts_sessions {
             // Sessions a crash left half-adopted (adopted, commit unanswered) are settled with
             // their holder: kept when the commit went through, dropped when it did not.
+            // Then again every few seconds: a copy whose commit answer was lost is settled even
+            // if no surface comes back for it.
             let settle = this.clone();
-            tasks.spawn(async move { settle.resolve_all_incoming().await });
+            let every = (handover_lease / 2).clamp(Duration::from_secs(2), Duration::from_secs(30));
+            let stop = tasks.stopping();
+            tasks.spawn(async move {
+                loop {
+                    settle.resolve_all_incoming().await;
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                }
+            });
         }
         Ok(this)
     }

@@ -1,7 +1,9 @@
 //! Session token hashes kept in memory, so the hot token checks (ATTACH_SESSION, the backend
 //! tool-call endpoint) skip a store read. Exact, not a heuristic: a session's token hash is written
-//! once when the session is made and never changes, and sessions are never deleted, so a cached
-//! hash is the stored one on every replica.
+//! once when the session is made and never changes, even when the session moves between gateways
+//! (federation keeps its id and token). The one deletion, a copy dropped when a move was refused,
+//! leaves a hash that still matches its token; the attach checks such a session's presence
+//! (`Federation::is_away`), and the other routes read the session itself.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -562,6 +562,7 @@ impl Turns {
             && trusted
             && let Some(s) = self.inner.store.latest_suspended_for_agent(agent).await?
         {
+            self.inner.federation.guard(s.id).await?;
             return continue_session(s, opts.resume);
         }
         Ok(Resolved::New {
