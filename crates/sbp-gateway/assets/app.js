@@ -608,6 +608,7 @@ async function deliver(node, body, key) {
 // This page at `gatewayUrl` with the session in the fragment, or null when the URL is not one to
 // send the session token to (not http(s), or plain http from an https page).
 function pageAt(gatewayUrl) {
+  if (!session) return null;
   let url;
   try { url = new URL(String(gatewayUrl)); } catch { return null; }
   if (url.protocol !== 'https:' && !(url.protocol === 'http:' && location.protocol === 'http:')) return null;
