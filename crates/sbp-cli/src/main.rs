@@ -30,10 +30,11 @@ enum Command {
     /// Attach this terminal to a session as a surface: see what happened while away, chat, and
     /// answer the agent's tool calls with local tools (clock, system info, files, MCP servers).
     Attach(Box<attach::AttachArgs>),
-    /// Tell the protocol's story on the built-in model, with no setup: two gateways in this
-    /// process, a phone, a watch and a desktop, tether, tools, export, import, fork and handoff.
+    /// Tell the protocol's story on the built-in model, with no setup: two federated gateways in
+    /// this process, a phone, a watch and a desktop, tether, tools, export, import, fork, handoff,
+    /// and the session moving to the second gateway when the phone attaches there.
     Demo(Box<demo::DemoArgs>),
-    /// Check any SBP gateway against the protocol, level by level (L1..L5); exit status for CI.
+    /// Check any SBP gateway against the protocol, level by level (L1..L6); exit status for CI.
     Conformance(Box<conformance::ConformanceArgs>),
     /// Keys for encryption at rest (`sbp serve --encryption-key FILE`).
     #[command(subcommand)]

@@ -72,6 +72,19 @@ impl Error {
         }
     }
 
+    /// A WebSocket attach closed with 1013 ("try again later"): with federation, the session is
+    /// held by another gateway that could not hand it over just now. Retrying after a pause (the
+    /// surface's backoff) is expected to succeed.
+    pub fn is_try_again(&self) -> bool {
+        matches!(
+            self,
+            Self::Closed {
+                code: Some(crate::reconnect::CLOSE_TRY_AGAIN),
+                ..
+            }
+        )
+    }
+
     /// The HTTP status, for [`Error::Api`] and [`Error::UnexpectedResponse`].
     pub fn status(&self) -> Option<u16> {
         match self {

@@ -73,6 +73,16 @@
 //! exports and the memory. The bodies are [`sbp_protocol::rest`]'s, the types the gateway sends
 //! (re-exported in [`types`]). Errors in the gateway's envelope become [`Error::Api`] with the
 //! `SBP_*` code.
+//!
+//! # Federation
+//!
+//! A session can move to another gateway of a federation (SBP L6): a surface attaching there
+//! with its id and token brings it over, so a [`Surface`] never has to follow. HTTP callers do:
+//! the gateway the session left answers 409 `SBP_SESSION_MOVED` naming the new holder, and a
+//! [`SessionClient`] follows it (at most three moves per call, `http(s)` only) and sends the call
+//! again there; [`SessionClient::base_url`] says where it went. An attach closed with 1013 (the
+//! session could not be handed over just now) is retried by the reconnect policy
+//! ([`Error::is_try_again`] for the first attach).
 
 pub mod error;
 pub mod reconnect;
@@ -84,7 +94,7 @@ pub mod types;
 pub use sbp_protocol as protocol;
 
 pub use error::Error;
-pub use reconnect::{Backoff, ReconnectPolicy};
+pub use reconnect::{Backoff, CLOSE_TRY_AGAIN, ReconnectPolicy};
 pub use rest::{Client, ClientBuilder, SessionClient};
 pub use surface::{Disconnect, DisconnectKind, Event, Surface, SurfaceConfig};
 pub use tools::{ToolHandler, ToolSpec, Tools};

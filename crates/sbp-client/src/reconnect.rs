@@ -7,6 +7,11 @@ use sbp_protocol::frames::{CLOSE_FORBIDDEN, CLOSE_NOT_FOUND, CLOSE_PROTOCOL_ERRO
 
 pub use sbp_protocol::frames::CLOSE_DISPLACED;
 
+/// RFC 6455 1013, "try again later": with federation, the gateway could not bring the session
+/// over from the gateway holding it just now (a turn running there, a handover racing this one,
+/// a peer unreachable). Never terminal: the next attempt follows the move.
+pub const CLOSE_TRY_AGAIN: u16 = 1013;
+
 /// Exponential backoff: attempt `n` (from 1) waits `initial * multiplier^(n-1)`, at most `max`,
 /// minus a random share of up to `jitter` (0 to 1) of it, so surfaces dropped together by one
 /// gateway restart do not all come back in the same instant.
@@ -169,6 +174,7 @@ mod tests {
             (Some(1003), true),
             (Some(1001), false),
             (Some(1000), false),
+            (Some(CLOSE_TRY_AGAIN), false),
             (None, false),
         ] {
             assert_eq!(p.is_terminal(code), terminal, "{code:?}");

@@ -1,7 +1,12 @@
 //! The HTTP side: [`Client`] for gateway-wide calls (create, import, token inspection) and
 //! [`SessionClient`] for one session's endpoints, authenticated with its `X-Session-Token`.
+//!
+//! With federation (SBP L6) a session can move to another gateway (a surface attached there with
+//! its id and token). The gateway it left answers its routes with 409 `SBP_SESSION_MOVED`, whose
+//! `detail.gateway_url` names the new holder: a [`SessionClient`] follows it (see
+//! [`SessionClient::base_url`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use reqwest::header::HeaderMap;
@@ -23,6 +28,13 @@ use crate::types::{
 use sbp_protocol::SessionStatus;
 
 const SESSION_TOKEN: &str = "x-session-token";
+
+/// The code of the answer a gateway gives for a session that moved to another gateway.
+pub const SESSION_MOVED: &str = "SBP_SESSION_MOVED";
+
+/// How many `SBP_SESSION_MOVED` answers one call follows: a session moves at most a few times
+/// between two calls, and a chain longer than this is a loop or a misconfiguration.
+pub const MAX_MOVES_PER_CALL: usize = 3;
 
 /// A gateway's HTTP API. Cheap to clone (the connection pool is shared).
 #[derive(Debug, Clone)]
@@ -165,12 +177,24 @@ impl Client {
         &self.inner.base
     }
 
-    /// A client for an existing session.
+    /// A client for an existing session, on this client's gateway.
     pub fn session(&self, id: impl Into<String>, token: impl Into<String>) -> SessionClient {
+        self.session_at(self.inner.base.clone(), id, token)
+    }
+
+    /// A client for a session held at `base` (a gateway the session moved to, or the one that
+    /// answered a call that made it).
+    fn session_at(
+        &self,
+        base: Url,
+        id: impl Into<String>,
+        token: impl Into<String>,
+    ) -> SessionClient {
         SessionClient {
             client: self.clone(),
             id: id.into(),
             token: token.into(),
+            base: Arc::new(RwLock::new(base)),
         }
     }
 
@@ -252,7 +276,7 @@ impl Client {
         req
     }
 
-    /// One JSON call; a non-2xx answer becomes [`Error::Api`].
+    /// One JSON call to this client's gateway; a non-2xx answer becomes [`Error::Api`].
     async fn call<B: Serialize, T: DeserializeOwned>(
         &self,
         method: Method,
@@ -260,13 +284,41 @@ impl Client {
         token: Option<&str>,
         body: Option<&B>,
     ) -> Result<T, Error> {
-        let url = endpoint(&self.inner.base, path)?;
+        let req = self.json_request(&self.inner.base, method, path, token, body)?;
+        let (status, _, value) = send(req).await?;
+        parse(status, value)
+    }
+
+    /// `method base/path` with an optional JSON body.
+    fn json_request<B: Serialize>(
+        &self,
+        base: &Url,
+        method: Method,
+        path: &[&str],
+        token: Option<&str>,
+        body: Option<&B>,
+    ) -> Result<reqwest::RequestBuilder, Error> {
+        let url = endpoint(base, path)?;
         let mut req = self.request(method, url, token);
         if let Some(b) = body {
             req = req.json(b);
         }
-        let (status, _, value) = send(req).await?;
-        parse(status, value)
+        Ok(req)
+    }
+
+    /// A completion request to the gateway at `base`.
+    fn chat_request(
+        &self,
+        base: &Url,
+        token: Option<&str>,
+        req: &ChatRequest,
+    ) -> Result<reqwest::RequestBuilder, Error> {
+        let url = endpoint(base, &["v1", "chat", "completions"])?;
+        let mut http = self.request(Method::POST, url, token).json(&req.body());
+        if let Some(key) = &req.idempotency_key {
+            http = http.header("idempotency-key", key);
+        }
+        Ok(http)
     }
 
     /// A completion; also returns the `X-Session-Token` header (set when the call made a session).
@@ -275,44 +327,46 @@ impl Client {
         token: Option<&str>,
         req: &ChatRequest,
     ) -> Result<(ChatOutcome, Option<String>), Error> {
-        let url = endpoint(&self.inner.base, &["v1", "chat", "completions"])?;
-        let mut http = self.request(Method::POST, url, token).json(&req.body());
-        if let Some(key) = &req.idempotency_key {
-            http = http.header("idempotency-key", key);
-        }
-        let (status, headers, body) = send(http).await?;
-        let header_token = headers
-            .get(SESSION_TOKEN)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let meta: SbpResponseMeta = body
-            .get("sbp")
-            .cloned()
-            .map(serde_json::from_value)
-            .transpose()
-            .map_err(|e| Error::UnexpectedResponse {
-                status,
-                reason: format!("bad `sbp` block: {e}"),
-            })?
-            .ok_or_else(|| Error::UnexpectedResponse {
-                status,
-                reason: "no `sbp` block".into(),
-            })?;
-        if status == 202 {
-            return Ok((ChatOutcome::ResumeAvailable(meta), header_token));
-        }
-        let choice = &body["choices"][0];
-        let reply = ChatReply {
-            text: choice["message"]["content"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
-            finish_reason: choice["finish_reason"].as_str().map(str::to_owned),
-            meta,
-            body,
-        };
-        Ok((ChatOutcome::Reply(reply), header_token))
+        let http = self.chat_request(&self.inner.base, token, req)?;
+        chat_outcome(send(http).await?)
     }
+}
+
+/// A completion's answer: the reply (or the offer to resume), and the `X-Session-Token` header.
+fn chat_outcome(
+    (status, headers, body): (u16, HeaderMap, Value),
+) -> Result<(ChatOutcome, Option<String>), Error> {
+    let header_token = headers
+        .get(SESSION_TOKEN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let meta: SbpResponseMeta = body
+        .get("sbp")
+        .cloned()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| Error::UnexpectedResponse {
+            status,
+            reason: format!("bad `sbp` block: {e}"),
+        })?
+        .ok_or_else(|| Error::UnexpectedResponse {
+            status,
+            reason: "no `sbp` block".into(),
+        })?;
+    if status == 202 {
+        return Ok((ChatOutcome::ResumeAvailable(meta), header_token));
+    }
+    let choice = &body["choices"][0];
+    let reply = ChatReply {
+        text: choice["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        finish_reason: choice["finish_reason"].as_str().map(str::to_owned),
+        meta,
+        body,
+    };
+    Ok((ChatOutcome::Reply(reply), header_token))
 }
 
 /// Sends the request; non-2xx statuses become [`Error::Api`] (or `UnexpectedResponse`).
@@ -358,11 +412,21 @@ fn truncate(text: &str) -> String {
 }
 
 /// One session's HTTP endpoints, authenticated with its token. Cheap to clone.
+///
+/// The calls go to the gateway holding the session: at first the [`Client`]'s, and after a call
+/// is answered 409 `SBP_SESSION_MOVED` (the session moved to another gateway of a federation),
+/// the gateway its `detail.gateway_url` names. The call is then sent again there, and so are the
+/// calls after it ([`SessionClient::base_url`]); clones share where the session is. Only
+/// `http`/`https` URLs are followed (never to plain `http` from `https`, which would expose the
+/// session token), at most [`MAX_MOVES_PER_CALL`] times per call; otherwise the 409 is the
+/// call's error, as is a move with no URL to follow.
 #[derive(Debug, Clone)]
 pub struct SessionClient {
     client: Client,
     id: String,
     token: String,
+    /// The gateway holding the session, as far as this client knows.
+    base: Arc<RwLock<Url>>,
 }
 
 impl SessionClient {
@@ -378,9 +442,18 @@ impl SessionClient {
         &self.client
     }
 
-    /// A surface configuration for this session (same gateway, id and token).
+    /// The base URL this session's calls go to: the client's, or the gateway the session was
+    /// last found to have moved to.
+    pub fn base_url(&self) -> Url {
+        self.base
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A surface configuration for this session (its current gateway, id and token).
     pub fn surface(&self) -> SurfaceConfig {
-        SurfaceConfig::for_url(self.client.base_url().clone(), &self.id, &self.token)
+        SurfaceConfig::for_url(self.base_url(), &self.id, &self.token)
     }
 
     /// Sends one user message and returns the reply; a suspended session is resumed.
@@ -396,7 +469,10 @@ impl SessionClient {
 
     /// A completion in this session, as given (a suspended session answers 202 without `resume`).
     pub async fn chat(&self, req: ChatRequest) -> Result<ChatOutcome, Error> {
-        Ok(self.client.chat(Some(&self.token), &req).await?.0)
+        let answer = self
+            .following(|base| self.client.chat_request(base, Some(&self.token), &req))
+            .await?;
+        Ok(chat_outcome(answer)?.0)
     }
 
     /// `GET /v1/sessions/{id}`.
@@ -410,18 +486,22 @@ impl SessionClient {
         after: Option<u64>,
         limit: Option<u32>,
     ) -> Result<MessagePage, Error> {
-        let mut url = endpoint(
-            &self.client.inner.base,
-            &["v1", "sessions", &self.id, "messages"],
-        )?;
-        // Two optional numbers: serialising them cannot fail, and each is a plain query value.
-        if let Ok(Value::Object(pairs)) = serde_json::to_value(MessagesQuery { after, limit }) {
-            let mut q = url.query_pairs_mut();
-            for (key, value) in pairs {
-                q.append_pair(&key, &value.to_string());
-            }
-        }
-        let (status, _, v) = send(self.client.request(Method::GET, url, Some(&self.token))).await?;
+        let (status, _, v) = self
+            .following(|base| {
+                let mut url = endpoint(base, &["v1", "sessions", &self.id, "messages"])?;
+                // Two optional numbers: serialising them cannot fail, and each is a plain query
+                // value.
+                if let Ok(Value::Object(pairs)) =
+                    serde_json::to_value(MessagesQuery { after, limit })
+                {
+                    let mut q = url.query_pairs_mut();
+                    for (key, value) in pairs {
+                        q.append_pair(&key, &value.to_string());
+                    }
+                }
+                Ok(self.client.request(Method::GET, url, Some(&self.token)))
+            })
+            .await?;
         parse(status, v)
     }
 
@@ -471,9 +551,7 @@ impl SessionClient {
     pub async fn fork_with(&self, body: ForkRequest) -> Result<Created<ForkInfo>, Error> {
         let info: ForkInfo = self.post(&["fork"], &body).await?;
         Ok(Created {
-            session: self
-                .client
-                .session(info.session_id.clone(), info.session_token.clone()),
+            session: self.sibling(&info.session_id, &info.session_token),
             info,
         })
     }
@@ -483,9 +561,7 @@ impl SessionClient {
     pub async fn handoff(&self, req: HandoffRequest) -> Result<Created<HandoffInfo>, Error> {
         let info: HandoffInfo = self.post(&["handoff"], &req).await?;
         Ok(Created {
-            session: self
-                .client
-                .session(info.session_id.clone(), info.session_token.clone()),
+            session: self.sibling(&info.session_id, &info.session_token),
             info,
         })
     }
@@ -513,10 +589,19 @@ impl SessionClient {
         self.send_json(Method::PUT, &["memory"], &memory).await
     }
 
+    /// A session made by a call of this one (fork, handoff): on the gateway that answered it.
+    fn sibling(&self, id: &str, token: &str) -> SessionClient {
+        self.client.session_at(self.base_url(), id, token)
+    }
+
     async fn get_json<T: DeserializeOwned>(&self, path: &[&str]) -> Result<T, Error> {
-        self.client
-            .call::<(), T>(Method::GET, path, Some(&self.token), None)
-            .await
+        let (status, _, v) = self
+            .following(|base| {
+                self.client
+                    .json_request::<()>(base, Method::GET, path, Some(&self.token), None)
+            })
+            .await?;
+        parse(status, v)
     }
 
     /// `POST /v1/sbp/sessions/{id}/<tail>`.
@@ -537,10 +622,85 @@ impl SessionClient {
     ) -> Result<T, Error> {
         let mut path = vec!["v1", "sbp", "sessions", self.id.as_str()];
         path.extend_from_slice(tail);
-        self.client
-            .call(method, &path, Some(&self.token), Some(body))
-            .await
+        let (status, _, v) = self
+            .following(|base| {
+                self.client
+                    .json_request(base, method.clone(), &path, Some(&self.token), Some(body))
+            })
+            .await?;
+        parse(status, v)
     }
+
+    /// Sends the request `build` makes for the session's current gateway; when the answer is
+    /// 409 `SBP_SESSION_MOVED` with a URL that may be followed, switches to that gateway and
+    /// sends it again there (at most [`MAX_MOVES_PER_CALL`] times). A 409 means the gateway did
+    /// nothing with the request, so sending it again is safe for every method.
+    async fn following(
+        &self,
+        build: impl Fn(&Url) -> Result<reqwest::RequestBuilder, Error>,
+    ) -> Result<(u16, HeaderMap, Value), Error> {
+        let mut moves = 0;
+        loop {
+            let base = self.base_url();
+            let answer = send(build(&base)?).await;
+            let next = match &answer {
+                Err(e) if moves < MAX_MOVES_PER_CALL => moved_to(e, &base),
+                _ => None,
+            };
+            let Some(next) = next else {
+                return answer;
+            };
+            moves += 1;
+            tracing::info!(session_id = %self.id, from = %base, to = %next, "the session moved to another gateway; following it");
+            *self.base.write().unwrap_or_else(PoisonError::into_inner) = next;
+        }
+    }
+}
+
+/// Where a 409 `SBP_SESSION_MOVED` answer from the gateway at `current` says to go, if this
+/// client may follow it: `detail.gateway_url`, an `http(s)` URL with a host and no credentials,
+/// other than `current`, and not plain `http` when `current` is `https` (the session token would
+/// travel in clear).
+fn moved_to(e: &Error, current: &Url) -> Option<Url> {
+    let Error::Api {
+        status: 409,
+        code,
+        detail,
+        ..
+    } = e
+    else {
+        return None;
+    };
+    if code != SESSION_MOVED {
+        return None;
+    }
+    let raw = detail.as_ref()?.get("gateway_url")?.as_str()?;
+    let next = followable(raw, current);
+    if next.is_none() {
+        tracing::warn!(gateway_url = %raw, from = %current, "not following a move to this URL");
+    }
+    next
+}
+
+/// `raw` as a base URL a session may be followed to from `current` (see [`moved_to`]).
+fn followable(raw: &str, current: &Url) -> Option<Url> {
+    let mut url = Url::parse(raw.trim()).ok()?;
+    let scheme_ok = match url.scheme() {
+        "https" => true,
+        "http" => current.scheme() == "http",
+        _ => false,
+    };
+    if !scheme_ok
+        || url.cannot_be_a_base()
+        || url.host_str().is_none_or(str::is_empty)
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
+        return None;
+    }
+    url.set_query(None);
+    url.set_fragment(None);
+    (url.as_str().trim_end_matches('/') != current.as_str().trim_end_matches('/')).then_some(url)
 }
 
 #[cfg(test)]
@@ -569,6 +729,93 @@ mod tests {
         let base = parse_base("http://h").expect("base");
         let token_url = endpoint(&base, &["v1", "sbp", "token", "a/b c"]).expect("url");
         assert_eq!(token_url.as_str(), "http://h/v1/sbp/token/a%2Fb%20c");
+    }
+
+    #[test]
+    fn moves_are_followed_only_to_http_urls_that_keep_the_token_safe() {
+        let http = parse_base("http://127.0.0.1:8080").expect("base");
+        let https = parse_base("https://a.example").expect("base");
+        let cases = [
+            (
+                &http,
+                "http://127.0.0.1:9090",
+                Some("http://127.0.0.1:9090/"),
+            ),
+            (
+                &http,
+                "https://b.example/sbp/",
+                Some("https://b.example/sbp/"),
+            ),
+            (
+                &https,
+                "https://b.example:8443?x=1#frag",
+                Some("https://b.example:8443/"),
+            ),
+            // Never down to plain http from https, nor to anything but http(s).
+            (&https, "http://b.example", None),
+            (&http, "ws://127.0.0.1:9090", None),
+            (&http, "ftp://127.0.0.1/", None),
+            (&http, "javascript:alert(1)", None),
+            (&http, "file:///etc/passwd", None),
+            (&http, "data:text/plain,hi", None),
+            (&http, "", None),
+            (&http, "/relative/path", None),
+            (&http, "http://user:pw@127.0.0.1:9090", None),
+            (&http, "http://:pw@127.0.0.1:9090", None),
+            // The gateway that answered: following it would loop.
+            (&http, "http://127.0.0.1:8080/", None),
+            (&https, "https://a.example", None),
+        ];
+        for (current, raw, want) in cases {
+            assert_eq!(
+                followable(raw, current).map(|u| u.to_string()).as_deref(),
+                want,
+                "{raw} from {current}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_409_session_moved_with_a_url_is_a_move() {
+        let current = parse_base("http://127.0.0.1:8080").expect("base");
+        let api = |status: u16, code: &str, detail: Option<Value>| Error::Api {
+            status,
+            code: code.into(),
+            message: "moved".into(),
+            detail,
+        };
+        let to_b =
+            Some(serde_json::json!({"gateway_id": "b", "gateway_url": "http://127.0.0.1:9"}));
+        assert_eq!(
+            moved_to(&api(409, SESSION_MOVED, to_b.clone()), &current).map(|u| u.to_string()),
+            Some("http://127.0.0.1:9/".to_owned())
+        );
+        for e in [
+            api(409, "SBP_SESSION_MOVING", to_b.clone()),
+            api(400, SESSION_MOVED, to_b.clone()),
+            api(409, SESSION_MOVED, None),
+            api(
+                409,
+                SESSION_MOVED,
+                Some(serde_json::json!({"gateway_id": "b"})),
+            ),
+            api(
+                409,
+                SESSION_MOVED,
+                Some(serde_json::json!({"gateway_url": 7})),
+            ),
+            api(
+                409,
+                SESSION_MOVED,
+                Some(serde_json::json!({"gateway_url": ""})),
+            ),
+            Error::UnexpectedResponse {
+                status: 409,
+                reason: "moved".into(),
+            },
+        ] {
+            assert_eq!(moved_to(&e, &current), None, "{e:?}");
+        }
     }
 
     #[test]

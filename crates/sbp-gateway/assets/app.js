@@ -1,6 +1,7 @@
 // The browser surface of the SBP gateway: creates or joins a session, attaches over the WebSocket
 // as device_type "browser", streams replies, shows turns drained from the Tether, reconnects with
-// `last_seq`, and answers the agent's TOOL_CALLs after the user allows each one.
+// `last_seq`, and answers the agent's TOOL_CALLs after the user allows each one. With federation,
+// a session that moved to another gateway is shown as such, with a link to this page there.
 //
 // Model output is untrusted: every piece of it reaches the page through createElement and
 // textContent (markdown.js), never through an HTML parser.
@@ -20,6 +21,10 @@ const HISTORY_MAX = 200;
 // up 5 s starts over. These closes mean reconnecting would be wrong.
 const BACKOFF = { initial: 250, max: 5000, jitter: 0.3, resetAfter: 5000 };
 const TERMINAL = { 1003: 'protocol error', 4003: 'forbidden', 4004: 'session not found', 4409: 'displaced' };
+// 1013, try again later: with federation, this gateway could not take the session over from the
+// one holding it just now (a turn running there). Retried with the backoff, whatever error frame
+// came before it.
+const TRY_AGAIN = 1013;
 const ATTACH_TIMEOUT = 10000;
 // The gateway PINGs every 25 s by default: a connection silent much longer than that is dead.
 const IDLE_TIMEOUT = 75000;
@@ -183,6 +188,8 @@ async function api(method, path, body, withToken, extra = {}) {
     }
     const err = new Error(message);
     err.status = resp.status;
+    err.code = data && data.error && data.error.code;
+    err.detail = data && data.error && data.error.detail;
     throw err;
   }
   return { status: resp.status, data };
@@ -334,7 +341,8 @@ function dropped(socket, code, reason) {
   cutLive();
   cancelPrompts(socket);
   if (!session) return;
-  if (refusal || TERMINAL[code]) {
+  const tryAgain = code === TRY_AGAIN;
+  if (!tryAgain && (refusal || TERMINAL[code])) {
     const why = refusal ? refusal.detail || refusal.kind : TERMINAL[code];
     const hint = code === 4003 || code === 4004 ? ' Check the session id and token, or leave the session.' : '';
     if (code === 4409) setState('displaced');
@@ -345,7 +353,7 @@ function dropped(socket, code, reason) {
   attempt += 1;
   const base = Math.min(BACKOFF.max, BACKOFF.initial * 2 ** (attempt - 1));
   const delay = base * (1 - BACKOFF.jitter * Math.random());
-  const why = reason ? `: ${reason}` : '';
+  const why = tryAgain ? ': the session is still held by another gateway' : (reason ? `: ${reason}` : '');
   setState('reconnecting', `in ${(delay / 1000).toFixed(1)} s (attempt ${attempt})${why}`);
   retryTimer = setTimeout(connect, delay);
 }
@@ -575,6 +583,11 @@ async function deliver(node, body, key) {
       node.dataset.state = 'sent';
       return;
     } catch (e) {
+      if (e.code === 'SBP_SESSION_MOVED') {
+        node.dataset.state = 'failed';
+        showMoved(e.detail);
+        return;
+      }
       // Lost on the way (no status), or, after such a loss, still running from that attempt (409).
       const lost = e.status === undefined || (e.status === 409 && attempt > 1);
       if (!lost || attempt >= SEND_ATTEMPTS || !session) {
@@ -586,6 +599,37 @@ async function deliver(node, body, key) {
       await new Promise((r) => { setTimeout(r, 500 * 2 ** (attempt - 1)); });
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Federation: the session moved to another gateway (a surface attached there). This gateway no
+// longer answers for it; the page can be opened there with the session, as a shared link does.
+
+// This page at `gatewayUrl` with the session in the fragment, or null when the URL is not one to
+// send the session token to (not http(s), or plain http from an https page).
+function pageAt(gatewayUrl) {
+  if (!session) return null;
+  let url;
+  try { url = new URL(String(gatewayUrl)); } catch { return null; }
+  if (url.protocol !== 'https:' && !(url.protocol === 'http:' && location.protocol === 'http:')) return null;
+  if (url.username || url.password) return null;
+  const page = new URL('/', url);
+  page.hash = new URLSearchParams({ session: session.id, token: session.token }).toString();
+  return page;
+}
+
+function showMoved(detail) {
+  const to = detail && typeof detail.gateway_url === 'string' ? detail.gateway_url : '';
+  const wasNear = nearBottom();
+  const page = to ? pageAt(to) : null;
+  const note = el('p', { class: 'note note-moved', role: 'alert', 'data-testid': 'moved' },
+    to ? `This session moved to ${to}. ` : 'This session moved to another gateway. ');
+  if (page) {
+    note.append(el('a', { href: page.href, rel: 'noopener noreferrer', 'data-testid': 'moved-link' }, 'Open it there'));
+  }
+  log.append(note);
+  keepInView(wasNear);
+  setState('error', to ? `(moved to ${to})` : '(moved to another gateway)');
 }
 
 // ---------------------------------------------------------------------------------------------

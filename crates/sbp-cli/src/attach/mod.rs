@@ -3,6 +3,12 @@
 //! typed on stdin as a message over HTTP (the reply arrives over the WebSocket), answers TOOL_CALLs
 //! with local tools, and rides out gateway restarts with the SDK's reconnect.
 //!
+//! With federation (L6) a session may move to another gateway: its messages follow it there (the
+//! SDK follows 409 `SBP_SESSION_MOVED`, and one line says where it went), while the WebSocket stays
+//! on `--url`, since any federated gateway brings the session back to the surface attaching to it.
+//! An attach closed with 1013 (the session could not be handed over just now) is tried again with
+//! the reconnect backoff, the first one included.
+//!
 //! One loop owns stdout: it takes the surface's events, the lines read from stdin (by a thread, so
 //! a blocked read never holds up the runtime's shutdown), the outcomes of sent messages and the
 //! tool handler's notes, and renders them through [`term::Term`].
@@ -20,7 +26,9 @@ use clap::Args;
 use sbp_client::protocol::frames::SessionAttached;
 use sbp_client::protocol::{ServerFrame, SurfaceContext};
 use sbp_client::types::{ChatOutcome, ChatRequest, NewSession};
-use sbp_client::{Backoff, Client, DisconnectKind, Event, ReconnectPolicy, SessionClient, Surface};
+use sbp_client::{
+    Backoff, Client, DisconnectKind, Event, ReconnectPolicy, SessionClient, Surface, SurfaceConfig,
+};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -36,10 +44,15 @@ const EXIT_INTERRUPTED: i32 = 130;
 /// After stdin ends, how long to wait for the output of messages already answered over HTTP.
 const EOF_GRACE: Duration = Duration::from_secs(3);
 
+/// How many times the first attach is tried when the gateway answers 1013 (try again): with the
+/// backoff below, about 20 s, longer than a handover lease takes to free a session.
+const FIRST_ATTACH_TRIES: u32 = 8;
+
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Type a message and press Enter: it is sent over HTTP with the session token, and the reply streams
-back over the WebSocket. /quit (or end of input) detaches; /help lists the commands.
+back over the WebSocket. /quit (or end of input) detaches; /help lists the commands. With federation,
+messages follow a session that moved to another gateway (one line says where it went).
 
 Exit status: 0 detached; 1 error (gateway unreachable, ...); 2 bad arguments; 3 forbidden (wrong
 token); 4 session not found; 5 displaced (another surface attached to the session); 130 Ctrl-C.")]
@@ -104,6 +117,8 @@ enum Input {
     Line(Option<String>),
     /// A message was answered over HTTP (or failed).
     Sent(Result<(), String>),
+    /// The session's HTTP calls now go to this gateway: the session moved there.
+    Moved(String),
 }
 
 async fn run(args: AttachArgs) -> anyhow::Result<i32> {
@@ -159,19 +174,20 @@ async fn attach(
         device_type: Some(args.device_type.clone()),
         ..SurfaceContext::default()
     };
+    let policy = ReconnectPolicy {
+        // Someone is watching: come back within a few seconds of the gateway, not 30.
+        backoff: Backoff {
+            max: Duration::from_secs(5),
+            ..Backoff::default()
+        },
+        ..ReconnectPolicy::default()
+    };
     let config = session
         .surface()
         .context(context)
         .tools_arc(tools)
-        .reconnect(ReconnectPolicy {
-            // Someone is watching: come back within a few seconds of the gateway, not 30.
-            backoff: Backoff {
-                max: Duration::from_secs(5),
-                ..Backoff::default()
-            },
-            ..ReconnectPolicy::default()
-        });
-    let mut surface = match Surface::connect(config).await {
+        .reconnect(policy.clone());
+    let mut surface = match first_attach(config, &policy.backoff, &mut term).await {
         Ok(s) => s,
         Err(e) => {
             let (code, message) = refusal(&e, &args.url);
@@ -247,6 +263,7 @@ async fn attach(
                     }
                     ui.on_sent(outcome);
                 }
+                Input::Moved(url) => ui.moved(&url),
             },
             () = grace => {}
             installed = &mut ctrl_c, if ctrl_c_armed => {
@@ -344,6 +361,35 @@ fn is_loopback(url: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// The first attach, tried again with `backoff` while the gateway answers 1013: it is bringing
+/// the session over from another gateway that cannot hand it over just now (a turn is running
+/// there, or another gateway is taking it at the same moment).
+async fn first_attach(
+    config: SurfaceConfig,
+    backoff: &Backoff,
+    term: &mut Term<std::io::Stdout>,
+) -> Result<Surface, sbp_client::Error> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match Surface::connect(config.clone()).await {
+            Err(e) if e.is_try_again() && attempt < FIRST_ATTACH_TRIES => {
+                let delay = backoff.delay_with(attempt, rand::random::<f64>());
+                term.status(
+                    "○",
+                    Style::Warn,
+                    &format!(
+                        "the gateway could not take the session over yet ({e}); trying again in {:.1}s",
+                        delay.as_secs_f64()
+                    ),
+                );
+                tokio::time::sleep(delay).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// The exit status and message for a first attach that failed.
 fn refusal(e: &sbp_client::Error, url: &str) -> (i32, String) {
     match e {
@@ -385,6 +431,7 @@ fn spawn_sender(
             if let Some(m) = &model {
                 req = req.model(m.clone());
             }
+            let before = session.base_url();
             let outcome = match session.chat(req).await {
                 Ok(ChatOutcome::Reply(_)) => Ok(()),
                 Ok(ChatOutcome::ResumeAvailable(_)) => {
@@ -392,12 +439,22 @@ fn spawn_sender(
                 }
                 Err(e) => Err(e.to_string()),
             };
+            // The SDK followed SBP_SESSION_MOVED: say so once, before the outcome.
+            let after = session.base_url();
+            if after != before && done.send(Input::Moved(shown_url(&after))).is_err() {
+                return;
+            }
             if done.send(Input::Sent(outcome)).is_err() {
                 return;
             }
         }
     });
     (tx, task)
+}
+
+/// A base URL as the user typed it: without the slash the URL type adds to an empty path.
+fn shown_url(url: &reqwest::Url) -> String {
+    url.as_str().trim_end_matches('/').to_owned()
 }
 
 enum Command {
@@ -586,6 +643,12 @@ impl Ui {
                 "  messages still being answered: their replies will be waiting when you come back",
             );
         }
+    }
+
+    /// The session moved to another gateway: its messages go there from now on.
+    fn moved(&mut self, url: &str) {
+        self.term
+            .status("→", Style::Warn, &format!("the session moved to {url}"));
     }
 
     fn on_sent(&mut self, outcome: Result<(), String>) {

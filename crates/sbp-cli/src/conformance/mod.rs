@@ -1,6 +1,7 @@
 //! `sbp conformance`: self-certification of any SBP gateway, level by level. The built-in checks
 //! (`checks/`, one module per level, derived from the seeds' MUSTs) run one after the other, each
-//! in its own session and task with a time limit; with `--vectors <dir>` the public suite's
+//! in its own session and task with a time limit (with L6, only those that apply to the role the
+//! node's federation manifest names: a tracker serves no session); with `--vectors <dir>` the public suite's
 //! vector files run instead (`vectors.rs`), one row each. Every wait on the network is bounded:
 //! each request and body read by `--timeout` (and the HTTP client's own timeout as a backstop),
 //! each check as a whole by its task's limit. The result is a table or JSON on stdout and the exit
@@ -23,7 +24,7 @@ use clap::ValueEnum;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use checks::Level;
+use checks::{Level, Needs};
 use client::Ctx;
 use outcome::{Outcome, Requirement, Status};
 use report::Row;
@@ -34,6 +35,9 @@ const EXIT_USAGE: i32 = 2;
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
 Levels are cumulative: --level L3 runs the L1, L2 and L3 checks. Each check makes its own session.
+--level L6 adds federation, checked from outside with no key: the node's /.well-known/sbp manifest
+and, by the role it names, the bundle route's refusals (gateway) or the registry's answers
+(tracker); against a tracker-only node it runs only the L6 checks that apply to a tracker.
 With --vectors, the public suite's files run instead of the built-in checks; they need a gateway in
 the suite's test mode (for this gateway: sbp serve --sbp-version 0.9 --enable-test-hooks
 --insecure-no-session-auth).
@@ -49,7 +53,7 @@ pub struct ConformanceArgs {
     /// The gateway's base URL (http:// or https://; the WebSocket URL is derived from it).
     #[arg(long)]
     pub url: String,
-    /// Highest level to check: L1 … L5.
+    /// Highest level to check: L1 … L6.
     #[arg(long, default_value = "L5", value_parser = parse_level)]
     pub level: Level,
     /// Run the vector files of this directory (`L1-stateful-proxy/*.json` … `L5-mcp-bridge/*.json`)
@@ -100,6 +104,7 @@ struct Planned {
     id: String,
     title: String,
     requirement: Requirement,
+    needs: Needs,
     job: Job,
 }
 
@@ -161,6 +166,7 @@ fn plan(args: &ConformanceArgs) -> Result<Vec<Planned>, String> {
                 id: v.id,
                 title: v.description,
                 requirement: Requirement::Must,
+                needs: Needs::Sessions,
                 job: Job::Vector(v.path),
             })
             .collect(),
@@ -172,6 +178,7 @@ fn plan(args: &ConformanceArgs) -> Result<Vec<Planned>, String> {
                 id: c.id.to_owned(),
                 title: c.title.to_owned(),
                 requirement: c.requirement,
+                needs: c.needs,
                 job: Job::Check(c.run),
             })
             .collect(),
@@ -196,8 +203,29 @@ fn plan(args: &ConformanceArgs) -> Result<Vec<Planned>, String> {
     Ok(planned)
 }
 
-async fn run(ctx: Arc<Ctx>, plan: Vec<Planned>, args: &ConformanceArgs) -> i32 {
-    if let Err(e) = preflight(&ctx).await {
+async fn run(ctx: Arc<Ctx>, mut plan: Vec<Planned>, args: &ConformanceArgs) -> i32 {
+    // With federation checks planned, the node's manifest says what it serves: a tracker-only
+    // node serves no session, so only the checks of its role run (and it is asked no completion).
+    if plan.iter().any(|p| p.level == Level::L6) {
+        let role = match discover(&ctx).await {
+            Ok(role) => role,
+            Err(e) => {
+                eprintln!("sbp conformance: {e}");
+                return EXIT_USAGE;
+            }
+        };
+        plan.retain(|p| p.needs.applies_to(role));
+        if plan.is_empty() {
+            let role = role.map_or("plain gateway", |r| r.as_str());
+            return usage(&format!(
+                "nothing to run against this {role} with --only {:?}",
+                args.only
+            ));
+        }
+    }
+    if plan.iter().any(|p| p.needs == Needs::Sessions)
+        && let Err(e) = preflight(&ctx).await
+    {
         eprintln!("sbp conformance: {e}");
         return EXIT_USAGE;
     }
@@ -247,6 +275,20 @@ async fn run(ctx: Arc<Ctx>, plan: Vec<Planned>, args: &ConformanceArgs) -> i32 {
         );
     }
     if summary.failed > 0 { EXIT_FAILED } else { 0 }
+}
+
+/// The role the node's manifest names; `None` when it has none (federation off: a plain
+/// gateway, whose L6 checks then fail or skip saying so). An unreachable node is an error.
+async fn discover(ctx: &Ctx) -> Result<Option<sbp_protocol::federation::Role>, String> {
+    let resp = checks::l6::fetch_manifest(ctx)
+        .await
+        .map_err(|p| format!("gateway unreachable at {}: {}", ctx.base, p.reason))?;
+    Ok(resp.filter(|r| r.status == 200).and_then(|r| {
+        r.body
+            .get("role")
+            .and_then(serde_json::Value::as_str)
+            .and_then(sbp_protocol::federation::Role::parse)
+    }))
 }
 
 /// Can the checks run at all? The gateway must answer HTTP, accept the credentials given, and

@@ -1,9 +1,11 @@
-//! `sbp demo`: tells the protocol's story on the built-in model, with no setup. Two gateways run
-//! in this process (A and B, each on its own SQLite file in a fresh temp directory, sharing one
-//! signing secret), and the client SDK plays a phone, a watch, a desktop and the agent's backend:
+//! `sbp demo`: tells the protocol's story on the built-in model, with no setup. Two federated
+//! gateways run in this process (A and B, each on its own SQLite file in a fresh temp directory,
+//! each pinning the other's identity key), and the client SDK plays a phone, a watch, a desktop
+//! and the agent's backend:
 //! a question streamed live, turns tethered while offline and drained to a watch within its
-//! budget, Markdown to a desktop, the model calling the phone's gps, and the session exported,
-//! imported into B, forked, handed off and its lineage printed. Each step prints what was seen on
+//! budget, Markdown to a desktop, the model calling the phone's gps, the session exported,
+//! imported into B, forked, handed off and its lineage printed, and, the two gateways being
+//! federated, the session moving to B when the phone attaches there. Each step prints what was seen on
 //! the wire and checks it; the first step that fails ends the demo with exit status 1. Ctrl-C
 //! stops the gateways, removes the directory (unless `--keep`) and exits 130.
 
@@ -18,7 +20,7 @@ use anyhow::Context as _;
 use sbp_client::Client;
 use tempfile::TempDir;
 
-use gateways::Instance;
+use gateways::{Instance, Planned};
 use out::{ColorChoice, Out};
 use story::{STEPS, Story};
 
@@ -205,13 +207,27 @@ async fn tell(
     let started = Instant::now();
     out.title("sbp demo · the State Bridge Protocol, told on the built-in model sbp/echo");
     out.blank();
-    let secret = gateways::shared_secret();
-    for name in ["A", "B"] {
+    // Both listeners first: each gateway pins the other's URL and key from its start.
+    let planned = [Planned::new("A").await, Planned::new("B").await];
+    let [Ok(a), Ok(b)] = planned else {
+        let error = planned
+            .into_iter()
+            .find_map(Result::err)
+            .unwrap_or_else(|| anyhow::anyhow!("preparing the gateways"));
+        return Err(setup(error));
+    };
+    let federations = [
+        a.federation(vec![b.pin().map_err(setup)?]),
+        b.federation(vec![a.pin().map_err(setup)?]),
+    ];
+    let key_ids = [a.key_id(), b.key_id()];
+    for (planned, federation) in [a, b].into_iter().zip(federations) {
+        let name = planned.name;
         let data = dir.join(name.to_lowercase());
         std::fs::create_dir_all(&data)
             .with_context(|| format!("creating {}", data.display()))
             .map_err(setup)?;
-        let gw = Instance::start(name, &data, secret.clone())
+        let gw = Instance::start(planned, federation, &data, gateways::fresh_secret())
             .await
             .map_err(setup)?;
         out.fact(&format!(
@@ -221,7 +237,11 @@ async fn tell(
         ));
         gateways.push(gw);
     }
-    out.fact("both sign with one shared secret, so B verifies the roaming tokens A issues");
+    out.fact(&format!(
+        "federated: each pins the other's Ed25519 identity key (A {}, B {}), so B can redeem \
+         a roaming token at A, and a session can move between them",
+        key_ids[0], key_ids[1]
+    ));
     let client = |gw: &Instance| {
         Client::builder(gw.url())
             .no_proxy()

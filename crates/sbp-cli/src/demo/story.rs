@@ -13,7 +13,9 @@ use sbp_client::types::{
     ChatReply, Delivery, ExportRequest, HandoffRequest, ImportRequest, Lineage, NewSession,
     PushTurn, StoredMessage,
 };
-use sbp_client::{Client, DisconnectKind, Event, SessionClient, Surface, ToolSpec, Tools};
+use sbp_client::{
+    Client, DisconnectKind, Event, SessionClient, Surface, SurfaceConfig, ToolSpec, Tools,
+};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -21,13 +23,14 @@ use tokio::time::Instant;
 use super::out::{Out, Style};
 
 /// The steps' headings, in order.
-pub const STEPS: [&str; 7] = [
+pub const STEPS: [&str; 8] = [
     "A phone attaches and asks",
     "The phone goes offline; the agent keeps working",
     "A watch attaches and drains the tether",
     "A desktop takes over and gets Markdown",
     "The agent calls the phone's gps",
     "The session roams: export, import, fork, handoff",
+    "The phone attaches to gateway B; the session follows",
     "What you just saw",
 ];
 
@@ -55,6 +58,8 @@ const DESKTOP_ASK: &str = "Compare the two hotels:\n\n| Hotel | Price | Walk |\n
     | Keio Plaza | ¥21,000 | 4 min |\n| Hotel Gracery | ¥16,500 | 9 min |\n\n**Pick one** and \
     I will book it.";
 const GPS_ASK: &str = r#"Where am I right now? [call gps {"accuracy":"fine"}]"#;
+const AWAY_BOARDING: &str = "Boarding for Sapporo starts at 10:10 at gate 62.";
+const LANDED: &str = "I landed in Sapporo. What now?";
 
 /// What the phone's gps handler was asked and answered, reported to the story.
 type ToolReport = (Value, Value);
@@ -88,6 +93,8 @@ struct Facts {
     cut: usize,
     messages_a: u64,
     sessions_b: usize,
+    /// Turns tethered on A that arrived with the session on B.
+    moved_turns: u64,
 }
 
 /// A turn tethered while no surface was attached, as the backend made it.
@@ -169,7 +176,8 @@ impl Story {
             4 => self.desktop_markdown().await,
             5 => self.gps_call().await,
             6 => self.roam().await,
-            7 => {
+            7 => self.session_moves().await,
+            8 => {
                 self.summary(elapsed);
                 Ok(())
             }
@@ -641,8 +649,9 @@ impl Story {
     async fn roam(&mut self) -> anyhow::Result<()> {
         self.out.explain(
             "Export the session on A (a bundle sealed by its CID, and a signed roaming token), \
-             import it into gateway B, fork it there, hand it off to another agent, and read \
-             its lineage.",
+             import it into gateway B (which redeems the token at A, the gateway that signed it, \
+             and fetches the bundle from A by its CID), fork it there, hand it off to another \
+             agent, and read its lineage.",
         );
         let session = self.session()?.clone();
         let on_a = session.get().await?;
@@ -790,6 +799,140 @@ impl Story {
         Ok(())
     }
 
+    async fn session_moves(&mut self) -> anyhow::Result<()> {
+        self.out.explain(
+            "The phone travels and attaches to gateway B with the session's id and token. B does \
+             not hold the session, so before answering it asks its peers: A hands it over (a \
+             lease, a signed envelope, the bundle by its CID), B adopts it under the same id and \
+             token with its tether, and A answers for it from then on only with where it went.",
+        );
+        let session = self.session()?.clone();
+        let a_url = shown_url(self.a.base_url());
+        let b_url = shown_url(self.b.base_url());
+        // A turn for the phone while it is in the air, tethered on A.
+        let pushed = session
+            .push_turn(PushTurn::assistant(AWAY_BOARDING))
+            .await
+            .context("pushing a turn on A")?;
+        self.note_push("backend pushed a turn on A", &pushed)?;
+
+        let config = SurfaceConfig::new(&b_url, session.id(), session.token())
+            .context(mobile())
+            .tools(self.phone_tools.clone())
+            .connect_timeout(WAIT);
+        let surface = Surface::connect(config)
+            .await
+            .context("attaching the phone to B")?;
+        let phone = self.phone.insert(surface);
+        let att = phone.attached().clone();
+        self.out.fact(&format!(
+            "SESSION_ATTACHED from gateway B: session {}, sbp_level {}, {} queued",
+            short(&att.session_id),
+            att.sbp_level,
+            att.queued_turns
+        ));
+        ensure!(
+            att.session_id == session.id(),
+            "B attached session {}, not {}",
+            att.session_id,
+            session.id()
+        );
+        ensure!(att.sbp_level == "L6", "B says sbp_level {}", att.sbp_level);
+        ensure!(
+            att.queued_turns == 1,
+            "{} turns queued on B, expected the 1 tethered on A",
+            att.queued_turns
+        );
+        let drained = drain(phone, 1).await?;
+        let turn = drained.first().context("no TETHER_TURN")?;
+        let shown = turn.content.clone().unwrap_or_default();
+        self.out.fact(&format!(
+            "TETHER_TURN seq {} on B: the turn tethered on A (seq {}), carried with the session",
+            turn.seq, pushed.seq
+        ));
+        self.out.quote(Style::Agent, &shown);
+        ensure!(
+            turn.seq == pushed.seq && shown == AWAY_BOARDING,
+            "B drained seq {} {shown:?}, A tethered seq {} {AWAY_BOARDING:?}",
+            turn.seq,
+            pushed.seq
+        );
+        self.facts.moved_turns = att.queued_turns;
+
+        // A no longer answers for the session: it says where it went.
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(WAIT)
+            .build()
+            .context("building the HTTP client")?;
+        let answer = http
+            .post(format!("{a_url}/v1/sbp/sessions/{}/turns", session.id()))
+            .header("x-session-token", session.token())
+            .json(&json!({"content": "still there, A?"}))
+            .send()
+            .await
+            .context("asking A")?;
+        let status = answer.status().as_u16();
+        let body: Value = answer.json().await.context("A's answer")?;
+        let code = body.pointer("/error/code").and_then(Value::as_str);
+        let to = body
+            .pointer("/error/detail/gateway_url")
+            .and_then(Value::as_str)
+            .map(|u| u.trim_end_matches('/').to_owned());
+        self.out.fact(&format!(
+            "POST /v1/sbp/sessions/{}/turns on A: {status} {} → gateway_url {}",
+            short(session.id()),
+            code.unwrap_or("?"),
+            to.as_deref().unwrap_or("?")
+        ));
+        ensure!(
+            status == 409 && code == Some("SBP_SESSION_MOVED") && to.as_deref() == Some(&b_url),
+            "A answered {status} {body}, expected 409 SBP_SESSION_MOVED naming {b_url}"
+        );
+
+        // The SDK's session client was made for A: it follows the move and sends again to B.
+        self.out.said("phone", Style::User, LANDED);
+        let phone = self.phone.as_mut().context("the phone is not attached")?;
+        let turn = live_turn(&mut self.out, phone, &session, LANDED, None).await?;
+        self.facts.chunks += turn.chunks;
+        let now_at = shown_url(&session.base_url());
+        self.out.fact(&format!(
+            "the SDK followed SBP_SESSION_MOVED: the session client now calls {now_at}; the reply \
+             streamed to the phone on B ({} TURN_CHUNKs)",
+            turn.chunks
+        ));
+        ensure!(now_at == b_url, "the session client calls {now_at}, not B");
+        ensure!(
+            turn.received == turn.reply.text,
+            "the phone received {:?}, the reply was {:?}",
+            turn.received,
+            turn.reply.text
+        );
+        let lineage = session
+            .lineage()
+            .await
+            .context("reading the lineage on B")?;
+        let moves = lineage
+            .extra
+            .get("migrations")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let from_a = moves.iter().find(|m| m["kind"] == "migrated_from");
+        self.out.fact(&format!(
+            "GET /v1/sbp/sessions/{}/lineage on B: migrated_from gateway {}",
+            short(session.id()),
+            from_a.and_then(|m| m["gateway_id"].as_str()).unwrap_or("?")
+        ));
+        ensure!(
+            from_a.is_some(),
+            "B's lineage has no migrated_from: {moves:?}"
+        );
+        let mut phone = self.phone.take().context("the phone is not attached")?;
+        phone.close().await;
+        Ok(())
+    }
+
     fn summary(&mut self, elapsed: Duration) {
         self.out
             .explain("The protocol's levels, each seen on the wire above:");
@@ -818,6 +961,12 @@ impl Story {
             "L5 tools: the model called the phone's gps with TOOL_CALL, the phone answered with \
              TOOL_RESULT"
                 .to_owned(),
+            format!(
+                "L6 federation: the phone attached to B with the same id and token and the session \
+                 moved from A with its {} tethered turn(s); A answers 409 SBP_SESSION_MOVED naming \
+                 B, and the SDK followed it",
+                f.moved_turns
+            ),
         ];
         for line in lines {
             self.out.fact(&line);
@@ -825,6 +974,11 @@ impl Story {
         self.out
             .good(&format!("story told in {:.1} s", elapsed.as_secs_f64()));
     }
+}
+
+/// A base URL as printed: without the slash the URL type adds to an empty path.
+fn shown_url(url: &reqwest::Url) -> String {
+    url.as_str().trim_end_matches('/').to_owned()
 }
 
 /// A mobile surface's context (its tools come from the handler).

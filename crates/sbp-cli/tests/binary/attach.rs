@@ -2,8 +2,9 @@
 //! stdout against a real gateway process. Creating a session and chatting (the reply streamed over
 //! the WebSocket, shown once), turns pushed while away shown once under their heading, local tools
 //! (built-ins, `read_file` confined to --allow-dir, a stdio MCP server's tools with their schemas)
-//! called by a backend and by the model, a gateway killed and restarted on the same port, and the
-//! terminal closes (bad token, unknown session, displaced, unreachable, API key).
+//! called by a backend and by the model, a gateway killed and restarted on the same port, the
+//! terminal closes (bad token, unknown session, displaced, unreachable, API key), and a session
+//! that moved to another gateway (messages follow it; a 1013 attach is tried again).
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::path::{Path, PathBuf};
@@ -597,4 +598,176 @@ async fn api_key_is_sent_on_http_calls() {
     with.expect("Echo: keyed").await;
     with.type_line("/quit");
     assert_eq!(with.exit().await.code(), Some(0), "{}", with.stderr());
+}
+
+/// A gateway the session has left, in front of the one holding it: WebSocket upgrades pass
+/// through to `holder` (after `busy` of them were refused with PROTOCOL_ERROR and close 1013, as a
+/// gateway that cannot take the session over yet does), and every other request is answered 409
+/// SBP_SESSION_MOVED naming `holder`. Stops when dropped.
+struct MovedFront {
+    url: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for MovedFront {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl MovedFront {
+    async fn start(holder: &str, busy: usize) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let holder_addr = holder.trim_start_matches("http://").to_owned();
+        let moved = json!({"error": {
+            "code": "SBP_SESSION_MOVED",
+            "message": "the session moved to another gateway",
+            "detail": {"gateway_id": "0f".repeat(16), "gateway_url": holder},
+        }})
+        .to_string();
+        let busy = Arc::new(std::sync::atomic::AtomicUsize::new(busy));
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (holder_addr, moved, busy) = (holder_addr.clone(), moved.clone(), busy.clone());
+                tokio::spawn(async move {
+                    let _ = serve_front(stream, &holder_addr, &moved, &busy).await;
+                });
+            }
+        });
+        Self { url, task }
+    }
+}
+
+async fn serve_front(
+    mut stream: tokio::net::TcpStream,
+    holder: &str,
+    moved: &str,
+    busy: &std::sync::atomic::AtomicUsize,
+) -> std::io::Result<()> {
+    use futures::{SinkExt as _, StreamExt as _};
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+
+    // The request line, without taking it off the socket (a WebSocket is passed on untouched).
+    let mut head = [0u8; 32];
+    let mut seen = 0;
+    while seen < head.len() {
+        seen = stream.peek(&mut head).await?;
+        if seen == 0 {
+            return Ok(());
+        }
+        tokio::task::yield_now().await;
+    }
+    if head.starts_with(b"GET /v1/sbp/ws/") {
+        let refuse = busy
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refuse {
+            let mut ws = tokio_tungstenite::accept_async(stream)
+                .await
+                .map_err(std::io::Error::other)?;
+            let _attach = ws.next().await;
+            let error = json!({"type": "PROTOCOL_ERROR", "detail": "try again: a turn is running on the gateway holding the session"});
+            ws.send(Message::text(error.to_string()))
+                .await
+                .map_err(std::io::Error::other)?;
+            ws.close(Some(CloseFrame {
+                code: 1013.into(),
+                reason: "try again later".into(),
+            }))
+            .await
+            .map_err(std::io::Error::other)?;
+            while let Some(Ok(_)) = ws.next().await {}
+            return Ok(());
+        }
+        let mut upstream = tokio::net::TcpStream::connect(holder).await?;
+        tokio::io::copy_bidirectional(&mut stream, &mut upstream).await?;
+        return Ok(());
+    }
+    // Any other request: its head (and body, by Content-Length) read, then "moved".
+    let mut request = Vec::new();
+    let mut buf = [0u8; 4096];
+    let body_at = loop {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        request.extend_from_slice(&buf[..n]);
+        if let Some(at) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&request[..body_at]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while request.len() < body_at + length {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let answer = format!(
+        "HTTP/1.1 409 Conflict\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{moved}",
+        moved.len()
+    );
+    stream.write_all(answer.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Federation: attached through a gateway the session has left (whose WebSocket, like any
+/// federated gateway's, brings the session to the surface), the typed messages are answered
+/// "moved" there and follow the session to the gateway holding it, which the terminal says once;
+/// the first attach, refused with 1013 while the session could not be taken over, is tried again.
+#[tokio::test]
+async fn messages_follow_a_moved_session_and_a_busy_attach_is_retried() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gw = Sbp::start(dir.path(), &[]).await;
+    let (id, token) = new_session(&gw).await;
+    let front = MovedFront::start(&gw.url, 2).await;
+
+    let mut att = Attach::start(&front.url, &["--session", &id, "--token", &token]);
+    let retry = att.expect("could not take the session over yet").await;
+    assert!(retry.contains("trying again in"), "{retry}");
+    let connected = att.expect("● connected").await;
+    assert!(connected.contains(&front.url), "{connected}");
+    assert_eq!(
+        att.stdout()
+            .matches("could not take the session over yet")
+            .count(),
+        2,
+        "{}",
+        att.stdout()
+    );
+
+    att.type_line("where did you go?");
+    let moved = att.expect("the session moved to").await;
+    assert!(
+        moved.ends_with(&format!("the session moved to {}", gw.url)),
+        "{moved}"
+    );
+    att.expect("Echo: where did you go?").await;
+    att.expect("✓ turn complete").await;
+    att.type_line("still there?");
+    att.expect("Echo: still there?").await;
+    att.type_line("/quit");
+    let status = att.exit().await;
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", att.stderr());
+    let out = att.stdout();
+    assert_eq!(out.matches("the session moved to").count(), 1, "{out}");
+    assert!(!out.contains("message not answered"), "{out}");
+    let messages = gw.messages(&id, &token).await;
+    assert_eq!(
+        messages.len(),
+        4,
+        "both messages reached the holder: {messages:?}"
+    );
 }

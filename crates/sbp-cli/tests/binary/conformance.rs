@@ -3,6 +3,8 @@
 //! without an operator key; a gateway that answers wrongly fails with reasons, and so does ours
 //! started with flags that break a requirement; an unreachable one, or one that stalls, exits 2
 //! in bounded time; `--level` selects levels and the verdict says whether the run certifies;
+//! `--level L6` checks federation by the node's role (a gateway and tracker in one, a tracker
+//! alone, and a plain gateway that fails it saying federation is off);
 //! and the public suite's vector files (read from ../shared/sbp-spec beside the checkout, never
 //! copied into the project) pass against a gateway in the suite's test mode. The checks' own
 //! predicates are fed bad inputs by the unit tests in `src/conformance/`.
@@ -82,6 +84,17 @@ const L5: [&str; 9] = [
     "l5.agent_tool_call",
     "l5.agent_tool_disconnect",
 ];
+
+/// L6, split by the role a node's manifest names: every federated node, a gateway, a tracker.
+const L6_ANY: [&str; 1] = ["l6.manifest"];
+const L6_GATEWAY: [&str; 5] = [
+    "l6.bundle_invalid_cid",
+    "l6.bundle_needs_token",
+    "l6.bundle_garbage_token",
+    "l6.bundle_alg_none",
+    "l6.session_attached_l6",
+];
+const L6_TRACKER: [&str; 2] = ["l6.registry_lookup", "l6.registry_refuses_empty"];
 
 /// The MUSTs no client can observe: reported as such, never passed.
 const NOT_OBSERVABLE: [&str; 2] = ["l1.messages_survive_restart", "l2.tether_survives_restart"];
@@ -597,4 +610,78 @@ async fn public_vectors_pass_against_a_gateway_in_test_mode() {
             assert!(!found, "{v}: `{key}` was forwarded upstream: {r}");
         }
     }
+}
+
+/// `--level L6` against federated nodes: `--role both` passes every check of every level, the
+/// L6 gateway and tracker checks included; a `--role tracker` node (no sessions) runs only the L6
+/// checks of a tracker and passes them; a plain `sbp serve` fails L6 saying federation is off
+/// (its other levels still pass), exit 1.
+#[tokio::test]
+async fn level_l6_checks_federated_nodes_by_role() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let both = Sbp::start(dir.path(), &["--role", "both"]).await;
+    let (code, out, err) =
+        conformance(&["--url", &both.url, "--level", "L6", "--format", "json"]).await;
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let every = [
+        &all_checks()[..],
+        &L6_ANY[..],
+        &L6_GATEWAY[..],
+        &L6_TRACKER[..],
+    ]
+    .concat();
+    assert_all_pass(&out, &every);
+    let report: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(report["summary"]["verdict"], "conformant at L6", "{report}");
+    let (_, _, note) = &rows(&out)["l6.manifest"];
+    assert!(note.starts_with("both "), "{note}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tracker = Sbp::start(dir.path(), &["--role", "tracker"]).await;
+    let (code, out, err) =
+        conformance(&["--url", &tracker.url, "--level", "L6", "--format", "json"]).await;
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert_all_pass(&out, &[&L6_ANY[..], &L6_TRACKER[..]].concat());
+    let report: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(report["summary"]["verdict"], "conformant at L6", "{report}");
+    // The table too: three rows, all L6.
+    let (code, out, err) = conformance(&["--url", &tracker.url, "--level", "L6"]).await;
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 5, "a header, three rows, a summary:\n{out}");
+    assert!(lines[1..4].iter().all(|l| l.starts_with("L6 ")), "{out}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plain = Sbp::start(dir.path(), &[]).await;
+    let (code, out, err) =
+        conformance(&["--url", &plain.url, "--level", "L6", "--format", "json"]).await;
+    assert_eq!(code, Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    let rows = rows(&out);
+    let (_, status, reason) = &rows["l6.manifest"];
+    assert_eq!(status, "fail", "{reason}");
+    assert!(
+        reason.contains("404") && reason.contains("federation (L6) is not on"),
+        "{reason}"
+    );
+    for id in L6_GATEWAY {
+        let (_, status, reason) = &rows[id];
+        assert_eq!(status, "skip", "{id}: {reason}");
+        assert!(reason.contains("no federation manifest"), "{id}: {reason}");
+    }
+    for id in L6_TRACKER {
+        assert!(
+            !rows.contains_key(id),
+            "a plain gateway is no tracker: {id}"
+        );
+    }
+    for id in all_checks() {
+        let want = if NOT_OBSERVABLE.contains(&id) {
+            "not_observable"
+        } else {
+            "pass"
+        };
+        assert_eq!(rows[id].1, want, "{id}: {}", rows[id].2);
+    }
+    let report: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(report["summary"]["verdict"], "NOT conformant", "{report}");
 }

@@ -2,7 +2,8 @@
 //! and exits 0 within a time limit, and its output carries the facts each step claims (headings
 //! in order, the watch's renderings within its 40-token budget, the desktop's Markdown, the gps
 //! coordinates in the final reply, the import's message count, the lineage with its fork and
-//! handoff); colour only when asked for; a failure names where it happened and exits 1; Ctrl-C
+//! handoff, the session moving to the second gateway with its tethered turn while the first answers
+//! SESSION_MOVED); colour only when asked for; a failure names where it happened and exits 1; Ctrl-C
 //! stops it with exit status 130 and nothing left behind.
 
 use std::process::{Command, ExitStatus};
@@ -16,14 +17,15 @@ use crate::support::{self, Proc};
 /// A debug build on two shared cores: the demo itself takes well under a second.
 const LIMIT: Duration = Duration::from_secs(60);
 
-const HEADINGS: [&str; 7] = [
-    "[1/7] A phone attaches and asks",
-    "[2/7] The phone goes offline; the agent keeps working",
-    "[3/7] A watch attaches and drains the tether",
-    "[4/7] A desktop takes over and gets Markdown",
-    "[5/7] The agent calls the phone's gps",
-    "[6/7] The session roams: export, import, fork, handoff",
-    "[7/7] What you just saw",
+const HEADINGS: [&str; 8] = [
+    "[1/8] A phone attaches and asks",
+    "[2/8] The phone goes offline; the agent keeps working",
+    "[3/8] A watch attaches and drains the tether",
+    "[4/8] A desktop takes over and gets Markdown",
+    "[5/8] The agent calls the phone's gps",
+    "[6/8] The session roams: export, import, fork, handoff",
+    "[7/8] The phone attaches to gateway B; the session follows",
+    "[8/8] What you just saw",
 ];
 
 /// `sbp demo ARGS...` with no inherited `SBP_*` or `NO_COLOR`, run to its end within [`LIMIT`].
@@ -255,8 +257,60 @@ async fn demo_tells_the_whole_story() {
         "{tree}"
     );
 
-    // 7, and the temp directory is gone.
-    assert!(section(&out, 7).contains("story told in"), "{out}");
+    // 7: the phone attached to B with the same session; the turn tethered on A came along; A
+    // answers SESSION_MOVED naming B, which the SDK followed.
+    let b_url = {
+        let line = line_with(&out, "gateway B: http://");
+        let at = line.find("http://").expect("B's URL");
+        line[at..]
+            .split_whitespace()
+            .next()
+            .expect("B's URL")
+            .to_owned()
+    };
+    let seven = section(&out, 7);
+    let attached = line_with(seven, "SESSION_ATTACHED from gateway B:");
+    assert_eq!(
+        short_id_after(attached, "session "),
+        session_a,
+        "the same session id: {attached}"
+    );
+    assert!(attached.contains("sbp_level L6"), "{attached}");
+    assert_eq!(number_before(attached, "queued"), 1, "{attached}");
+    let pushed_seq = number_before(line_with(seven, "backend pushed a turn on A: seq"), ",");
+    let drained = line_with(seven, "TETHER_TURN seq");
+    assert_eq!(number_before(drained, "on B"), pushed_seq, "{drained}");
+    assert!(
+        seven.contains("│ Boarding for Sapporo starts at 10:10 at gate 62."),
+        "{seven}"
+    );
+    let moved = line_with(seven, "409 SBP_SESSION_MOVED");
+    assert!(moved.contains("on A:"), "{moved}");
+    assert!(moved.ends_with(&format!("gateway_url {b_url}")), "{moved}");
+    assert!(
+        seven.contains("agent › Echo: I landed in Sapporo. What now?"),
+        "{seven}"
+    );
+    assert!(
+        line_with(seven, "the SDK followed SBP_SESSION_MOVED")
+            .contains(&format!("now calls {b_url};")),
+        "{seven}"
+    );
+    assert!(
+        line_with(seven, "/lineage on B: migrated_from gateway")
+            .split_whitespace()
+            .last()
+            .is_some_and(|id| id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit())),
+        "{seven}"
+    );
+
+    // 8, and the temp directory is gone.
+    let eight = section(&out, 8);
+    assert!(eight.contains("story told in"), "{out}");
+    assert!(
+        line_with(eight, "L6 federation:").contains("with its 1 tethered turn(s)"),
+        "{eight}"
+    );
     let dir = demo_dir(&out);
     assert!(!dir.exists(), "{} was left behind", dir.display());
 }
@@ -297,7 +351,7 @@ async fn demo_interrupted_cleans_up_and_exits_130() {
     let (out, err) = proc.output();
     assert_eq!(status.code(), Some(130), "stdout:\n{out}\nstderr:\n{err}");
     assert!(err.contains("sbp demo: interrupted"), "{err}");
-    assert!(!out.contains(HEADINGS[6]), "the story went on:\n{out}");
+    assert!(!out.contains(HEADINGS[7]), "the story went on:\n{out}");
     assert!(!dir.exists(), "{} was left behind", dir.display());
 }
 
@@ -305,14 +359,14 @@ async fn demo_interrupted_cleans_up_and_exits_130() {
 async fn demo_colours_only_when_asked() {
     let (status, always, err, _) = demo(&["--color", "always"], &[]).await;
     assert!(status.success(), "exit {status}\n{err}");
-    assert!(always.contains("\u{1b}[1;34m[1/7]"), "{always}");
+    assert!(always.contains("\u{1b}[1;34m[1/8]"), "{always}");
     assert!(always.contains("\u{1b}[0m"), "{always}");
     // auto: stdout is a pipe here, so no colour (nor with NO_COLOR, whatever stdout is).
     for env in [&[][..], &[("NO_COLOR", "1")][..]] {
         let (status, auto, err, _) = demo(&[], env).await;
         assert!(status.success(), "exit {status}\n{err}");
         assert!(!auto.contains('\u{1b}'), "{env:?}: {auto}");
-        assert!(auto.contains(HEADINGS[6]), "{auto}");
+        assert!(auto.contains(HEADINGS[7]), "{auto}");
     }
 }
 

@@ -20,7 +20,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use super::{Command, Disconnect, DisconnectKind, Event, SurfaceConfig};
 use crate::Error;
-use crate::reconnect::ReconnectPolicy;
+use crate::reconnect::{CLOSE_TRY_AGAIN, ReconnectPolicy};
 use crate::tools::ToolHandler;
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -620,11 +620,16 @@ fn tool_result(call_id: String, outcome: Result<serde_json::Value, String>) -> C
     })
 }
 
-/// A close from the gateway, with the error frame that preceded it, if any.
+/// A close from the gateway, with the error frame that preceded it, if any. A close with 1013
+/// (try again: a session another gateway could not hand over now) is a retryable close whatever
+/// error frame came first, not a refusal.
 fn closed(frame: Option<CloseFrame>, refusal: Option<(DisconnectKind, String)>) -> Disconnect {
     let code = frame.as_ref().map(|f| u16::from(f.code));
     let reason = frame.map(|f| f.reason.to_string()).unwrap_or_default();
     let (kind, detail) = match refusal {
+        Some((_, detail)) if code == Some(CLOSE_TRY_AGAIN) => {
+            (DisconnectKind::Closed, Some(detail))
+        }
         Some((kind, detail)) => (kind, Some(detail)),
         None => (DisconnectKind::from_code(code), None),
     };
@@ -670,5 +675,48 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+
+    fn close(code: u16) -> Option<CloseFrame> {
+        Some(CloseFrame {
+            code: CloseCode::from(code),
+            reason: "why".into(),
+        })
+    }
+
+    #[test]
+    fn try_again_is_a_retryable_close_whatever_frame_came_first() {
+        let refusal = || Some((DisconnectKind::ProtocolError, "try again: busy".to_owned()));
+        let d = closed(close(CLOSE_TRY_AGAIN), refusal());
+        assert_eq!(
+            (d.kind, d.effective_code(), d.detail.as_deref()),
+            (
+                DisconnectKind::Closed,
+                Some(CLOSE_TRY_AGAIN),
+                Some("try again: busy")
+            )
+        );
+        assert!(!ReconnectPolicy::default().is_terminal(d.effective_code()));
+        let e = d.into_error();
+        assert!(e.is_try_again(), "{e:?}");
+
+        // Other refusals keep their kind (and their terminal close).
+        let d = closed(close(1003), refusal());
+        assert_eq!(d.kind, DisconnectKind::ProtocolError);
+        assert!(!d.into_error().is_try_again());
+        let d = closed(
+            close(4003),
+            Some((DisconnectKind::Forbidden, "bad token".into())),
+        );
+        assert_eq!(d.kind, DisconnectKind::Forbidden);
+        let d = closed(close(CLOSE_TRY_AGAIN), None);
+        assert_eq!(d.kind, DisconnectKind::Closed);
+        assert!(d.into_error().is_try_again());
     }
 }

@@ -78,6 +78,11 @@ impl SurfaceConfig {
         Self::new(String::from(base), session_id, session_token)
     }
 
+    /// The gateway base URL this surface attaches to.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
     /// The SurfaceContext sent in every ATTACH_SESSION (the handler's tools are added to it).
     pub fn context(mut self, context: SurfaceContext) -> Self {
         self.context = context;

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod moves;
 mod reconnect;
 mod rest;
 mod surface;

@@ -1,5 +1,7 @@
 //! The built-in checks, one module per level: each is an independent async function that makes
-//! its own session, and the list below says which level it belongs to and what it verifies.
+//! its own session, and the list below says which level it belongs to, what it verifies, and what
+//! a node must serve for it to apply (a federation tracker serves no session: only its L6 checks
+//! run against it).
 //! They are derived from the seeds (which win over the spec where they differ); each says how
 //! strongly what it verifies is required ([`Requirement`]): only a MUST check can fail, a SHOULD
 //! or RECOMMENDED one that differs warns, and MUSTs no client can observe (durability across a
@@ -11,11 +13,13 @@ mod l2;
 mod l3;
 mod l4;
 mod l5;
+pub mod l6;
 
 use std::str::FromStr;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use sbp_protocol::federation::Role;
 
 use super::client::Ctx;
 use super::outcome::{Outcome, Requirement};
@@ -28,6 +32,7 @@ pub enum Level {
     L3,
     L4,
     L5,
+    L6,
 }
 
 impl Level {
@@ -38,6 +43,7 @@ impl Level {
             Self::L3 => "L3",
             Self::L4 => "L4",
             Self::L5 => "L5",
+            Self::L6 => "L6",
         }
     }
 }
@@ -54,12 +60,39 @@ impl FromStr for Level {
             "3" => Ok(Self::L3),
             "4" => Ok(Self::L4),
             "5" => Ok(Self::L5),
-            _ => Err(format!("'{s}' is not a level: use L1, L2, L3, L4 or L5")),
+            "6" => Ok(Self::L6),
+            _ => Err(format!(
+                "'{s}' is not a level: use L1, L2, L3, L4, L5 or L6"
+            )),
         }
     }
 }
 
 pub type CheckFn = fn(Arc<Ctx>) -> BoxFuture<'static, Outcome>;
+
+/// What a node must serve for a check to apply to it: with federation a node may be a tracker
+/// only, which serves no session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Sessions: every L1–L5 check and the gateway side of L6.
+    Sessions,
+    /// The registry: the tracker side of L6.
+    Registry,
+    /// Any federated node: its manifest.
+    Federation,
+}
+
+impl Needs {
+    /// Whether a node of `role` (`None`: no federation manifest, a plain gateway) is checked.
+    pub fn applies_to(self, role: Option<Role>) -> bool {
+        match (self, role) {
+            (Self::Federation, _) | (Self::Sessions, None) => true,
+            (Self::Sessions, Some(r)) => r.hosts_sessions(),
+            (Self::Registry, Some(r)) => r.hosts_registry(),
+            (Self::Registry, None) => false,
+        }
+    }
+}
 
 /// One built-in check.
 pub struct Check {
@@ -68,6 +101,7 @@ pub struct Check {
     /// What it verifies, in one line (shown by `--format json` and in failures' context).
     pub title: &'static str,
     pub requirement: Requirement,
+    pub needs: Needs,
     pub run: CheckFn,
 }
 
@@ -76,11 +110,15 @@ macro_rules! check {
         check!($level, $id, $title, $f, Must)
     };
     ($level:ident, $id:literal, $title:literal, $f:path, $req:ident) => {
+        check!($level, $id, $title, $f, $req, Sessions)
+    };
+    ($level:ident, $id:literal, $title:literal, $f:path, $req:ident, $needs:ident) => {
         Check {
             level: Level::$level,
             id: $id,
             title: $title,
             requirement: Requirement::$req,
+            needs: Needs::$needs,
             run: |ctx| Box::pin($f(ctx)),
         }
     };
@@ -405,6 +443,61 @@ pub fn all() -> Vec<Check> {
             "l5.agent_tool_disconnect",
             "the surface dropping on the model's TOOL_CALL gives the model an error tool result; the completion still answers (sbp/echo only)",
             l5::agent_tool_disconnect
+        ),
+        // L6: federation, from outside (no key of the federation needed).
+        check!(
+            L6,
+            "l6.manifest",
+            "GET /.well-known/sbp has every field, the endpoints of its role, valid_until at most 7 days ahead, and verifies with its own public_key",
+            l6::manifest,
+            Must,
+            Federation
+        ),
+        check!(
+            L6,
+            "l6.bundle_invalid_cid",
+            "GET /v1/sbp/bundles/{not a CID} gets 422 SBP_INVALID_CID",
+            l6::bundle_invalid_cid
+        ),
+        check!(
+            L6,
+            "l6.bundle_needs_token",
+            "a bundle by CID without a federation token gets 401 with WWW-Authenticate: Bearer",
+            l6::bundle_needs_token
+        ),
+        check!(
+            L6,
+            "l6.bundle_garbage_token",
+            "a bundle by CID with a garbage Bearer token gets 401",
+            l6::bundle_garbage_token
+        ),
+        check!(
+            L6,
+            "l6.bundle_alg_none",
+            "a bundle by CID with an unsigned `alg: none` federation token gets 401",
+            l6::bundle_alg_none
+        ),
+        check!(
+            L6,
+            "l6.session_attached_l6",
+            "a federated gateway says sbp_level L6 in SESSION_ATTACHED",
+            l6::session_attached_l6
+        ),
+        check!(
+            L6,
+            "l6.registry_lookup",
+            "a tracker answers an unknown bundle 404, or signed for that CID with provider records only (no content)",
+            l6::registry_lookup,
+            Must,
+            Registry
+        ),
+        check!(
+            L6,
+            "l6.registry_refuses_empty",
+            "a tracker refuses an empty provider record with 400",
+            l6::registry_refuses_empty,
+            Must,
+            Registry
         ),
     ]
 }
