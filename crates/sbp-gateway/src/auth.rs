@@ -45,30 +45,24 @@ pub fn token_matches(token: &str, stored_hash: &str) -> bool {
     h.as_bytes().ct_eq(stored_hash.as_bytes()).into()
 }
 
-/// Proof of holding a session's token without sending it (federation handovers): HMAC-SHA256
-/// keyed by the token's stored hash over the session id, the migration id and the gateway asked.
-/// The holder recomputes it from the hash it keeps; nobody else can, and it is bound to one
-/// handover at one gateway.
-pub fn token_proof(token_hash: &str, session_id: &str, migration_id: &str, holder: &str) -> String {
+/// A gateway's proof that it holds a session (federation): HMAC-SHA256 keyed by the session
+/// token's stored hash over `parts` (one per line). Only a gateway that keeps the hash can make it,
+/// and the gateway asking, which has the surface's token, can check it — before it sends that
+/// token anywhere.
+pub fn holder_proof(token_hash: &str, parts: &[&str]) -> String {
     let mut mac = <Hmac<Sha256> as hmac::digest::KeyInit>::new_from_slice(token_hash.as_bytes())
         // HMAC takes a key of any length: this cannot fail.
         .unwrap_or_else(|_| <Hmac<Sha256> as hmac::digest::KeyInit>::new(&Default::default()));
-    for part in [session_id, migration_id, holder] {
+    for part in parts {
         mac.update(part.as_bytes());
         mac.update(b"\n");
     }
     hex::encode(mac.finalize().into_bytes())
 }
 
-/// Whether `proof` is [`token_proof`] of the stored hash, compared in constant time.
-pub fn proof_matches(
-    proof: &str,
-    stored_hash: &str,
-    session_id: &str,
-    migration_id: &str,
-    holder: &str,
-) -> bool {
-    let expected = token_proof(stored_hash, session_id, migration_id, holder);
+/// Whether `proof` is [`holder_proof`] of `token_hash` over `parts`, compared in constant time.
+pub fn holder_proof_matches(proof: &str, token_hash: &str, parts: &[&str]) -> bool {
+    let expected = holder_proof(token_hash, parts);
     expected.as_bytes().ct_eq(proof.as_bytes()).into()
 }
 

@@ -430,7 +430,11 @@ async fn a_wrong_token_moves_nothing_and_an_unknown_session_is_not_found() {
     assert_eq!(locate(&b, &a, &id).await.1["state"], "held");
     let (status, body) = get_with(b.gw(), &format!("/v1/sessions/{id}"), &token).await;
     assert_eq!(status, 404, "B has no copy: {body}");
-    assert_eq!(handovers(&a, "origin_forbidden").await, 2.0);
+    // B found that A holds the session but could not check A's proof against the presented
+    // token: it sent A nothing (the token goes only to a holder that proves it holds the
+    // session), and A granted nothing.
+    assert_eq!(handovers(&b, "target_forbidden").await, 2.0);
+    assert_eq!(handovers(&a, "origin_forbidden").await, 0.0);
     assert_eq!(handovers(&a, "origin_granted").await, 0.0);
 
     let nobody = Uuid::now_v7().to_string();

@@ -174,6 +174,9 @@ pub struct PeerDirectory {
     aliases: RwLock<HashMap<String, String>>,
     /// When each gateway's (or URL's) manifest was last fetched on demand.
     refetched: Mutex<HashMap<String, Instant>>,
+    /// Serialises learning the configured peers on demand: a second caller waits for the first
+    /// and finds the peer known, instead of being refused because a fetch is under way.
+    learning: tokio::sync::Mutex<()>,
 }
 
 impl PeerDirectory {
@@ -201,6 +204,7 @@ impl PeerDirectory {
             known: RwLock::new(HashMap::new()),
             aliases: RwLock::new(HashMap::new()),
             refetched: Mutex::new(HashMap::new()),
+            learning: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -580,9 +584,13 @@ impl PeerDirectory {
         }
     }
 
-    /// The configured peers' and trackers' URLs.
-    pub fn configured_urls(&self) -> Vec<String> {
-        self.configured.iter().map(|s| s.url.clone()).collect()
+    /// The configured peers' URLs (trackers left out: they hold no session).
+    pub fn peer_urls(&self) -> Vec<String> {
+        self.configured
+            .iter()
+            .filter(|s| origin_of(&s.url).is_none_or(|o| !self.trackers.contains(&o)))
+            .map(|s| s.url.clone())
+            .collect()
     }
 
     /// The configured peers and trackers, learned now when not yet known (failures skipped and
@@ -616,6 +624,13 @@ impl PeerDirectory {
         }
         // Not known yet: the configured peers this process has not learned (each URL fetched
         // on demand at most once per 30 s, so unknown issuers cannot make us hammer peers).
+        let _learning = self.learning.lock().await;
+        if let Some(peer) = self.known(iss) {
+            return peer
+                .key(kid)
+                .cloned()
+                .ok_or_else(|| TrustError::UnknownKid(kid.to_owned()));
+        }
         let unlearned: Vec<String> = {
             let known = self.known.read().unwrap_or_else(|e| e.into_inner());
             self.configured

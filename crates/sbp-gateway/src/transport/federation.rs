@@ -2,7 +2,7 @@
 //! for peers holding a federation token, and a tracker's registry. Registered only when
 //! federation is on (the registry only on trackers).
 
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -10,9 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::extract::{JsonObject, bearer};
 use crate::Gateway;
-use crate::engine::federation::migration::{
-    TokenCredential, commit_path, handover_path, locate_path,
-};
+use crate::engine::federation::migration::{commit_path, handover_path, locate_path};
 use crate::engine::federation::tracker::Announced;
 use crate::engine::federation::{REDEEM_PATH, is_cid, roaming_sid};
 use crate::error::{Error, FedError, parse_uuid};
@@ -146,10 +144,12 @@ pub async fn redeem(
 pub async fn locate(
     State(gw): State<Gateway>,
     Path(id): Path<String>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
     headers: HeaderMap,
 ) -> ApiResult {
     let id = parse_uuid(&id)?;
-    gw.federation()
+    let caller = gw
+        .federation()
         .authenticate(
             bearer(&headers).as_deref(),
             "GET",
@@ -157,7 +157,17 @@ pub async fn locate(
             &id.to_string(),
         )
         .await?;
-    match gw.federation().session_location(id).await? {
+    let challenge = query.get("challenge").filter(|c| {
+        !c.is_empty() && c.len() <= 128 && c.bytes().all(|b| b.is_ascii_alphanumeric())
+    });
+    match gw
+        .federation()
+        .session_location(
+            id,
+            challenge.map(|c| (c.as_str(), caller.gateway_id.as_str())),
+        )
+        .await?
+    {
         Some(where_) => Ok(no_store(axum::Json(where_).into_response())),
         None => Err(Error::session_not_found(id)),
     }
@@ -180,28 +190,28 @@ pub async fn handover(
             &id.to_string(),
         )
         .await?;
-    let credential = match (body.get("session_token_proof"), body.get("session_token")) {
-        (Some(serde_json::Value::String(p)), _) if p.len() <= 128 => {
-            TokenCredential::Proof(p.clone())
-        }
-        (None, Some(serde_json::Value::String(t))) if t.len() <= 512 => {
-            TokenCredential::Token(t.clone())
-        }
-        _ => {
-            return Err(Error::invalid(
-                "send `session_token_proof` (or `session_token`) as a string",
-            ));
-        }
+    let token = match body.get("session_token") {
+        Some(serde_json::Value::String(t)) if t.len() <= 512 => t.clone(),
+        _ => return Err(Error::invalid("`session_token` must be a string")),
     };
     let migration_id = match body.get("migration_id") {
         Some(serde_json::Value::String(m)) => parse_uuid(m)?,
         _ => return Err(Error::invalid("`migration_id` must be a UUID")),
     };
-    let envelope = gw
+    match gw
         .federation()
-        .grant_handover(&caller, id, &credential, migration_id)
-        .await?;
-    Ok(no_store(axum::Json(envelope).into_response()))
+        .grant_handover(&caller, id, &token, migration_id)
+        .await
+    {
+        Ok(envelope) => Ok(no_store(axum::Json(envelope).into_response())),
+        Err(e @ Error::Forbidden(_)) => {
+            let mut resp = e.into_response();
+            resp.extensions_mut()
+                .insert(super::limits::NotTheCallersFailure);
+            Ok(resp)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// `POST /v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit`.

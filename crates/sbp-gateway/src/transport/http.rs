@@ -174,7 +174,7 @@ pub async fn get_session(
         .map_err(|e| Error::internal("writing a session", e))?;
     // A session that moved to another gateway says where it went.
     if gw.federation().enabled()
-        && let Some(location) = gw.federation().session_location(sid).await?
+        && let Some(location) = gw.federation().session_location(sid, None).await?
         && location.get("state").and_then(Value::as_str) == Some("moved")
         && let Some(obj) = body.as_object_mut()
     {

@@ -72,6 +72,10 @@ impl Limits {
     }
 }
 
+/// Marks a 401/403 that does not count against the caller's address (`--rate-limit-auth-failures`).
+#[derive(Debug, Clone, Copy)]
+pub struct NotTheCallersFailure;
+
 pub async fn enforce(State(limits): State<Arc<Limits>>, req: Request, next: Next) -> Response {
     if req.uri().path() == "/healthz" {
         return next.run(req).await;
@@ -85,15 +89,13 @@ pub async fn enforce(State(limits): State<Arc<Limits>>, req: Request, next: Next
     }
     let credentials = req.headers().contains_key("x-session-token")
         || req.headers().contains_key(header::AUTHORIZATION);
-    // A handover refused for the surface's session token is the surface's failure, not the
-    // calling gateway's: it must not get the peer's address blocked here.
-    let handover = req.uri().path().starts_with("/v1/sbp/federation/sessions/");
     let resp = next.run(req).await;
-    let failed = match resp.status() {
-        StatusCode::UNAUTHORIZED => true,
-        StatusCode::FORBIDDEN => !handover,
-        _ => false,
-    };
+    // A handover refused for the surface's session token, asked by an authenticated peer, is
+    // the surface's failure, not the peer's: it must not get the peer's address blocked here.
+    let failed = matches!(
+        resp.status(),
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+    ) && resp.extensions().get::<NotTheCallersFailure>().is_none();
     if credentials
         && failed
         && let (Some(failures), Some(ip)) = (&limits.failures, ip)

@@ -15,6 +15,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sbp_protocol::ErrorCode;
 use sbp_protocol::federation::{
     HandoverCommit, HandoverEnvelope, HandoverTetherEntry, verify_object,
 };
@@ -26,6 +27,7 @@ use super::Federation;
 use crate::config::GatewayConfig;
 use crate::error::{Error, FedError};
 use crate::federation::auth::Caller;
+use crate::federation::client::PeerError;
 use crate::federation::trust::{TrustError, TrustedPeer};
 use crate::metrics::fed;
 
@@ -60,15 +62,6 @@ fn test_handover_pause(config: &GatewayConfig) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
-/// How a gateway asking for a handover shows it holds the surface's session token: a proof
-/// ([`crate::auth::token_proof`], what this gateway sends: the token itself never leaves the
-/// gateway the surface gave it to), or the token (accepted from other implementations).
-#[derive(Debug, Clone)]
-pub enum TokenCredential {
-    Proof(String),
-    Token(String),
-}
-
 /// The paths of the migration routes, for tokens' `htu`.
 pub fn locate_path(id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}")
@@ -80,6 +73,13 @@ pub fn handover_path(id: Uuid) -> String {
 
 pub fn commit_path(id: Uuid, migration_id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit")
+}
+
+/// The `error.code` of an answer's envelope.
+fn error_code(body: &[u8]) -> String {
+    serde_json::from_slice::<sbp_protocol::ErrorBody>(body)
+        .map(|b| b.error.code)
+        .unwrap_or_default()
 }
 
 /// Whether `a` is the holder's signed confirmation of this commit.
@@ -137,11 +137,18 @@ fn new_tether_entry(h: &HandoverTetherEntry) -> Option<(u64, sbp_store::NewTethe
 
 impl Federation {
     /// Where session `id` is, as this gateway knows: held here, or moved (and to whom).
-    pub async fn session_location(&self, id: Uuid) -> Result<Option<Map<String, Value>>, Error> {
+    /// With a `challenge` from gateway `asker`, a `held` answer carries `holder_proof`: proof that
+    /// this gateway keeps the session's token hash, so the asker sends the surface's token only
+    /// to the real holder.
+    pub async fn session_location(
+        &self,
+        id: Uuid,
+        challenge: Option<(&str, &str)>,
+    ) -> Result<Option<Map<String, Value>>, Error> {
         let inner = self.on()?;
-        if inner.store.get_session(id).await?.is_none() {
+        let Some(session) = inner.store.get_session(id).await? else {
             return Ok(None);
-        }
+        };
         let hold = inner.store.hold(id).await?;
         let own = inner.identity.gateway_id().to_owned();
         let base = inner.identity.base_url().unwrap_or_default().to_owned();
@@ -164,6 +171,16 @@ impl Federation {
             }
             other => {
                 out.insert("state".into(), json!("held"));
+                if let Some((challenge, asker)) = challenge {
+                    let sid = id.to_string();
+                    out.insert(
+                        "holder_proof".into(),
+                        json!(crate::auth::holder_proof(
+                            &session.token_hash,
+                            &["holder", &sid, challenge, &own, asker],
+                        )),
+                    );
+                }
                 out.insert("gateway_id".into(), json!(own));
                 out.insert("gateway_url".into(), json!(base));
                 out.insert("epoch".into(), json!(other.map(|h| h.epoch).unwrap_or(0)));
@@ -236,7 +253,7 @@ impl Federation {
         &self,
         caller: &Caller,
         id: Uuid,
-        credential: &TokenCredential,
+        session_token: &str,
         migration_id: Uuid,
     ) -> Result<Map<String, Value>, Error> {
         let inner = self.on()?;
@@ -247,17 +264,7 @@ impl Federation {
             count("origin_not_found");
             return Err(Error::session_not_found(id));
         };
-        let own = inner.identity.gateway_id();
-        let holds_token = match credential {
-            TokenCredential::Proof(proof) => crate::auth::proof_matches(
-                proof,
-                &session.token_hash,
-                &id.to_string(),
-                &migration_id.to_string(),
-                own,
-            ),
-            TokenCredential::Token(token) => crate::auth::token_matches(token, &session.token_hash),
-        };
+        let holds_token = crate::auth::token_matches(session_token, &session.token_hash);
         if !holds_token {
             count("origin_forbidden");
             return Err(Error::forbidden(
@@ -361,8 +368,13 @@ impl Federation {
     /// (a bundle or envelope carries at most that, plus its envelope).
     fn handover_cap(&self) -> usize {
         self.inner.as_ref().map_or(8 << 20, |i| {
+            // A bundle escapes non-ASCII text as JSON `\uXXXX` (up to 6 bytes a character):
+            // three times the stored bytes covers ordinary text.
             let session = usize::try_from(i.config.limits.max_session_bytes).unwrap_or(usize::MAX);
-            session.saturating_add(1 << 20).max(i.config.max_body_bytes)
+            session
+                .saturating_mul(3)
+                .saturating_add(1 << 20)
+                .max(i.config.max_body_bytes)
         })
     }
 
@@ -390,7 +402,7 @@ impl Federation {
         {
             urls.push(url);
         }
-        urls.extend(inner.directory.configured_urls());
+        urls.extend(inner.directory.peer_urls());
         // Learned at once, each bounded by the client's timeout: a silent peer costs one timeout,
         // not one per peer.
         let learned =
@@ -403,7 +415,9 @@ impl Federation {
                         out.push(p);
                     }
                 }
-                Err(TrustError::Peer(e)) => {
+                // Only a peer that could not be reached may be the holder we cannot see; one that
+                // answered but is not usable (refused URL, no manifest, untrusted) is not.
+                Err(TrustError::Peer(e @ PeerError::Unreachable { .. })) => {
                     tracing::info!(peer = %url, error = %e, "a peer that may hold the session is unreachable");
                     unreachable += 1;
                 }
@@ -424,10 +438,11 @@ impl Federation {
         &self,
         peer: &TrustedPeer,
         id: Uuid,
+        challenge: &str,
     ) -> Result<Option<Map<String, Value>>, ()> {
         let inner = self.inner.as_ref().ok_or(())?;
         let path = locate_path(id);
-        let url = format!("{}{path}", peer.url);
+        let url = format!("{}{path}?challenge={challenge}", peer.url);
         let token = inner
             .identity
             .token(&peer.gateway_id, &id.to_string(), "GET", &path);
@@ -439,23 +454,65 @@ impl Federation {
             .map_err(|_| ())?;
         match a.status {
             200 => a.object(&url).map(Some).map_err(|_| ()),
-            404 => Ok(None),
+            // Not known there, or not to us (the peer does not trust this gateway).
+            404 | 401 | 403 => Ok(None),
             _ => Err(()),
         }
     }
 
+    /// Whether `answer` proves that `peer` holds the session whose token hashes to `token_hash`.
+    fn proves_holding(
+        &self,
+        answer: &Map<String, Value>,
+        peer: &TrustedPeer,
+        id: Uuid,
+        challenge: &str,
+        token_hash: &str,
+    ) -> bool {
+        let Some(inner) = &self.inner else {
+            return false;
+        };
+        let sid = id.to_string();
+        let proved = answer
+            .get("holder_proof")
+            .and_then(Value::as_str)
+            .is_some_and(|p| {
+                crate::auth::holder_proof_matches(
+                    p,
+                    token_hash,
+                    &[
+                        "holder",
+                        &sid,
+                        challenge,
+                        &peer.gateway_id,
+                        inner.identity.gateway_id(),
+                    ],
+                )
+            });
+        if !proved {
+            tracing::warn!(peer = %peer.url, session_id = %id, "a peer claims to hold a session it cannot prove it holds");
+        }
+        proved
+    }
+
     /// The gateway holding session `id`, following `moved` answers. `TryAgain` when a peer that
     /// may hold it could not be asked, or the session is arriving somewhere (a move in progress).
-    async fn find_holder(&self, id: Uuid) -> Result<TrustedPeer, PullError> {
+    async fn find_holder(&self, id: Uuid, token_hash: &str) -> Result<TrustedPeer, PullError> {
         let Some(inner) = self.inner.as_ref() else {
             return Err(PullError::NotHeld);
         };
+        let challenge = uuid::Uuid::new_v4().simple().to_string();
         let busy = || PullError::TryAgain("the session is moving; try again".into());
         let (candidates, mut unreachable) = self.session_candidates(id).await;
-        let answers =
-            futures::future::join_all(candidates.iter().map(|p| self.ask_location(p, id))).await;
+        let answers = futures::future::join_all(
+            candidates
+                .iter()
+                .map(|p| self.ask_location(p, id, &challenge)),
+        )
+        .await;
         let mut next: Option<String> = None;
         let mut arriving = false;
+        let mut unproven = false;
         for (peer, answer) in candidates.iter().zip(answers) {
             let a = match answer {
                 Ok(Some(a)) => a,
@@ -466,7 +523,12 @@ impl Federation {
                 }
             };
             match a.get("state").and_then(Value::as_str) {
-                Some("held") => return Ok(peer.clone()),
+                Some("held") if self.proves_holding(&a, peer, id, &challenge, token_hash) => {
+                    return Ok(peer.clone());
+                }
+                // Held there, but not by this token's hash: a wrong token (or a peer that only
+                // claims the session). Nothing is sent; the surface hears 4003.
+                Some("held") => unproven = true,
                 Some("incoming") => arriving = true,
                 Some("moved") => {
                     next = a
@@ -492,9 +554,12 @@ impl Federation {
                     None => return Err(busy()),
                 },
             };
-            match self.ask_location(&peer, id).await {
+            match self.ask_location(&peer, id, &challenge).await {
                 Ok(Some(a)) => match a.get("state").and_then(Value::as_str) {
-                    Some("held") => return Ok(peer),
+                    Some("held") if self.proves_holding(&a, &peer, id, &challenge, token_hash) => {
+                        return Ok(peer);
+                    }
+                    Some("held") => return Err(PullError::Forbidden),
                     Some("moved") => {
                         next = a
                             .get("gateway_id")
@@ -509,6 +574,9 @@ impl Federation {
         }
         if arriving {
             return Err(busy());
+        }
+        if unproven {
+            return Err(PullError::Forbidden);
         }
         if unreachable > 0 {
             return Err(PullError::TryAgain(
@@ -536,11 +604,20 @@ impl Federation {
         {
             return self.resolve_incoming(id, h, deadline).await;
         }
-        let Ok(holder) = tokio::time::timeout_at(deadline, self.find_holder(id)).await else {
+        let Ok(holder) = tokio::time::timeout_at(
+            deadline,
+            self.find_holder(id, &crate::auth::hash_token(session_token)),
+        )
+        .await
+        else {
             count("target_timeout");
             return Err(PullError::TryAgain("locating the session timed out".into()));
         };
-        let holder = holder?;
+        let holder = holder.inspect_err(|e| {
+            if *e == PullError::Forbidden {
+                count("target_forbidden");
+            }
+        })?;
         let migration_id = Uuid::now_v7();
         let envelope = match tokio::time::timeout_at(
             deadline,
@@ -623,11 +700,7 @@ impl Federation {
                     .post(&url, Some(&token), &json!({}), 16 << 10),
             )
             .await;
-            let code = |a: &crate::federation::client::Answer| {
-                serde_json::from_slice::<sbp_protocol::ErrorBody>(&a.body)
-                    .map(|b| b.error.code)
-                    .unwrap_or_default()
-            };
+            let code = |a: &crate::federation::client::Answer| error_code(&a.body);
             match sent {
                 Ok(Ok(a)) if a.status == 200 && committed(&a, holder, id, migration_id) => {
                     if let Err(e) = inner
@@ -646,8 +719,8 @@ impl Federation {
                 // no longer knows the session. Anything else (a proxy's 5xx, a 429, a 401 from
                 // a clock) may hide a commit that went through: keep the copy `incoming`.
                 Ok(Ok(a))
-                    if (a.status == 409 && code(&a) == "SBP_SESSION_LEASE_EXPIRED")
-                        || a.status == 404 =>
+                    if (a.status == 409 && code(&a) == ErrorCode::LeaseExpired.as_str())
+                        || (a.status == 404 && code(&a) == ErrorCode::SessionNotFound.as_str()) =>
                 {
                     if let Err(e) = inner
                         .store
@@ -750,13 +823,8 @@ impl Federation {
         let token = inner
             .identity
             .token(&holder.gateway_id, &id.to_string(), "POST", &path);
-        let proof = crate::auth::token_proof(
-            &crate::auth::hash_token(session_token),
-            &id.to_string(),
-            &migration_id.to_string(),
-            &holder.gateway_id,
-        );
-        let body = json!({ "session_token_proof": proof, "migration_id": migration_id });
+        // The holder proved it keeps the session's token hash (locate's `holder_proof`).
+        let body = json!({ "session_token": session_token, "migration_id": migration_id });
         let a = inner
             .directory
             .client()
@@ -774,7 +842,9 @@ impl Federation {
             })?;
         match a.status {
             200 => {}
-            403 => {
+            // The surface's token refused; any other 403 (this gateway not trusted there, say)
+            // is not the surface's fault.
+            403 if error_code(&a.body) == ErrorCode::Forbidden.as_str() => {
                 count("target_forbidden");
                 return Err(PullError::Forbidden);
             }
