@@ -1001,3 +1001,70 @@ async fn the_origin_answers_moving_while_the_lease_runs() {
     let (status, _, body) = handover(&f.key, &f.gateway_id, &a, &id, &token, Uuid::now_v7()).await;
     assert_eq!(status, 409, "{body}");
 }
+
+/// 6c. The origin is killed with `kill -9` in the middle of a handover (after its lease and the
+/// adoption on B, before B's commit): the surface on B hears 1013 within B's attach timeout and
+/// B serves nothing of the session while its copy waits (409 MOVING, never 200); once A is back
+/// with its lease expired, B's copy is settled without any surface (the commit is refused, the
+/// copy dropped), A serves the session again, and a fresh attach on B moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_origin_dying_mid_handover_keeps_the_session_whole() {
+    let mut a = Node::new("gw-a-origin-dies", 191).await;
+    let mut b = Node::new("gw-b-origin-dies", 192).await;
+    let (ap, bp) = (a.pin(), b.pin());
+    a.start(&["--peer", &bp, "--handover-lease", "2"]).await;
+    b.set_env(PAUSE_ENV, Some("1000"));
+    b.start(&[
+        "--peer",
+        &ap,
+        "--enable-test-hooks",
+        "--attach-timeout",
+        "4",
+        "--handover-lease",
+        "4",
+    ])
+    .await;
+    let (id, token) = conversation(a.gw(), "the origin dies").await;
+    let transcript = a.gw().messages(&id, &token).await;
+
+    let started = Instant::now();
+    let mut ws = start_attach(&b, &id, &token).await;
+    paused_migration(&b).await;
+    a.kill9();
+    let code = close_code(&mut ws).await;
+    let took = started.elapsed();
+    assert_eq!(code, Some(1013), "the surface is told to try again");
+    assert!(
+        took < Duration::from_secs(6),
+        "within B's 4 s attach timeout: {took:?}"
+    );
+    // B's adopted copy is not served while its commit's outcome is unknown.
+    let (status, body) = get_with(b.gw(), &format!("/v1/sessions/{id}"), &token).await;
+    assert_eq!(status, 409, "the copy waits: {body}");
+    assert_eq!(body["error"]["code"], "SBP_SESSION_MOVING", "{body}");
+
+    // A comes back after its lease expired: B settles its copy by itself.
+    tokio::time::sleep_until(started + Duration::from_secs(3)).await;
+    a.restart().await;
+    eventually(WAIT, "B settles its copy with A", || {
+        let b = &b;
+        async move { (handovers(b, "target_commit_refused").await >= 1.0).then_some(()) }
+    })
+    .await;
+    let (status, _, body) = chat(a.gw(), &token, "still here").await;
+    assert_eq!(status, 200, "A serves the session again: {body}");
+    let on_a = a.gw().messages(&id, &token).await;
+    assert!(
+        on_a.starts_with(&transcript) && on_a.len() > transcript.len(),
+        "nothing of the session was lost, and the new turn is on A: {on_a:?}"
+    );
+
+    // A fresh attach on B then moves the whole session.
+    let now_on_a = a.gw().messages(&id, &token).await;
+    let (ws, attached) = try_attach(&b, &id, &token, json!({}))
+        .await
+        .attached("a fresh attach on B");
+    assert_eq!(attached["session_id"], id.as_str());
+    assert_eq!(b.gw().messages(&id, &token).await, now_on_a);
+    ws.close().await;
+}
