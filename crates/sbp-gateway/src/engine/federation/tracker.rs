@@ -52,6 +52,27 @@ struct Admitted {
     bundle_template: Option<String>,
     keys: Vec<PublicKey>,
     vouch: VouchRow,
+    /// The manifest's `valid_until` (or an old key's expiry, if sooner): past it, the manifest is
+    /// read again.
+    until: chrono::DateTime<Utc>,
+}
+
+/// What a verified manifest lets this tracker keep of a gateway.
+fn admitted_from(v: &VerifiedManifest, origin: &str, now: chrono::DateTime<Utc>) -> Admitted {
+    let until = v
+        .manifest
+        .old_keys
+        .iter()
+        .map(|k| k.expires_at)
+        .filter(|t| *t > now)
+        .fold(v.manifest.valid_until, |a, b| a.min(b));
+    Admitted {
+        origin: origin.to_owned(),
+        bundle_template: v.manifest.endpoints.bundle.clone(),
+        keys: v.valid_keys.iter().map(|(_, k)| k.clone()).collect(),
+        vouch: vouch_row(v, origin, now),
+        until,
+    }
 }
 
 /// The record's `bundle_url` must be the gateway's own bundle endpoint for its CID.
@@ -298,12 +319,7 @@ impl Tracker {
         self.failed(origin);
         let verified = self.admit(origin).await?;
         // What the manifest proved is kept, whoever the record claimed to be.
-        let admitted = Admitted {
-            origin: origin.to_owned(),
-            bundle_template: verified.manifest.endpoints.bundle.clone(),
-            keys: verified.valid_keys.iter().map(|(_, k)| k.clone()).collect(),
-            vouch: vouch_row(&verified, origin, now),
-        };
+        let admitted = admitted_from(&verified, origin, now);
         self.remember(&verified.manifest.gateway_id, admitted.clone());
         if verified.manifest.gateway_id != record.gateway_id {
             return Err(refuse(
@@ -331,7 +347,9 @@ impl Tracker {
     /// What this tracker admitted of `gateway_id` at `origin` (its manifest, read before).
     fn admitted_as(&self, gateway_id: &str, origin: &str) -> Option<Admitted> {
         let map = self.admitted.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(gateway_id).filter(|a| a.origin == origin).cloned()
+        map.get(gateway_id)
+            .filter(|a| a.origin == origin && a.until > Utc::now())
+            .cloned()
     }
 
     fn remember(&self, gateway_id: &str, admitted: Admitted) {
@@ -441,12 +459,7 @@ impl Tracker {
         let row = vouch_row(&verified, &origin, Utc::now());
         self.remember(
             &row.gateway_id,
-            Admitted {
-                origin: origin.clone(),
-                bundle_template: verified.manifest.endpoints.bundle.clone(),
-                keys: verified.valid_keys.iter().map(|(_, k)| k.clone()).collect(),
-                vouch: row.clone(),
-            },
+            admitted_from(&verified, &origin, Utc::now()),
         );
         let gateway_id = row.gateway_id.clone();
         self.store.put_vouch(row).await?;
