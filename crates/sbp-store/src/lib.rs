@@ -392,6 +392,16 @@ pub trait HoldStore: Send + Sync {
     ) -> StoreResult<HoldRow>;
     /// Leases that expired at or before `now` return to home (epoch kept); how many.
     async fn expire_leases(&self, now: Timestamp) -> StoreResult<u64>;
+    /// Origin side: the lease of `migration_id` to `by_gateway`, still running, ends now (the
+    /// gateway taking the session gave up: the session is home again, epoch kept). False when
+    /// no such lease holds it (committed, expired, another migration's).
+    async fn release_lease(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<bool>;
     /// Target side: creates the session with the origin's id and `token_hash`, its messages,
     /// snapshot, memory and bundle as [`RoamingStore::adopt_session`] does, the tether entries
     /// under their seqs, the next tether seq `tether_next_seq` (or past the highest carried seq),

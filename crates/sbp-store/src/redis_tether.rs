@@ -1259,6 +1259,19 @@ impl<S: Store + ?Sized + 'static> crate::HoldStore for TetheredStore<S> {
         self.shared.inner.expire_leases(now).await
     }
 
+    async fn release_lease(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<bool> {
+        self.shared
+            .inner
+            .release_lease(session_id, migration_id, by_gateway, now)
+            .await
+    }
+
     /// After the SQL write (which refuses a session held here, whose stream must stay): an
     /// earlier visit's stream and last seq are dropped, so the carried seqs stream again; then
     /// the carried entries are streamed from what was given, not read back from the outbox (an

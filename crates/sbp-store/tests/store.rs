@@ -70,6 +70,7 @@ macro_rules! for_each_case {
             hold_adopt_replaces_only_a_moved_copy,
             hold_finish_incoming_false_deletes,
             hold_epoch_grows_across_moves,
+            hold_release_ends_only_its_own_lease,
         );
     };
 }

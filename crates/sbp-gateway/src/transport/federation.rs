@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::extract::{JsonObject, bearer};
 use crate::Gateway;
-use crate::engine::federation::migration::{commit_path, handover_path, locate_path};
+use crate::engine::federation::migration::{abort_path, commit_path, handover_path, locate_path};
 use crate::engine::federation::tracker::Announced;
 use crate::engine::federation::{REDEEM_PATH, is_cid, roaming_sid};
 use crate::error::{Error, FedError, parse_uuid};
@@ -238,6 +238,33 @@ pub async fn commit(
     // Surfaces still attached here hear that the session left (4409).
     gw.surfaces().displace_everywhere(id).await;
     Ok(no_store(axum::Json(answer).into_response()))
+}
+
+/// `POST /v1/sbp/federation/sessions/{id}/handover/{migration_id}/abort`: the lease's gateway
+/// gave up; the session is home again.
+pub async fn abort(
+    State(gw): State<Gateway>,
+    Path((id, migration_id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> ApiResult {
+    let id = parse_uuid(&id)?;
+    let migration_id = parse_uuid(&migration_id)?;
+    let caller = gw
+        .federation()
+        .authenticate(
+            bearer(&headers).as_deref(),
+            "POST",
+            &abort_path(id, migration_id),
+            &id.to_string(),
+        )
+        .await?;
+    let released = gw
+        .federation()
+        .abort_handover(&caller, id, migration_id)
+        .await?;
+    Ok(no_store(
+        axum::Json(serde_json::json!({ "released": released })).into_response(),
+    ))
 }
 
 /// With federation, session routes refuse a session that moved away (409 SBP_SESSION_MOVED

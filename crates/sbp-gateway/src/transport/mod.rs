@@ -58,6 +58,10 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
             .route(
                 "/v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit",
                 post(federation::commit),
+            )
+            .route(
+                "/v1/sbp/federation/sessions/{id}/handover/{migration_id}/abort",
+                post(federation::abort),
             ),
         None => session_routes(&gateway),
     };

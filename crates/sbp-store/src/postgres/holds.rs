@@ -251,6 +251,27 @@ async fn expire_leases(c: &impl GenericClient, now: Timestamp) -> StoreResult<u6
     c.execute(&st, &[&now]).await.map_err(db_err)
 }
 
+async fn release_lease(
+    c: &impl GenericClient,
+    session: Uuid,
+    migration_id: Uuid,
+    by: &str,
+    now: Timestamp,
+) -> StoreResult<bool> {
+    let st = prep(
+        c,
+        "UPDATE session_holds SET state = 'home', peer_gateway = NULL, peer_url = NULL, \
+         migration_id = NULL, lease_expires_at = NULL, updated_at = $4 \
+         WHERE session_id = $1 AND state = 'leased' AND migration_id = $2 AND peer_gateway = $3",
+    )
+    .await?;
+    let mid = migration_id.to_string();
+    c.execute(&st, &[&session, &mid, &by, &now])
+        .await
+        .map(|n| n == 1)
+        .map_err(db_err)
+}
+
 async fn delete_session(tx: &Tx, session: Uuid) -> StoreResult<()> {
     // Messages, snapshots, tether, turns, idempotency records, memory and the hold go with it
     // (ON DELETE CASCADE); lineage and exports name sessions without a key and stay.
@@ -436,6 +457,23 @@ impl HoldStore for PostgresStore {
 
     async fn expire_leases(&self, now: Timestamp) -> StoreResult<u64> {
         expire_leases(&self.client().await?, now).await
+    }
+
+    async fn release_lease(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<bool> {
+        release_lease(
+            &self.client().await?,
+            session_id,
+            migration_id,
+            by_gateway,
+            now,
+        )
+        .await
     }
 
     async fn adopt_migrated(&self, m: AdoptMigrated) -> StoreResult<SessionRecord> {

@@ -217,6 +217,23 @@ fn expire_leases(conn: &Connection, now: &Timestamp) -> StoreResult<u64> {
     .map_err(db_err)
 }
 
+fn release_lease(
+    conn: &Connection,
+    session: Uuid,
+    migration_id: Uuid,
+    by: &str,
+    now: &Timestamp,
+) -> StoreResult<bool> {
+    conn.prepare_cached(
+        "UPDATE session_holds SET state = 'home', peer_gateway = NULL, peer_url = NULL, \
+         migration_id = NULL, lease_expires_at = NULL, updated_at = ?4 \
+         WHERE session_id = ?1 AND state = 'leased' AND migration_id = ?2 AND peer_gateway = ?3",
+    )
+    .and_then(|mut st| st.execute(params![uuid(&session), uuid(&migration_id), by, ts(now)]))
+    .map(|n| n == 1)
+    .map_err(db_err)
+}
+
 fn delete_session(conn: &Connection, sid: &str) -> StoreResult<()> {
     // Messages, snapshots, tether, turns, idempotency records, memory and the hold go with it
     // (ON DELETE CASCADE); lineage and exports name sessions without a key and stay.
@@ -380,6 +397,18 @@ impl HoldStore for SqliteStore {
 
     async fn expire_leases(&self, now: Timestamp) -> StoreResult<u64> {
         self.write(move |c, _| expire_leases(c, &now)).await
+    }
+
+    async fn release_lease(
+        &self,
+        session_id: Uuid,
+        migration_id: Uuid,
+        by_gateway: &str,
+        now: Timestamp,
+    ) -> StoreResult<bool> {
+        let by = by_gateway.to_owned();
+        self.write(move |c, _| release_lease(c, session_id, migration_id, &by, &now))
+            .await
     }
 
     async fn adopt_migrated(&self, m: AdoptMigrated) -> StoreResult<SessionRecord> {

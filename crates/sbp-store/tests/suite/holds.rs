@@ -852,3 +852,55 @@ pub async fn hold_epoch_grows_across_moves(store: Arc<dyn Store>) {
         .collect();
     assert_eq!(kinds, vec![LinkKind::MigratedTo, LinkKind::MigratedFrom]);
 }
+
+pub async fn hold_release_ends_only_its_own_lease(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-h").await;
+    let mid = Uuid::now_v7();
+    store
+        .lease_handover(lease(s.id, B, mid, 10, 40))
+        .await
+        .expect("lease");
+    // Another migration's id, or another gateway, releases nothing.
+    assert!(
+        !store
+            .release_lease(s.id, Uuid::now_v7(), B, t(11))
+            .await
+            .expect("release")
+    );
+    assert!(
+        !store
+            .release_lease(s.id, mid, "gw-c", t(11))
+            .await
+            .expect("release")
+    );
+    assert_eq!(
+        hold_of(&store, s.id).await.map(|h| h.state),
+        Some(HoldState::Leased)
+    );
+    // The lease's own gateway ends it: home at once, epoch kept, turns allowed again.
+    assert!(
+        store
+            .release_lease(s.id, mid, B, t(12))
+            .await
+            .expect("release")
+    );
+    let h = hold_of(&store, s.id).await.expect("a hold");
+    assert_eq!(
+        (h.state, h.epoch, h.migration_id),
+        (HoldState::Home, 1, None)
+    );
+    let mut turn = begin(s.id, Vec::new());
+    turn.now = t(13);
+    store.begin_turn(turn).await.expect("a turn once released");
+    // Released once: a second release, or a commit of that migration, finds no lease.
+    assert!(
+        !store
+            .release_lease(s.id, mid, B, t(14))
+            .await
+            .expect("release")
+    );
+    assert_eq!(
+        conflict_of(store.commit_handover(s.id, mid, B, t(15)).await),
+        ConflictKind::LeaseExpired
+    );
+}

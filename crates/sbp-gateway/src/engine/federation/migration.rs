@@ -71,6 +71,10 @@ pub fn handover_path(id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}/handover")
 }
 
+pub fn abort_path(id: Uuid, migration_id: Uuid) -> String {
+    format!("/v1/sbp/federation/sessions/{id}/handover/{migration_id}/abort")
+}
+
 pub fn commit_path(id: Uuid, migration_id: Uuid) -> String {
     format!("/v1/sbp/federation/sessions/{id}/handover/{migration_id}/commit")
 }
@@ -378,6 +382,55 @@ impl Federation {
         })
     }
 
+    /// `POST .../handover/{migration_id}/abort` from the lease's gateway: it gave up, the
+    /// session is home again at once (instead of when the lease runs out).
+    pub async fn abort_handover(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        migration_id: Uuid,
+    ) -> Result<bool, Error> {
+        let inner = self.on()?;
+        let released = inner
+            .store
+            .release_lease(id, migration_id, &caller.gateway_id, Utc::now())
+            .await?;
+        if released {
+            inner
+                .metrics
+                .federation
+                .count(fed::HANDOVERS, "origin_aborted");
+        }
+        Ok(released)
+    }
+
+    /// Tells `holder` this gateway gave up a handover it was granted (best effort: the lease
+    /// runs out anyway).
+    async fn abort_at(&self, holder: &TrustedPeer, id: Uuid, migration_id: Uuid) {
+        let Some(inner) = &self.inner else {
+            return;
+        };
+        let path = abort_path(id, migration_id);
+        let url = format!("{}{path}", holder.url);
+        let token = inner
+            .identity
+            .token(&holder.gateway_id, &id.to_string(), "POST", &path);
+        if let Err(e) = inner
+            .directory
+            .client()
+            .post_within(
+                &url,
+                Some(&token),
+                &json!({}),
+                16 << 10,
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            tracing::info!(session_id = %id, error = %e, "releasing a handover lease failed; it expires");
+        }
+    }
+
     fn lease_duration(&self) -> Duration {
         self.inner
             .as_ref()
@@ -641,12 +694,14 @@ impl Federation {
             Ok(super::bundles::Attempt::Got(v)) => v,
             Ok(_) => {
                 count("target_bad_bundle");
+                self.abort_at(&holder, id, migration_id).await;
                 return Err(PullError::TryAgain(
                     "the holder did not serve the session's bundle".into(),
                 ));
             }
             Err(_) => {
                 count("target_timeout");
+                self.abort_at(&holder, id, migration_id).await;
                 return Err(PullError::TryAgain("fetching the bundle timed out".into()));
             }
         };
@@ -662,6 +717,7 @@ impl Federation {
         {
             count("target_adopt_failed");
             tracing::warn!(session_id = %id, error = %e, "adopting a migrated session failed");
+            self.abort_at(&holder, id, migration_id).await;
             return Err(PullError::TryAgain(
                 "the session could not be adopted".into(),
             ));
