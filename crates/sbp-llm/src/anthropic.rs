@@ -115,4 +115,20 @@ impl Provider for AnthropicProvider {
             move |event, out| translator.event(&event.event, &event.data, out),
         ))
     }
+
+    /// Anthropic's `GET /v1/models` (`{"data": [{"id", "display_name", "created_at", ...}]}`),
+    /// in OpenAI's shape.
+    async fn models(&self) -> Result<Vec<Value>, LlmError> {
+        let mut req = self
+            .endpoint
+            .get("models")
+            .header("anthropic-version", &self.opts.version);
+        if let Some(key) = &self.opts.api_key {
+            req = req.header("x-api-key", key);
+        }
+        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
+        let resp = transport::send(req, self.opts.request_timeout).await?;
+        let value = transport::read_json(resp, deadline).await?;
+        Ok(transport::model_list(&value, "anthropic"))
+    }
 }

@@ -352,6 +352,15 @@ impl Provider for EchoProvider {
         Completion::from_body(response, ECHO_MODEL)
     }
 
+    async fn models(&self) -> Result<Vec<Value>, LlmError> {
+        Ok(vec![serde_json::json!({
+            "id": ECHO_MODEL,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sbp",
+        })])
+    }
+
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
         let reply = Self::reply(&body);
         let usage = usage(&body, &reply_words(&reply));

@@ -102,6 +102,11 @@ pub trait Provider: Send + Sync {
     async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError>;
     /// `request` answered as a stream of chunks (its `sbp` is not sent).
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, LlmError>;
+    /// The models it offers, as OpenAI's `GET /v1/models` lists them (`{"id", "object":
+    /// "model", "created", "owned_by"}`); none known unless the provider says.
+    async fn models(&self) -> Result<Vec<Value>, LlmError> {
+        Ok(Vec::new())
+    }
 }
 
 /// A request parsed from a JSON object, for tests; `messages` may be missing or empty (panics on

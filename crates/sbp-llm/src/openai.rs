@@ -70,6 +70,17 @@ impl Provider for OpenAiProvider {
             decode_event,
         ))
     }
+
+    async fn models(&self) -> Result<Vec<Value>, LlmError> {
+        let mut req = self.endpoint.get("models");
+        if let Some(key) = &self.opts.api_key {
+            req = req.bearer_auth(key);
+        }
+        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
+        let resp = transport::send(req, self.opts.request_timeout).await?;
+        let value = transport::read_json(resp, deadline).await?;
+        Ok(transport::model_list(&value, "upstream"))
+    }
 }
 
 /// One OpenAI SSE event: a chunk, `[DONE]`, or an in-band `{"error": ...}` object (which some

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use sbp_protocol::ChatRequest;
+use serde_json::Value;
 
 use crate::{ChunkStream, Completion, LlmError, Provider};
 
@@ -125,6 +126,62 @@ impl Provider for Router {
         let (provider, body) = self.route(body);
         provider.stream(body).await
     }
+
+    /// The routes' models (a stripping route's under its prefix, as callers name them), then the
+    /// default provider's; each id once. A provider that cannot list is left out (logged); an
+    /// error only when none could.
+    async fn models(&self) -> Result<Vec<Value>, LlmError> {
+        let mut out: Vec<Value> = Vec::new();
+        let mut last_err = None;
+        let mut answered = 0;
+        for (matcher, provider) in &self.routes {
+            match provider.models().await {
+                Ok(models) => {
+                    answered += 1;
+                    for mut m in models {
+                        if matcher.strip
+                            && let Some(id) = m.get("id").and_then(Value::as_str)
+                            && !id.starts_with(&matcher.prefix)
+                        {
+                            m["id"] = Value::String(format!("{}{id}", matcher.prefix));
+                        }
+                        push_model(&mut out, m);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(route = %matcher.prefix, error = %e, "listing a route's models failed");
+                    last_err = Some(e);
+                }
+            }
+        }
+        match self.default.models().await {
+            Ok(models) => {
+                answered += 1;
+                for m in models {
+                    push_model(&mut out, m);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listing the upstream's models failed");
+                last_err = Some(e);
+            }
+        }
+        match (answered, last_err) {
+            (0, Some(e)) => Err(e),
+            _ => Ok(out),
+        }
+    }
+}
+
+/// Adds `model` unless a model of its id is listed already.
+fn push_model(out: &mut Vec<Value>, model: Value) {
+    let id = model.get("id").and_then(Value::as_str).unwrap_or_default();
+    if !out
+        .iter()
+        .any(|m| m.get("id").and_then(Value::as_str) == Some(id))
+    {
+        out.push(model);
+    }
 }
 
 #[cfg(test)]
@@ -221,5 +278,54 @@ mod tests {
         assert_eq!(m.upstream("claude-3"), "claude-3");
         let s = ModelMatch::prefix("a/").stripping_prefix();
         assert_eq!(s.upstream("a/b"), "b");
+    }
+
+    /// Lists fixed models (or fails).
+    struct Listing(Option<Vec<&'static str>>);
+
+    #[async_trait]
+    impl Provider for Listing {
+        fn route_name(&self, requested: &str) -> String {
+            requested.to_owned()
+        }
+
+        async fn complete(&self, _body: ChatRequest) -> Result<Completion, LlmError> {
+            Err(LlmError::Timeout)
+        }
+
+        async fn stream(&self, _body: ChatRequest) -> Result<ChunkStream, LlmError> {
+            Err(LlmError::Timeout)
+        }
+
+        async fn models(&self) -> Result<Vec<Value>, LlmError> {
+            match &self.0 {
+                Some(ids) => Ok(ids
+                    .iter()
+                    .map(|id| json!({"id": id, "object": "model"}))
+                    .collect()),
+                None => Err(LlmError::Timeout),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn models_merge_routes_under_their_names_and_skip_a_failing_provider() {
+        let router = Router::new(Arc::new(Listing(Some(vec!["gpt-x", "claude-1"]))))
+            .with_route(
+                ModelMatch::prefix("anthropic/").stripping_prefix(),
+                Arc::new(Listing(Some(vec!["claude-1"]))),
+            )
+            .with_route(ModelMatch::prefix("down/"), Arc::new(Listing(None)));
+        let ids: Vec<String> = router
+            .models()
+            .await
+            .expect("listed")
+            .iter()
+            .map(|m| m["id"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        // A stripping route's models as callers name them; each id once; the failing one left out.
+        assert_eq!(ids, vec!["anthropic/claude-1", "gpt-x", "claude-1"]);
+        let all_down = Router::new(Arc::new(Listing(None)));
+        assert!(all_down.models().await.is_err());
     }
 }

@@ -18,6 +18,7 @@ use crate::{ChunkStream, LlmError};
 pub(crate) struct Endpoint {
     client: reqwest::Client,
     url: String,
+    base: String,
 }
 
 impl Endpoint {
@@ -33,12 +34,18 @@ impl Endpoint {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| LlmError::Protocol(format!("cannot build HTTP client: {e}")))?;
-        let url = format!("{}/{path}", base_url.trim_end_matches('/'));
-        Ok(Self { client, url })
+        let base = base_url.trim_end_matches('/').to_owned();
+        let url = format!("{base}/{path}");
+        Ok(Self { client, url, base })
     }
 
     pub(crate) fn post(&self) -> reqwest::RequestBuilder {
         self.client.post(&self.url)
+    }
+
+    /// `GET` of another path under the same base URL (`models`).
+    pub(crate) fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client.get(format!("{}/{path}", self.base))
     }
 }
 
@@ -79,6 +86,29 @@ pub(crate) async fn read_json(
         .map_err(classify)?;
     serde_json::from_slice(&bytes)
         .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
+}
+
+/// The models of an OpenAI-style list (`{"data": [{"id", ...}]}`), in OpenAI's shape, with
+/// `owned_by` defaulting to `owner`.
+pub(crate) fn model_list(value: &Value, owner: &str) -> Vec<Value> {
+    value
+        .get("data")
+        .and_then(Value::as_array)
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|m| {
+                    let id = m.get("id")?.as_str()?;
+                    Some(serde_json::json!({
+                        "id": id,
+                        "object": "model",
+                        "created": m.get("created").and_then(Value::as_i64).unwrap_or(0),
+                        "owned_by": m.get("owned_by").and_then(Value::as_str).unwrap_or(owner),
+                    }))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 pub(crate) fn classify(e: reqwest::Error) -> LlmError {

@@ -32,6 +32,28 @@ pub async fn metrics(State(gw): State<Gateway>) -> ApiResult {
     Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
 }
 
+/// `GET /v1/models`: OpenAI's list shape, so chat front ends and SDKs that list models first work.
+pub async fn models(State(gw): State<Gateway>) -> ApiResult {
+    let data = gw.turns().models().await?;
+    Ok(Json(json!({ "object": "list", "data": data })).into_response())
+}
+
+/// `GET /v1/models/{id}`: one model of the list, or 404.
+pub async fn model(State(gw): State<Gateway>, Path(id): Path<String>) -> ApiResult {
+    gw.turns()
+        .models()
+        .await?
+        .into_iter()
+        .find(|m| m.get("id").and_then(Value::as_str) == Some(id.as_str()))
+        .map(|m| Json(m).into_response())
+        .ok_or_else(|| {
+            Error::NotFound(format!(
+                "no model '{}' here",
+                id.chars().take(120).collect::<String>()
+            ))
+        })
+}
+
 pub async fn not_found() -> Response {
     errors::routing(ErrorCode::NotFound, "no such endpoint")
 }

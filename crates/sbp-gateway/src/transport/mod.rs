@@ -98,6 +98,8 @@ fn session_routes(gateway: &Gateway) -> Router<Gateway> {
         .route("/healthz", get(http::healthz))
         .route("/metrics", get(http::metrics))
         .route("/v1/chat/completions", post(http::chat_completions))
+        .route("/v1/models", get(http::models))
+        .route("/v1/models/{id}", get(http::model))
         .route("/v1/sessions", post(http::create_session))
         .route("/v1/sbp/sessions", post(http::create_session))
         .route("/v1/sessions/{id}", get(http::get_session))

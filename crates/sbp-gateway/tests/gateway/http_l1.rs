@@ -780,3 +780,63 @@ async fn a_prompt_that_looks_sealed_does_not_break_its_session() {
     let (status, session) = gw.get(&format!("/v1/sessions/{id}"), &auth).await;
     assert_eq!(status, 200, "{session}");
 }
+
+/// `GET /v1/models` lists what completions may name, in OpenAI's shape (SDKs and chat front ends
+/// list models first): the upstream's models through an OpenAI-compatible upstream, the built-in
+/// model without one; `GET /v1/models/{id}` answers one of them, or 404 in the envelope.
+#[tokio::test]
+async fn models_are_listed_as_openai_lists_them() {
+    let offline = TestGateway::start().await;
+    let list: Value = offline
+        .http
+        .get(format!("{}/v1/models", offline.url))
+        .send()
+        .await
+        .expect("models")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(list["object"], "list", "{list}");
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, vec!["sbp/echo"], "{list}");
+    assert_eq!(list["data"][0]["object"], "model");
+
+    let upstream = TestGateway::with_fake().await;
+    let resp = upstream
+        .http
+        .get(format!("{}/v1/models", upstream.url))
+        .send()
+        .await
+        .expect("models");
+    assert_eq!(resp.status(), 200);
+    let list: Value = resp.json().await.expect("json");
+    assert_eq!(list["data"][0]["id"], "fake", "the upstream's list: {list}");
+    assert_eq!(list["data"][0]["owned_by"], "sbp-fake-llm", "{list}");
+
+    let one = upstream
+        .http
+        .get(format!("{}/v1/models/fake", upstream.url))
+        .send()
+        .await
+        .expect("model");
+    assert_eq!(one.status(), 200);
+    let one: Value = one.json().await.expect("json");
+    assert_eq!(
+        (one["id"].as_str(), one["object"].as_str()),
+        (Some("fake"), Some("model"))
+    );
+    let missing = upstream
+        .http
+        .get(format!("{}/v1/models/no-such-model", upstream.url))
+        .send()
+        .await
+        .expect("model");
+    assert_eq!(missing.status(), 404);
+    let body: Value = missing.json().await.expect("json");
+    assert_eq!(error_code(&body), "SBP_NOT_FOUND", "{body}");
+}

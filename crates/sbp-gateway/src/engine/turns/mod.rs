@@ -203,6 +203,12 @@ impl Turns {
         }
     }
 
+    /// The models a completion may name (`GET /v1/models`): what the upstream (and each routed
+    /// provider) lists.
+    pub async fn models(&self) -> Result<Vec<Value>, Error> {
+        self.inner.provider.models().await.map_err(Error::Upstream)
+    }
+
     pub async fn chat(&self, input: ChatInput) -> Result<ChatOutcome, Error> {
         let ChatInput {
             mut request,
