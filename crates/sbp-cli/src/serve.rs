@@ -37,15 +37,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
                 stream_idle_timeout: s.upstream_idle_timeout,
             })
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-            // The built-in model stays available (and listed in /v1/models) beside the upstream.
-            let router = Router::new(Arc::new(p)).with_route(
-                ModelMatch::prefix(sbp_llm::ECHO_MODEL),
-                Arc::new(EchoProvider),
-            );
-            (
-                Arc::new(router) as Arc<dyn Provider>,
-                format!("upstream {url}"),
-            )
+            (Arc::new(p), format!("upstream {url}"))
         }
         None => (
             Arc::new(EchoProvider),
