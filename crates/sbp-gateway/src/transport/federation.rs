@@ -14,6 +14,7 @@ use crate::engine::federation::migration::{abort_path, commit_path, handover_pat
 use crate::engine::federation::tracker::Announced;
 use crate::engine::federation::{REDEEM_PATH, is_cid, roaming_sid};
 use crate::error::{Error, FedError, parse_uuid};
+use crate::federation::auth::Caller;
 
 type ApiResult = Result<Response, Error>;
 
@@ -139,6 +140,19 @@ pub async fn redeem(
     Ok(no_store(axum::Json(answer).into_response()))
 }
 
+/// The peer calling `method path` about session `id` (its federation token's `sub`).
+async fn session_peer(
+    gw: &Gateway,
+    headers: &HeaderMap,
+    method: &str,
+    path: &str,
+    id: uuid::Uuid,
+) -> Result<Caller, Error> {
+    gw.federation()
+        .authenticate(bearer(headers).as_deref(), method, path, &id.to_string())
+        .await
+}
+
 /// `GET /v1/sbp/federation/sessions/{id}`: where a session is, for a peer that holds a token
 /// for it (`sub` = the session id).
 pub async fn locate(
@@ -148,15 +162,7 @@ pub async fn locate(
     headers: HeaderMap,
 ) -> ApiResult {
     let id = parse_uuid(&id)?;
-    let caller = gw
-        .federation()
-        .authenticate(
-            bearer(&headers).as_deref(),
-            "GET",
-            &locate_path(id),
-            &id.to_string(),
-        )
-        .await?;
+    let caller = session_peer(&gw, &headers, "GET", &locate_path(id), id).await?;
     let challenge = query.get("challenge").filter(|c| {
         !c.is_empty() && c.len() <= 128 && c.bytes().all(|b| b.is_ascii_alphanumeric())
     });
@@ -181,15 +187,7 @@ pub async fn handover(
     JsonObject(body): JsonObject,
 ) -> ApiResult {
     let id = parse_uuid(&id)?;
-    let caller = gw
-        .federation()
-        .authenticate(
-            bearer(&headers).as_deref(),
-            "POST",
-            &handover_path(id),
-            &id.to_string(),
-        )
-        .await?;
+    let caller = session_peer(&gw, &headers, "POST", &handover_path(id), id).await?;
     let token = match body.get("session_token") {
         Some(serde_json::Value::String(t)) if t.len() <= 512 => t.clone(),
         _ => return Err(Error::invalid("`session_token` must be a string")),
@@ -222,15 +220,7 @@ pub async fn commit(
 ) -> ApiResult {
     let id = parse_uuid(&id)?;
     let migration_id = parse_uuid(&migration_id)?;
-    let caller = gw
-        .federation()
-        .authenticate(
-            bearer(&headers).as_deref(),
-            "POST",
-            &commit_path(id, migration_id),
-            &id.to_string(),
-        )
-        .await?;
+    let caller = session_peer(&gw, &headers, "POST", &commit_path(id, migration_id), id).await?;
     let answer = gw
         .federation()
         .commit_handover(&caller, id, migration_id)
@@ -249,15 +239,7 @@ pub async fn abort(
 ) -> ApiResult {
     let id = parse_uuid(&id)?;
     let migration_id = parse_uuid(&migration_id)?;
-    let caller = gw
-        .federation()
-        .authenticate(
-            bearer(&headers).as_deref(),
-            "POST",
-            &abort_path(id, migration_id),
-            &id.to_string(),
-        )
-        .await?;
+    let caller = session_peer(&gw, &headers, "POST", &abort_path(id, migration_id), id).await?;
     let released = gw
         .federation()
         .abort_handover(&caller, id, migration_id)
