@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/services.sh
 bash scripts/browser-deps.sh
+bash scripts/sdk-deps.sh
 export SBP_TEST_DATABASE_URL="${SBP_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export SBP_TEST_REDIS_URL="${SBP_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 # The CA of the test server's certificate (services.sh makes it; its directory also holds

@@ -27,6 +27,8 @@ mod browser;
 mod edge;
 #[path = "binary/encryption.rs"]
 mod encryption;
+#[path = "binary/openai_sdks.rs"]
+mod openai_sdks;
 #[path = "binary/private_and_bounded.rs"]
 mod private_and_bounded;
 

@@ -24,8 +24,29 @@ impl Dialect {
     /// The body of an error answer with `status`.
     pub fn error_body(self, status: u16, message: &str) -> Value {
         match self {
+            // As OpenAI words them: its `type`, `param` and `code` for the status.
             Dialect::OpenAi => {
-                json!({"error": {"message": message, "type": "fake", "code": status}})
+                let (kind, param, code) = match status {
+                    400 => (
+                        "invalid_request_error",
+                        json!("messages"),
+                        json!("context_length_exceeded"),
+                    ),
+                    401 => (
+                        "invalid_request_error",
+                        Value::Null,
+                        json!("invalid_api_key"),
+                    ),
+                    404 => (
+                        "invalid_request_error",
+                        json!("model"),
+                        json!("model_not_found"),
+                    ),
+                    429 => ("requests", Value::Null, json!("rate_limit_exceeded")),
+                    500..=599 => ("server_error", Value::Null, Value::Null),
+                    _ => ("invalid_request_error", Value::Null, Value::Null),
+                };
+                json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
             }
             Dialect::Anthropic => crate::anthropic::error_body(status, message),
         }

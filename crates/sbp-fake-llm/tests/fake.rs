@@ -209,20 +209,21 @@ async fn error_directive_and_model_answer_with_that_status() {
     assert_eq!(status, 429);
     assert_eq!(
         body,
-        json!({"error": {"message": "fake error", "type": "fake", "code": 429}})
+        json!({"error": {"message": "fake error", "type": "requests", "param": null,
+            "code": "rate_limit_exceeded"}})
     );
 
     // Streaming requests get the same plain JSON error, not an event stream.
     let response = post(&fake, &streaming("[[fake:error=500]]")).await;
     assert_eq!(response.status(), 500);
     let body: Value = response.json().await.expect("json");
-    assert_eq!(body["error"]["code"], 500);
+    assert_eq!(body["error"]["type"], "server_error");
 
     let mut body = user("hi");
     body["model"] = json!("fake-error-503");
     let (status, body) = post_json(&fake, &body).await;
     assert_eq!(status, 503);
-    assert_eq!(body["error"]["code"], 503);
+    assert_eq!(body["error"]["type"], "server_error");
     assert_eq!(fake.requests().len(), 3, "errors are recorded too");
 }
 

@@ -11,6 +11,18 @@ use subtle::ConstantTimeEq;
 /// Prefix that makes leaked session tokens easy to recognise.
 pub const TOKEN_PREFIX: &str = "sbp_";
 
+/// Whether a credential has the shape of a session token (the prefix, then 256 bits in
+/// unpadded URL-safe base64): how a session token sent as `Authorization: Bearer` (an OpenAI
+/// SDK's `api_key`) is told from anything else sent there.
+pub fn looks_like_session_token(s: &str) -> bool {
+    s.strip_prefix(TOKEN_PREFIX).is_some_and(|rest| {
+        rest.len() == 43
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    })
+}
+
 /// A new session token: 256 random bits.
 pub fn new_session_token() -> String {
     let mut bytes = [0u8; 32];
@@ -93,6 +105,14 @@ mod tests {
         let b = new_session_token();
         assert_ne!(a, b);
         assert!(a.starts_with(TOKEN_PREFIX));
+        assert!(looks_like_session_token(&a));
+        assert!(looks_like_session_token(&idempotent_session_token(
+            b"k",
+            &uuid::Uuid::nil(),
+            "key"
+        )));
+        assert!(!looks_like_session_token("sk-proj-abc"));
+        assert!(!looks_like_session_token(&format!("{a}x")));
         assert!(a.len() >= TOKEN_PREFIX.len() + 43);
         assert!(token_matches(&a, &hash_token(&a)));
         assert!(!token_matches(&b, &hash_token(&a)));

@@ -70,6 +70,10 @@ pub enum Error {
     /// The session's state does not allow this now.
     #[error("{0}")]
     Conflict(String),
+    /// A turn for a suspended session from a caller that sent no `sbp` object (so cannot read
+    /// the spec's 202): the text says how to resume it.
+    #[error("{message}")]
+    SessionSuspended { session_id: Uuid, message: String },
     #[error("this Idempotency-Key was used for a different request")]
     IdempotencyKeyReused,
     /// A roaming token past its `exp` (RFC 3339, when representable).

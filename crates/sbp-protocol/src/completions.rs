@@ -19,6 +19,10 @@ pub struct SbpRequestOptions {
     pub session_token: Option<String>,
     #[serde(default)]
     pub resume: bool,
+    /// Resume a suspended session instead of answering 202 (or, for a caller without an `sbp`
+    /// object, an error): an extension, also set by the header `X-SBP-Auto-Resume: true`.
+    #[serde(default)]
+    pub auto_resume: bool,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

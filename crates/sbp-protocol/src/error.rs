@@ -35,6 +35,9 @@ pub enum ErrorCode {
     SessionFull,
     /// An imported bundle's content is not of the right type or range.
     BundleInvalid,
+    /// A turn for a suspended session from a caller that sent no `sbp` object (an OpenAI SDK):
+    /// refused with a status those SDKs raise and do not retry.
+    SessionSuspended,
     // Federation (L6).
     /// The session is being handed over to another gateway right now.
     SessionMoving,
@@ -95,6 +98,7 @@ impl ErrorCode {
             Self::Unavailable => "SBP_UNAVAILABLE",
             Self::SessionFull => "SBP_SESSION_FULL",
             Self::BundleInvalid => "SBP_BUNDLE_INVALID",
+            Self::SessionSuspended => "SBP_SESSION_SUSPENDED",
             Self::SessionMoving => "SBP_SESSION_MOVING",
             Self::SessionMoved => "SBP_SESSION_MOVED",
             Self::SessionBusy => "SBP_SESSION_BUSY",
@@ -111,6 +115,21 @@ impl ErrorCode {
             Self::RegistryNotOwner => "SBP_REGISTRY_NOT_OWNER",
             Self::RegistryStale => "SBP_REGISTRY_STALE",
             Self::RegistryQuota => "SBP_REGISTRY_QUOTA",
+        }
+    }
+
+    /// The `type` OpenAI's clients read beside the code, as OpenAI names its own.
+    pub fn openai_type(self) -> &'static str {
+        match self.http_status() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 | 410 => "not_found_error",
+            408 | 504 => "timeout_error",
+            429 => "rate_limit_error",
+            502 => "upstream_error",
+            503 => "service_unavailable_error",
+            500..=599 => "server_error",
+            _ => "invalid_request_error",
         }
     }
 
@@ -145,6 +164,9 @@ impl ErrorCode {
             Self::UnsupportedMediaType => 415,
             Self::NotAcceptable => 406,
             Self::UpgradeRequired => 426,
+            // Not 409 (nor 429 or 5xx): OpenAI's SDKs retry those by default, and a retry cannot
+            // change a suspended session.
+            Self::SessionSuspended => 423,
             Self::RateLimited | Self::RegistryQuota => 429,
             Self::UpstreamUnreachable | Self::UpstreamError | Self::BundleUnavailable => 502,
             Self::UpstreamTimeout => 504,
@@ -162,9 +184,15 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     pub code: String,
     pub message: String,
+    /// OpenAI's error `type` (`invalid_request_error`, ...): the upstream's own for its errors.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     /// The request field at fault, as OpenAI's errors name it (`messages[3].role`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param: Option<String>,
+    /// The upstream's own error code (`model_not_found`), for an upstream error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_code: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<Value>,
 }
@@ -175,7 +203,9 @@ impl ErrorBody {
             error: ErrorDetail {
                 code: code.as_str().to_owned(),
                 message: message.into(),
+                kind: Some(code.openai_type().to_owned()),
                 param: None,
+                upstream_code: None,
                 detail,
             },
         }
@@ -185,6 +215,69 @@ impl ErrorBody {
     pub fn with_param(mut self, param: Option<String>) -> Self {
         self.error.param = param;
         self
+    }
+
+    /// The envelope of an upstream's error: its own message, `type`, `param` and code where it
+    /// sent them (the gateway's stay where it sent none).
+    pub fn with_upstream(mut self, upstream: &UpstreamError) -> Self {
+        if let Some(m) = &upstream.message {
+            self.error.message = m.clone();
+        }
+        if let Some(t) = &upstream.kind {
+            self.error.kind = Some(t.clone());
+        }
+        if upstream.param.is_some() {
+            self.error.param = upstream.param.clone();
+        }
+        self.error.upstream_code = upstream.code.clone();
+        self
+    }
+}
+
+/// What an upstream's error body says, in OpenAI's shape (`{"error":{"message","type","param",
+/// "code"}}`) or Anthropic's (`{"type":"error","error":{"type","message"}}`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpstreamError {
+    pub message: Option<String>,
+    pub kind: Option<String>,
+    pub param: Option<String>,
+    /// A string or a number, as the upstream sent it.
+    pub code: Option<Value>,
+}
+
+impl UpstreamError {
+    /// Reads an upstream's error body; fields of the wrong type (or too long) are left out.
+    pub fn from_body(body: &Value) -> Self {
+        let Some(err) = body
+            .get("error")
+            .or_else(|| body.get("type").and(Some(body)))
+        else {
+            return Self::default();
+        };
+        let text = |key: &str, max: usize| {
+            err.get(key)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(|s| s.chars().take(max).collect::<String>())
+        };
+        // A bare string error (`{"error": "..."}`) is its message.
+        let message = match err {
+            Value::String(s) if !s.is_empty() => Some(s.chars().take(2000).collect()),
+            _ => text("message", 2000),
+        };
+        let code = match err.get("code") {
+            Some(Value::String(s)) if !s.is_empty() => {
+                Some(Value::String(s.chars().take(200).collect()))
+            }
+            Some(n @ Value::Number(_)) => Some(n.clone()),
+            _ => None,
+        };
+        Self {
+            message,
+            kind: text("type", 200).filter(|t| t != "error"),
+            param: text("param", 200),
+            code,
+        }
     }
 }
 
@@ -256,7 +349,60 @@ mod tests {
         let v = serde_json::to_value(&body).expect("serialises");
         assert_eq!(
             v,
-            serde_json::json!({"error": {"code": "SBP_INVALID_UUID", "message": "bad id"}})
+            serde_json::json!({"error": {"code": "SBP_INVALID_UUID", "message": "bad id",
+                "type": "invalid_request_error"}})
         );
+    }
+
+    #[test]
+    fn openai_types_follow_the_status() {
+        for (code, kind) in [
+            (ErrorCode::BadRequest, "invalid_request_error"),
+            (ErrorCode::Unauthorized, "authentication_error"),
+            (ErrorCode::Forbidden, "permission_error"),
+            (ErrorCode::SessionNotFound, "not_found_error"),
+            (ErrorCode::RateLimited, "rate_limit_error"),
+            (ErrorCode::Internal, "server_error"),
+            (ErrorCode::SessionSuspended, "invalid_request_error"),
+        ] {
+            assert_eq!(code.openai_type(), kind, "{}", code.as_str());
+        }
+        assert_eq!(ErrorCode::SessionSuspended.http_status(), 423);
+    }
+
+    #[test]
+    fn upstream_errors_are_read_in_both_shapes() {
+        use serde_json::json;
+        let openai = UpstreamError::from_body(&json!({"error": {
+            "message": "The model `gpt-9` does not exist", "type": "invalid_request_error",
+            "param": "model", "code": "model_not_found"}}));
+        assert_eq!(
+            openai.message.as_deref(),
+            Some("The model `gpt-9` does not exist")
+        );
+        assert_eq!(openai.kind.as_deref(), Some("invalid_request_error"));
+        assert_eq!(openai.param.as_deref(), Some("model"));
+        assert_eq!(openai.code, Some(json!("model_not_found")));
+        let anthropic = UpstreamError::from_body(&json!({"type": "error",
+            "error": {"type": "not_found_error", "message": "model: nope"}}));
+        assert_eq!(anthropic.kind.as_deref(), Some("not_found_error"));
+        assert_eq!(anthropic.code, None);
+        let bare = UpstreamError::from_body(&json!({"error": "overloaded"}));
+        assert_eq!(bare.message.as_deref(), Some("overloaded"));
+        assert_eq!(
+            UpstreamError::from_body(&json!("<html>")),
+            UpstreamError::default()
+        );
+        let body = ErrorBody::new(
+            ErrorCode::UpstreamError,
+            "the upstream LLM answered HTTP 404",
+            None,
+        )
+        .with_upstream(&openai);
+        let v = serde_json::to_value(&body).expect("serialises");
+        assert_eq!(v["error"]["code"], "SBP_UPSTREAM_ERROR");
+        assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist");
+        assert_eq!(v["error"]["upstream_code"], "model_not_found");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
     }
 }

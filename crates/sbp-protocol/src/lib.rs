@@ -23,7 +23,7 @@ pub mod tools;
 
 pub use chat::{ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, ToolDecl};
 pub use completions::{SbpRequestOptions, SbpResponseMeta};
-pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use error::{ErrorBody, ErrorCode, ErrorDetail, UpstreamError};
 pub use frames::{ClientFrame, FrameError, ServerFrame};
 pub use lifecycle::{SessionStatus, SnapshotKind};
 pub use surface::{SurfaceContext, ToolSchema};

@@ -8,7 +8,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_llm::LlmError;
-use sbp_protocol::{ErrorBody, ErrorCode};
+use sbp_protocol::{ErrorBody, ErrorCode, UpstreamError};
 use serde_json::{Value, json};
 
 use super::headers::{add_headers, session_headers};
@@ -55,6 +55,14 @@ impl IntoResponse for Error {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
             }
+            Error::SessionSuspended { session_id, .. } => {
+                // OpenAI's SDKs obey this header over their own retry rules.
+                let headers = resp.headers_mut();
+                headers.insert("x-should-retry", HeaderValue::from_static("false"));
+                if let Ok(v) = HeaderValue::from_str(&session_id.to_string()) {
+                    headers.insert("x-session-id", v);
+                }
+            }
             Error::Federation(FedError::SessionBusy) => {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -79,7 +87,21 @@ impl IntoResponse for Error {
 
 /// The envelope of an error response (also sent as an SSE event when a stream fails).
 pub fn body(e: &Error) -> ErrorBody {
-    ErrorBody::new(code(e), e.to_string(), detail(e)).with_param(param(e))
+    let body = ErrorBody::new(code(e), e.to_string(), detail(e)).with_param(param(e));
+    match upstream_body(e) {
+        // An SDK prints `message`: the upstream's own words, its `type`, `param` and code.
+        Some(upstream) => body.with_upstream(&UpstreamError::from_body(upstream)),
+        None => body,
+    }
+}
+
+/// The upstream's error body, for an error the upstream answered.
+fn upstream_body(e: &Error) -> Option<&Value> {
+    match e {
+        Error::Upstream(LlmError::Status { body, .. }) => Some(body),
+        Error::InTurn { cause, .. } => upstream_body(cause),
+        _ => None,
+    }
 }
 
 /// The request field at fault, as OpenAI's `param`.
@@ -210,6 +232,7 @@ fn code(e: &Error) -> ErrorCode {
         Error::RequestTimeout(_) => ErrorCode::RequestTimeout,
         Error::Unavailable(_) => ErrorCode::Unavailable,
         Error::Conflict(_) => ErrorCode::SessionConflict,
+        Error::SessionSuspended { .. } => ErrorCode::SessionSuspended,
         Error::IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
         Error::TokenExpired { .. } => ErrorCode::TokenExpired,
         Error::TokenInvalid(_) => ErrorCode::TokenInvalid,
@@ -292,6 +315,11 @@ fn detail(e: &Error) -> Option<Value> {
             "continue_with": format!("POST /v1/sbp/sessions/{session_id}/fork {{\"keep_last\": N}}"),
         })),
         Error::InvalidBundle { path, .. } => Some(json!({ "path": path })),
+        Error::SessionSuspended { session_id, .. } => Some(json!({
+            "session_id": session_id,
+            "resume_with": {"sbp": {"resume": true}},
+            "auto_resume_header": "X-SBP-Auto-Resume: true",
+        })),
         Error::Federation(FedError::SessionMoved {
             gateway_id,
             gateway_url,

@@ -233,11 +233,21 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = Error;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let operator = parts.extensions.get::<Operator>().is_some_and(|o| o.0);
         Ok(Caller {
-            session_token: header(&parts.headers, "x-session-token"),
-            operator: parts.extensions.get::<Operator>().is_some_and(|o| o.0),
+            session_token: session_token(&parts.headers, operator),
+            operator,
         })
     }
+}
+
+/// The session token of a request: `X-Session-Token`, or a session token sent as
+/// `Authorization: Bearer` (an OpenAI SDK's `api_key`). A Bearer value that authenticated the
+/// operator is the operator's key, never a session token.
+pub fn session_token(headers: &HeaderMap, operator: bool) -> Option<String> {
+    header(headers, "x-session-token").or_else(|| {
+        bearer(headers).filter(|b| !operator && crate::auth::looks_like_session_token(b))
+    })
 }
 
 pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
@@ -293,12 +303,18 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
         || path.starts_with("/v1/sbp/ws/")
         || is_mcp_path(path)
         || (gw.federation().enabled() && is_federation_path(path));
-    let valid = bearer(req.headers()).is_some_and(|k| crate::auth::api_key_matches(&k, keys));
+    let sent = bearer(req.headers());
+    let valid = sent
+        .as_deref()
+        .is_some_and(|k| crate::auth::api_key_matches(k, keys));
     if !valid && !open {
-        return Error::Unauthorized(
-            "a valid operator API key is required (Authorization: Bearer <key>)".into(),
-        )
-        .into_response();
+        let message = match sent.as_deref() {
+            Some(b) if crate::auth::looks_like_session_token(b) => {
+                "a valid operator API key is required (Authorization: Bearer <key>); a session token is not one: send it in X-Session-Token beside the key"
+            }
+            _ => "a valid operator API key is required (Authorization: Bearer <key>)",
+        };
+        return Error::Unauthorized(message.into()).into_response();
     }
     req.extensions_mut().insert(Operator(valid));
     next.run(req).await

@@ -13,7 +13,7 @@ use sbp_protocol::rest::{Health, MessagesQuery, SetStatus};
 use serde_json::{Map, Value, json};
 
 use super::errors;
-use super::extract::{ChatBody, JsonObject, Operator, fingerprint, header};
+use super::extract::{ChatBody, JsonObject, Operator, fingerprint, header, session_token};
 use super::headers::{add_headers, created, session_headers};
 use super::to_wire;
 use crate::Gateway;
@@ -78,12 +78,19 @@ pub async fn chat_completions(
         key,
         fingerprint: fingerprint.unwrap_or_default(),
     });
+    let operator = operator.is_some_and(|o| o.0.0);
+    let token = session_token(&headers, operator);
+    let openai_client = is_openai_client(&headers)
+        || (token.is_some() && header(&headers, "x-session-token").is_none());
     let input = ChatInput {
         request,
-        session_token: header(&headers, "x-session-token"),
+        session_token: token,
         agent_id: header(&headers, "x-agent-id"),
         idempotency,
-        operator: operator.is_some_and(|o| o.0.0),
+        operator,
+        auto_resume: header(&headers, "x-sbp-auto-resume")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1"),
+        openai_client,
     };
     let (status, body, headers) = match gw.turns().chat(input).await? {
         ChatOutcome::Completed { body, session } => {
@@ -124,6 +131,16 @@ pub async fn chat_completions(
     let mut resp = (status, Json(body)).into_response();
     add_headers(resp.headers_mut(), &headers);
     Ok(resp)
+}
+
+/// OpenAI's SDKs (Python, Node and the others generated alike) send `X-Stainless-*` headers and a
+/// `User-Agent` of `OpenAI/<lang> <version>`.
+fn is_openai_client(headers: &HeaderMap) -> bool {
+    headers.contains_key("x-stainless-lang")
+        || header(headers, "user-agent").is_some_and(|ua| {
+            ua.get(..7)
+                .is_some_and(|p| p.eq_ignore_ascii_case("openai/"))
+        })
 }
 
 /// A streamed completion as server-sent events; nothing is sent after `[DONE]` or an error.

@@ -123,7 +123,7 @@ async fn upstream_sees_stored_history_and_both_client_styles_store_no_duplicates
 }
 
 #[tokio::test]
-async fn session_token_in_the_sbp_namespace_works_and_bearer_is_not_a_session_token() {
+async fn session_token_in_the_sbp_namespace_and_as_bearer_continue_the_session() {
     let gw = TestGateway::start().await;
     let (id, token) = gw.session().await;
     let (s, _, b) = gw
@@ -143,12 +143,10 @@ async fn session_token_in_the_sbp_namespace_works_and_bearer_is_not_a_session_to
         )
         .await;
     assert_eq!(s, 200);
-    assert_ne!(
-        b["sbp"]["session_id"],
-        id.as_str(),
-        "Authorization must not select a session"
-    );
-    assert!(h.get("x-session-token").is_some());
+    // An OpenAI SDK's `api_key` holding the session token (issue 16): the same session.
+    assert_eq!(b["sbp"]["session_id"], id.as_str());
+    assert_eq!(b["sbp"]["step_count"], 3);
+    assert!(h.get("x-session-token").is_none());
 }
 
 #[tokio::test]

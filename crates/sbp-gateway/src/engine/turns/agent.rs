@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use super::chunks::{UsageSum, assembled_body, closing_chunk, sbp_chunk, strip_loop_fields};
+use super::chunks::{UsageSum, assembled_body, closing_chunk, strip_loop_fields, usage_chunk};
 use super::{SseEvent, Turn, Turns};
 use crate::engine::connections::Attachment;
 use crate::engine::replicas::Replicas;
@@ -38,6 +38,9 @@ struct Upstream {
     message: ChatMessage,
     model: String,
     chunk_id: Uuid,
+    /// The loop hid the caller's tool-call deltas (gateway tools were on offer): the finish
+    /// chunk carries the reply's calls.
+    tools_hidden: bool,
 }
 
 /// A function call of the LLM that the gateway runs.
@@ -67,8 +70,10 @@ impl Turns {
                 "the gateway shut down before this turn finished; retry it".into(),
             )),
         };
+        let mut tools_hidden = false;
         let outcome = match upstream {
             Ok(done) => {
+                tools_hidden = done.tools_hidden;
                 let finished = self.finish(&turn, done).await;
                 if let Err(e) = &finished {
                     // The caller may be gone: this log line is then the only trace of it.
@@ -96,8 +101,15 @@ impl Turns {
         };
         if let Some(tx) = events {
             match &outcome {
+                // The stream ends as OpenAI's does, once the reply is stored: the finish chunk
+                // (with the `sbp` block), the usage chunk when asked for, `[DONE]`.
                 Ok(reply) => {
-                    let _ = tx.send(SseEvent::Data(sbp_chunk(reply))).await;
+                    let _ = tx
+                        .send(SseEvent::Data(closing_chunk(reply, tools_hidden)))
+                        .await;
+                    if turn.include_usage {
+                        let _ = tx.send(SseEvent::Data(usage_chunk(reply))).await;
+                    }
                     let _ = tx.send(SseEvent::Done).await;
                 }
                 Err(e) => {
@@ -150,7 +162,7 @@ impl Turns {
                         .metrics
                         .upstream_latency
                         .observe(started.elapsed());
-                    return Ok(last_round(out, round, usage, events, &catalog, &sink).await);
+                    return Ok(last_round(out, round, usage, &catalog, &sink));
                 }
             };
             self.tool_round(turn, round, &out, calls, &mut transcript)
@@ -185,11 +197,9 @@ impl Turns {
                 finish_reason: c.finish_reason,
             });
         }
-        if !turn.client_stream {
-            // Streaming for the surface only: without this an OpenAI upstream sends no usage,
-            // and the caller, who asked for a plain completion, would get `usage: null`.
-            request.request_stream_usage();
-        }
+        // Without this an OpenAI upstream streams no usage, and the turn's would be `null` (the
+        // caller gets it as it asked: in the body, or in a last chunk of its own).
+        request.request_stream_usage();
         let mut stream = self
             .inner
             .provider
@@ -206,7 +216,7 @@ impl Turns {
             let Some(tx) = events.filter(|_| !caller_gone) else {
                 continue;
             };
-            if hide_tools && !strip_loop_fields(&mut chunk) {
+            if !strip_loop_fields(&mut chunk, hide_tools) {
                 continue;
             }
             caller_gone = tx.send(SseEvent::Data(chunk)).await.is_err();
@@ -403,13 +413,11 @@ impl Turns {
     }
 }
 
-/// The final round becomes the turn's reply; usage is summed over the rounds. An SSE caller
-/// whose chunks had the loop's fields hidden gets them now, in one closing chunk.
-async fn last_round(
+/// The final round becomes the turn's reply; usage is summed over the rounds.
+fn last_round(
     out: RoundOut,
     rounds: u32,
     usage: UsageSum,
-    events: Option<&mpsc::Sender<SseEvent>>,
     catalog: &Catalog,
     sink: &LiveSink<'_>,
 ) -> Upstream {
@@ -421,22 +429,12 @@ async fn last_round(
     {
         obj.insert("usage".into(), total);
     }
-    if let Some(tx) = events
-        && !catalog.is_empty()
-    {
-        let closing = closing_chunk(
-            &body,
-            &out.model,
-            &out.message,
-            out.finish_reason.as_deref(),
-        );
-        let _ = tx.send(SseEvent::Data(closing)).await;
-    }
     Upstream {
         body,
         message: out.message,
         model: out.model,
         chunk_id: sink.chunk_id,
+        tools_hidden: !catalog.is_empty(),
     }
 }
 

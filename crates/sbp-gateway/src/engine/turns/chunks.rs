@@ -4,13 +4,14 @@
 
 use chrono::Utc;
 use sbp_llm::Assembler;
-use sbp_protocol::ChatMessage;
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-/// Removes what belongs to the tool loop from a chunk for the SSE caller: tool-call deltas,
-/// finish reasons and per-round usage. False when nothing is left worth sending.
-pub fn strip_loop_fields(chunk: &mut Value) -> bool {
+/// Edits an upstream chunk for the SSE caller: its usage and finish reason go (the gateway sends
+/// the turn's own at the end, once the reply is stored), and with gateway tools on offer
+/// (`hide_tools`) its tool-call deltas too (they belong to the loop). False when nothing is left
+/// worth sending (a usage-only chunk, a bare finish).
+pub fn strip_loop_fields(chunk: &mut Value, hide_tools: bool) -> bool {
     if let Some(obj) = chunk.as_object_mut() {
         obj.remove("usage");
     }
@@ -22,13 +23,17 @@ pub fn strip_loop_fields(chunk: &mut Value) -> bool {
         if let Some(c) = choice.as_object_mut() {
             c.insert("finish_reason".into(), Value::Null);
             if let Some(delta) = c.get_mut("delta").and_then(Value::as_object_mut) {
-                delta.remove("tool_calls");
+                if hide_tools {
+                    delta.remove("tool_calls");
+                }
                 keep |= delta
                     .get("content")
                     .and_then(Value::as_str)
                     .is_some_and(|t| !t.is_empty())
                     || delta.contains_key("role")
-                    || delta.contains_key("refusal");
+                    || delta.contains_key("refusal")
+                    || delta.contains_key("tool_calls")
+                    || delta.contains_key("function_call");
             }
         }
     }
@@ -47,50 +52,59 @@ pub fn assembled_body(asm: &Assembler, model: &str, finish_reason: &str) -> Valu
     })
 }
 
-/// The chunk that tells an SSE caller how a turn whose loop fields were hidden ended: the final
-/// round's own tool calls (indexed), its finish reason and the turn's usage.
-pub fn closing_chunk(
-    body: &Value,
-    model: &str,
-    message: &ChatMessage,
-    finish_reason: Option<&str>,
-) -> Value {
+/// The finish chunk of a streamed turn, sent once its reply is stored: its finish reason, the
+/// final round's tool calls (indexed) when the loop hid them, and the turn's `sbp` block (where
+/// OpenAI's SDKs ignore it).
+pub fn closing_chunk(reply: &Value, tools_hidden: bool) -> Value {
+    let choice = reply.pointer("/choices/0");
+    let finish_reason = choice
+        .and_then(|c| c.get("finish_reason"))
+        .filter(|f| f.is_string())
+        .cloned()
+        .unwrap_or_else(|| json!("stop"));
     let mut delta = Map::new();
-    let calls: Vec<Value> = message
-        .tool_calls()
-        .enumerate()
-        .map(|(i, c)| {
-            let mut c = c.as_value().clone();
-            if let Some(call) = c.as_object_mut() {
-                call.insert("index".into(), json!(i));
-            }
-            c
-        })
-        .collect();
-    if message.get("tool_calls").is_some_and(Value::is_array) {
-        delta.insert("tool_calls".into(), Value::Array(calls));
+    if tools_hidden
+        && let Some(calls) = choice
+            .and_then(|c| c.pointer("/message/tool_calls"))
+            .and_then(Value::as_array)
+    {
+        let indexed = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut c = c.clone();
+                if let Some(call) = c.as_object_mut() {
+                    call.insert("index".into(), json!(i));
+                }
+                c
+            })
+            .collect();
+        delta.insert("tool_calls".into(), Value::Array(indexed));
     }
-    json!({
-        "id": body.get("id").cloned().unwrap_or(Value::Null),
-        "object": "chat.completion.chunk",
-        "created": body.get("created").cloned().unwrap_or(Value::Null),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason.unwrap_or("stop")}],
-        "usage": body.get("usage").cloned().unwrap_or(Value::Null),
-    })
+    let mut chunk = chunk_head(reply);
+    chunk["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": finish_reason}]);
+    if let Some(sbp) = reply.get("sbp") {
+        chunk["sbp"] = sbp.clone();
+    }
+    chunk
 }
 
-/// The last chunk of a streamed turn: the completed reply's `sbp` block.
-pub fn sbp_chunk(reply: &Value) -> Value {
-    let mut last = json!({
+/// The usage chunk OpenAI sends last when `stream_options.include_usage` is set: no choices,
+/// the turn's usage.
+pub fn usage_chunk(reply: &Value) -> Value {
+    let mut chunk = chunk_head(reply);
+    chunk["choices"] = json!([]);
+    chunk["usage"] = reply.get("usage").cloned().unwrap_or(Value::Null);
+    chunk
+}
+
+fn chunk_head(reply: &Value) -> Value {
+    json!({
         "id": reply.get("id").cloned().unwrap_or(Value::Null),
         "object": "chat.completion.chunk",
         "created": reply.get("created").cloned().unwrap_or(Value::Null),
         "model": reply.get("model").cloned().unwrap_or(Value::Null),
-        "choices": [],
-    });
-    last["sbp"] = reply.get("sbp").cloned().unwrap_or(Value::Null);
-    last
+    })
 }
 
 /// Token usage added up over the rounds of a turn.
@@ -127,32 +141,50 @@ mod tests {
     fn loop_fields_are_hidden_and_empty_chunks_dropped() {
         let mut tool_delta = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]},
             "finish_reason": "tool_calls"}], "usage": {"total_tokens": 3}});
-        assert!(!strip_loop_fields(&mut tool_delta));
+        assert!(!strip_loop_fields(&mut tool_delta, true));
         assert_eq!(
             tool_delta,
             json!({"choices": [{"index": 0, "delta": {}, "finish_reason": null}]})
         );
+        let mut client_call = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]},
+            "finish_reason": "tool_calls"}]});
+        assert!(strip_loop_fields(&mut client_call, false));
+        assert_eq!(client_call["choices"][0]["finish_reason"], Value::Null);
         let mut text = json!({"choices": [{"delta": {"content": "hi"}, "finish_reason": "stop"}]});
-        assert!(strip_loop_fields(&mut text));
+        assert!(strip_loop_fields(&mut text, false));
         assert_eq!(text["choices"][0]["finish_reason"], Value::Null);
+        let mut usage_only = json!({"choices": [], "usage": {"total_tokens": 3}});
+        assert!(!strip_loop_fields(&mut usage_only, false));
     }
 
     #[test]
-    fn the_closing_chunk_carries_the_final_calls_indexed() {
-        let message = ChatMessage::from_value(json!({"role": "assistant", "content": null,
-            "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {"name": "g"}}]}));
-        let body = json!({"id": "c1", "created": 5, "usage": {"total_tokens": 9}});
-        let chunk = closing_chunk(&body, "m", &message, Some("tool_calls"));
+    fn the_closing_chunk_carries_the_final_calls_indexed_and_the_sbp_block() {
+        let reply = json!({"id": "c1", "created": 5, "model": "m", "usage": {"total_tokens": 9},
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant",
+                "content": null, "tool_calls": [{"id": "a", "function": {"name": "f"}},
+                {"id": "b", "function": {"name": "g"}}]}}],
+            "sbp": {"step_count": 2}});
+        let chunk = closing_chunk(&reply, true);
         assert_eq!(
             chunk["choices"][0]["delta"]["tool_calls"][1]["index"],
             json!(1)
         );
         assert_eq!(chunk["choices"][0]["finish_reason"], json!("tool_calls"));
-        assert_eq!(chunk["usage"]["total_tokens"], json!(9));
-        let plain = ChatMessage::from_value(json!({"role": "assistant", "content": "x"}));
-        let chunk = closing_chunk(&body, "m", &plain, None);
-        assert_eq!(chunk["choices"][0]["delta"], json!({}));
-        assert_eq!(chunk["choices"][0]["finish_reason"], json!("stop"));
+        assert_eq!(chunk["sbp"]["step_count"], json!(2));
+        assert!(chunk.get("usage").is_none(), "{chunk}");
+        assert_eq!(
+            closing_chunk(&reply, false)["choices"][0]["delta"],
+            json!({})
+        );
+        let usage = usage_chunk(&reply);
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(usage["usage"]["total_tokens"], json!(9));
+        assert_eq!(usage["id"], json!("c1"));
+        let plain = json!({"choices": [{"message": {"role": "assistant", "content": "x"}}]});
+        assert_eq!(
+            closing_chunk(&plain, true)["choices"][0]["finish_reason"],
+            json!("stop")
+        );
     }
 
     #[test]

@@ -49,6 +49,11 @@ pub struct ChatInput {
     pub idempotency: Option<IdempotencyKey>,
     /// The caller authenticated with an operator API key.
     pub operator: bool,
+    /// `X-SBP-Auto-Resume: true`: resume a suspended session (as `sbp.auto_resume`).
+    pub auto_resume: bool,
+    /// The caller is an OpenAI client (an SDK, or its session token sent as the SDK's
+    /// `api_key`): it reads any 2xx as a completion, so the spec's 202 would break it.
+    pub openai_client: bool,
 }
 
 pub use super::sessions::IdempotencyKey;
@@ -128,6 +133,8 @@ struct Plan {
     request: ChatRequest,
     model: String,
     client_stream: bool,
+    /// `stream_options.include_usage`: the stream ends with a usage chunk.
+    include_usage: bool,
     checkpoint_every: u32,
 }
 
@@ -140,6 +147,7 @@ struct Turn {
     request: ChatRequest,
     model: String,
     client_stream: bool,
+    include_usage: bool,
     checkpoint_every: u32,
     last_task: Option<String>,
     /// The (scoped) Idempotency-Key this turn holds.
@@ -216,6 +224,8 @@ impl Turns {
             agent_id,
             idempotency,
             operator,
+            auto_resume,
+            openai_client,
         } = input;
         let opts = request.sbp.take();
         let client_stream = request.wants_stream();
@@ -229,7 +239,13 @@ impl Turns {
         if self.inner.config.strict_sbp && opts.is_none() && token.is_none() {
             return self.passthrough(request, client_stream).await;
         }
-        let opts = opts.unwrap_or_default();
+        // The spec's 202 for a suspended session is for callers that can read it: one that sent
+        // an `sbp` object, or a plain HTTP client asking for a whole body. An OpenAI SDK (or a
+        // stream) without one gets an error it raises instead.
+        let reads_202 = opts.is_some() || !(openai_client || client_stream);
+        let mut opts = opts.unwrap_or_default();
+        opts.auto_resume |= auto_resume;
+        check_choices(&request)?;
         let keyed = match idempotency {
             None => Keyed::Unkeyed,
             Some(k) => match self.idempotency(k, token.as_deref(), operator).await? {
@@ -249,14 +265,22 @@ impl Turns {
         let now = Utc::now();
         let incoming = std::mem::take(&mut request.messages);
         let opening = match resolved {
-            Resolved::ResumeAvailable(s) => return self.resume_available(&s).await,
+            Resolved::ResumeAvailable(s) if reads_202 => return self.resume_available(&s).await,
+            Resolved::ResumeAvailable(s) => return Err(suspended(&s)),
             Resolved::New { agent_id } => self.open_new(agent_id, &keyed, incoming, now)?,
             Resolved::Existing(s) => self.open_existing(&s, &keyed, incoming).await?,
         };
+        let include_usage = client_stream
+            && request
+                .rest
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                == Some(&Value::Bool(true));
         let plan = Plan {
             request,
             model,
             client_stream,
+            include_usage,
             checkpoint_every: opts.checkpoint_every.unwrap_or(1),
         };
         let turn = self.begin(opening, keyed, plan, now).await?;
@@ -361,6 +385,7 @@ impl Turns {
             mut request,
             model,
             client_stream,
+            include_usage,
             checkpoint_every,
         } = plan;
         let last_task = transcript::last_task(&new_messages);
@@ -446,6 +471,7 @@ impl Turns {
             request,
             model,
             client_stream,
+            include_usage,
             checkpoint_every,
             last_task,
             idempotency_key: store_key,
@@ -523,7 +549,7 @@ impl Turns {
             Some(raw) => Some(parse_uuid(raw)?),
             None => None,
         };
-        let explicit_resume = named.is_some() || opts.resume;
+        let explicit_resume = named.is_some() || opts.resume || opts.auto_resume;
         let trusted = operator || self.inner.config.insecure_no_session_auth;
         if let Some(token) = token {
             let session = self
@@ -569,7 +595,7 @@ impl Turns {
             && let Some(s) = self.inner.store.latest_suspended_for_agent(agent).await?
         {
             self.inner.federation.guard(s.id).await?;
-            return continue_session(s, opts.resume);
+            return continue_session(s, opts.resume || opts.auto_resume);
         }
         Ok(Resolved::New {
             agent_id: agent_header.unwrap_or_else(new_agent_id),
@@ -659,6 +685,37 @@ fn scoped_idempotency_key(key: &str, token: Option<&str>, operator: bool) -> Str
         (None, false) => "anonymous".to_owned(),
     };
     auth::sha256_hex(format!("{scope}\n{key}").as_bytes())
+}
+
+/// One reply per turn is stored: `n` > 1 (several choices) is refused on a stateful turn; it passes
+/// through only in strict pass-through mode, where nothing is stored.
+fn check_choices(request: &ChatRequest) -> Result<(), Error> {
+    let invalid = |message: &str| Error::InvalidField {
+        param: "n".into(),
+        message: message.into(),
+    };
+    match request.rest.get("n") {
+        None | Some(Value::Null) => Ok(()),
+        Some(n) => match n.as_u64() {
+            Some(1) => Ok(()),
+            Some(2..=128) => Err(invalid(
+                "`n` > 1 is not supported on a stateful turn (one reply per turn is stored); send n: 1, or no sbp object and no session token to a gateway started with --strict-sbp",
+            )),
+            _ => Err(invalid("`n` must be an integer from 1 to 128")),
+        },
+    }
+}
+
+/// A suspended session's turn refused for a caller that cannot read the spec's 202 (an OpenAI SDK
+/// would take it for a completion without choices; a stream would just end).
+fn suspended(s: &SessionRecord) -> Error {
+    Error::SessionSuspended {
+        session_id: s.id,
+        message: format!(
+            "session {} is suspended (step {}); to resume it, send \"sbp\": {{\"resume\": true}} (extra_body in the OpenAI SDKs) or the header X-SBP-Auto-Resume: true (default_headers); to start a new session, send \"sbp\": {{\"force_new_session\": true}}",
+            s.id, s.step_count
+        ),
+    }
 }
 
 fn continue_session(session: SessionRecord, explicit_resume: bool) -> Result<Resolved, Error> {
