@@ -70,6 +70,9 @@ pub enum Error {
     /// The session's state does not allow this now.
     #[error("{0}")]
     Conflict(String),
+    /// The session is completed or failed: no retry of the same request can succeed.
+    #[error("{0}")]
+    SessionEnded(String),
     /// A turn for a suspended session from a caller that sent no `sbp` object (so cannot read
     /// the spec's 202): the text says how to resume it.
     #[error("{message}")]
@@ -286,19 +289,40 @@ impl From<StoreError> for Error {
     }
 }
 
-/// The status an upstream's error status is passed on as: its own when it is an error status.
+/// The status an upstream's error status is passed on as: its own when it is an error status,
+/// except a refusal of the gateway's own credentials (401, 403), which is the operator's problem,
+/// not the caller's: 502 (a caller's SDK would take a 401 for its own key, and the address-based
+/// limit on failed authentications would count it against the caller).
 pub fn upstream_status(status: u16) -> u16 {
-    if (400..=599).contains(&status) {
-        status
-    } else {
-        502
+    match status {
+        401 | 403 => 502,
+        400..=599 => status,
+        _ => 502,
     }
+}
+
+/// The upstream refused the gateway's own credentials: its words (which may quote the key) stay
+/// in the log.
+pub fn upstream_refused_credentials(e: &LlmError) -> bool {
+    matches!(
+        e,
+        LlmError::Status {
+            status: 401 | 403,
+            ..
+        }
+    )
 }
 
 fn upstream_message(e: &LlmError) -> String {
     match e {
         LlmError::Unreachable(m) => format!("the upstream LLM is unreachable: {m}"),
         LlmError::Timeout => "the upstream LLM timed out".to_owned(),
+        LlmError::Status {
+            status: status @ (401 | 403),
+            ..
+        } => format!(
+            "the upstream LLM refused the gateway's credentials (HTTP {status}); the operator must fix the upstream API key"
+        ),
         LlmError::Status { status, .. } => {
             format!(
                 "the upstream LLM answered HTTP {}",

@@ -159,11 +159,18 @@ impl ChatRequest {
         self.messages.insert(at, ChatMessage::system(note));
     }
 
-    /// Asks a streaming upstream for its usage chunk, unless the caller said how to stream.
+    /// Asks a streaming upstream for its usage chunk (the turn stores it; the caller gets it as it
+    /// asked).
     pub fn request_stream_usage(&mut self) {
-        if !self.rest.contains_key("stream_options") {
-            self.rest
-                .insert("stream_options".into(), json!({"include_usage": true}));
+        match self.rest.get_mut("stream_options") {
+            // The caller's other stream options stay; usage is asked for whatever it said.
+            Some(Value::Object(options)) => {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+            _ => {
+                self.rest
+                    .insert("stream_options".into(), json!({"include_usage": true}));
+            }
         }
     }
 }

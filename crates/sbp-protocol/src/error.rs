@@ -120,17 +120,7 @@ impl ErrorCode {
 
     /// The `type` OpenAI's clients read beside the code, as OpenAI names its own.
     pub fn openai_type(self) -> &'static str {
-        match self.http_status() {
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 | 410 => "not_found_error",
-            408 | 504 => "timeout_error",
-            429 => "rate_limit_error",
-            502 => "upstream_error",
-            503 => "service_unavailable_error",
-            500..=599 => "server_error",
-            _ => "invalid_request_error",
-        }
+        openai_type(self.http_status())
     }
 
     /// The status for this code. `UpstreamError` passes the upstream's own status on instead.
@@ -172,6 +162,21 @@ impl ErrorCode {
             Self::UpstreamTimeout => 504,
             Self::Unavailable | Self::PeerUnreachable => 503,
         }
+    }
+}
+
+/// The `type` of an error answered with `status`, as OpenAI names its own.
+pub fn openai_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        408 | 504 => "timeout_error",
+        429 => "rate_limit_error",
+        502 => "upstream_error",
+        503 => "service_unavailable_error",
+        500..=599 => "server_error",
+        _ => "invalid_request_error",
     }
 }
 

@@ -8,11 +8,14 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sbp_llm::LlmError;
+use sbp_protocol::error::openai_type;
 use sbp_protocol::{ErrorBody, ErrorCode, UpstreamError};
 use serde_json::{Value, json};
 
 use super::headers::{add_headers, session_headers};
-use crate::error::{Error, FedError, RegistryRefusal, upstream_status};
+use crate::error::{
+    Error, FedError, RegistryRefusal, upstream_refused_credentials, upstream_status,
+};
 use crate::ratelimit::retry_after_secs;
 
 impl IntoResponse for Error {
@@ -55,6 +58,11 @@ impl IntoResponse for Error {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
             }
+            Error::SessionEnded(_) => {
+                // A 409 OpenAI's SDKs would retry twice, to the same answer.
+                resp.headers_mut()
+                    .insert("x-should-retry", HeaderValue::from_static("false"));
+            }
             Error::SessionSuspended { session_id, .. } => {
                 // OpenAI's SDKs obey this header over their own retry rules.
                 let headers = resp.headers_mut();
@@ -87,19 +95,28 @@ impl IntoResponse for Error {
 
 /// The envelope of an error response (also sent as an SSE event when a stream fails).
 pub fn body(e: &Error) -> ErrorBody {
-    let body = ErrorBody::new(code(e), e.to_string(), detail(e)).with_param(param(e));
-    match upstream_body(e) {
+    let mut body = ErrorBody::new(code(e), e.to_string(), detail(e)).with_param(param(e));
+    // The type of the status actually sent (an upstream's 404 is OpenAI's `not_found_error`).
+    body.error.kind = Some(openai_type(status(e)).to_owned());
+    match upstream_error(e) {
+        // Its words would be the gateway's credentials' business: only its code goes out.
+        Some(err) if upstream_refused_credentials(err) => {
+            if let LlmError::Status { body: b, .. } = err {
+                body.error.upstream_code = UpstreamError::from_body(b).code;
+            }
+            body
+        }
         // An SDK prints `message`: the upstream's own words, its `type`, `param` and code.
-        Some(upstream) => body.with_upstream(&UpstreamError::from_body(upstream)),
-        None => body,
+        Some(LlmError::Status { body: b, .. }) => body.with_upstream(&UpstreamError::from_body(b)),
+        _ => body,
     }
 }
 
-/// The upstream's error body, for an error the upstream answered.
-fn upstream_body(e: &Error) -> Option<&Value> {
+/// The upstream's failure behind an error.
+fn upstream_error(e: &Error) -> Option<&LlmError> {
     match e {
-        Error::Upstream(LlmError::Status { body, .. }) => Some(body),
-        Error::InTurn { cause, .. } => upstream_body(cause),
+        Error::Upstream(err) => Some(err),
+        Error::InTurn { cause, .. } => upstream_error(cause),
         _ => None,
     }
 }
@@ -231,7 +248,7 @@ fn code(e: &Error) -> ErrorCode {
         Error::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
         Error::RequestTimeout(_) => ErrorCode::RequestTimeout,
         Error::Unavailable(_) => ErrorCode::Unavailable,
-        Error::Conflict(_) => ErrorCode::SessionConflict,
+        Error::Conflict(_) | Error::SessionEnded(_) => ErrorCode::SessionConflict,
         Error::SessionSuspended { .. } => ErrorCode::SessionSuspended,
         Error::IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
         Error::TokenExpired { .. } => ErrorCode::TokenExpired,
@@ -297,7 +314,9 @@ fn detail(e: &Error) -> Option<Value> {
             mismatch: Some((claimed, computed)),
             ..
         } => Some(json!({ "claimed": claimed, "computed": computed })),
-        Error::Upstream(LlmError::Status { body, .. }) => Some(json!({ "upstream": body })),
+        Error::Upstream(e @ LlmError::Status { body, .. }) if !upstream_refused_credentials(e) => {
+            Some(json!({ "upstream": body }))
+        }
         Error::RateLimited { limit, retry_after } => Some(json!({
             "limit": limit.as_str(),
             "retry_after": retry_after_secs(*retry_after),

@@ -107,12 +107,22 @@ pub async fn chat_completions(
             body,
             session_id,
             new_token,
+            chunks,
         } => {
             let mut headers = vec![
                 ("x-session-id", session_id.to_string()),
                 ("idempotent-replayed", "true".into()),
             ];
             headers.extend(new_token.map(|t| ("x-session-token", t)));
+            if let Some(chunks) = chunks {
+                let events = chunks
+                    .into_iter()
+                    .map(SseEvent::Data)
+                    .chain([SseEvent::Done]);
+                let mut resp = sse(futures::stream::iter(events)).into_response();
+                add_headers(resp.headers_mut(), &headers);
+                return Ok(resp);
+            }
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
             (status, body, headers)
         }
@@ -121,7 +131,11 @@ pub async fn chat_completions(
             first,
             events,
         } => {
-            let mut resp = sse(first, events).into_response();
+            let rest = futures::stream::unfold(events, |mut rx| async move {
+                rx.recv().await.map(|ev| (ev, rx))
+            });
+            let events = futures::stream::once(async move { first }).chain(rest);
+            let mut resp = sse(events).into_response();
             if let Some(session) = &session {
                 add_headers(resp.headers_mut(), &session_headers(session));
             }
@@ -145,32 +159,25 @@ fn is_openai_client(headers: &HeaderMap) -> bool {
 
 /// A streamed completion as server-sent events; nothing is sent after `[DONE]` or an error.
 fn sse(
-    first: SseEvent,
-    events: tokio::sync::mpsc::Receiver<SseEvent>,
+    events: impl futures::Stream<Item = SseEvent> + Send + 'static,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
-    let rest = futures::stream::unfold(events, |mut rx| async move {
-        rx.recv().await.map(|ev| (ev, rx))
-    });
-    let stream = futures::stream::once(async move { first })
-        .chain(rest)
-        .scan(false, |finished, ev| {
-            if *finished {
-                return futures::future::ready(None);
+    let stream = events.scan(false, |finished, ev| {
+        if *finished {
+            return futures::future::ready(None);
+        }
+        let event = match ev {
+            SseEvent::Data(v) => Event::default().data(v.to_string()),
+            SseEvent::Failed(e) => {
+                *finished = true;
+                Event::default().data(serde_json::to_string(&errors::body(&e)).unwrap_or_default())
             }
-            let event = match ev {
-                SseEvent::Data(v) => Event::default().data(v.to_string()),
-                SseEvent::Failed(e) => {
-                    *finished = true;
-                    Event::default()
-                        .data(serde_json::to_string(&errors::body(&e)).unwrap_or_default())
-                }
-                SseEvent::Done => {
-                    *finished = true;
-                    Event::default().data("[DONE]")
-                }
-            };
-            futures::future::ready(Some(Ok::<_, Infallible>(event)))
-        });
+            SseEvent::Done => {
+                *finished = true;
+                Event::default().data("[DONE]")
+            }
+        };
+        futures::future::ready(Some(Ok::<_, Infallible>(event)))
+    });
     Sse::new(stream)
 }
 

@@ -437,3 +437,103 @@ async fn with_operator_keys_a_session_token_is_not_an_operator_key() {
     assert_eq!(s, 200, "{b}");
     assert_eq!(b["sbp"]["session_id"], id.as_str());
 }
+
+#[tokio::test]
+async fn a_stream_on_a_suspended_session_is_an_error_even_with_an_sbp_object() {
+    let gw = TestGateway::start().await;
+    let (_, token) = suspended_session(&gw).await;
+    let (s, h, b) = gw
+        .chat(
+            json!({"stream": true, "messages": [user("hi")], "sbp": {"checkpoint_every": 2}}),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(s, 423, "{b}");
+    assert_eq!(h["content-type"], "application/json");
+    assert_eq!(b["error"]["code"], "SBP_SESSION_SUSPENDED");
+}
+
+#[tokio::test]
+async fn a_replayed_streamed_request_is_a_stream_again() {
+    let gw = TestGateway::with_fake().await;
+    let body = json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [user("[[fake:chunks=2]] once only")]});
+    let key = [("idempotency-key", "0b8c5a1e-7f7e-4a53-9f0e-3c1d2b4a5e6f")];
+    let (s, h, first) = stream(&gw, body.clone(), &key).await;
+    assert_eq!(s, 200);
+    assert_openai_stream(&first, true);
+    let (s, h2, again) = stream(&gw, body, &key).await;
+    assert_eq!(s, 200);
+    assert_eq!(h2["content-type"], "text/event-stream");
+    assert_eq!(h2["idempotent-replayed"], "true");
+    assert_eq!(h2["x-session-token"], h["x-session-token"]);
+    assert_openai_stream(&again, true);
+    let text = |events: &[Value]| -> String {
+        events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect()
+    };
+    assert_eq!(text(&again), text(&first));
+    assert_eq!(text(&again), "echo: once only");
+    assert_eq!(
+        gw.fake().requests().len(),
+        1,
+        "the replay did not call the upstream"
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_refusing_the_gateways_key_is_not_the_callers_auth_failure() {
+    let gw = TestGateway::with_fake().await;
+    let (s, _, b) = gw
+        .chat(
+            json!({"model": "fake-error-401", "messages": [user("hi")]}),
+            &[("authorization", "Bearer sk-callers-own")],
+        )
+        .await;
+    assert_eq!(s, 502, "{b}");
+    assert_eq!(b["error"]["type"], "upstream_error");
+    assert_eq!(b["error"]["upstream_code"], "invalid_api_key");
+    assert!(
+        b["error"]
+            .get("detail")
+            .is_none_or(|d| d.get("upstream").is_none()),
+        "{b}"
+    );
+    assert_ne!(b["error"]["message"], "fake error");
+    // An upstream's own type stays; otherwise the type is the status's.
+    let (s, _, b) = gw
+        .chat(
+            json!({"model": "fake-error-429", "messages": [user("hi")]}),
+            &[],
+        )
+        .await;
+    assert_eq!((s, &b["error"]["type"]), (429, &json!("requests")), "{b}");
+}
+
+#[tokio::test]
+async fn an_ended_session_is_a_conflict_the_sdks_do_not_retry() {
+    let gw = TestGateway::start().await;
+    let (sid, token) = gw.session().await;
+    let (s, b) = gw
+        .patch(
+            &format!("/v1/sbp/sessions/{sid}/status"),
+            json!({"status": "completed"}),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    let (s, h, b) = gw
+        .chat(
+            json!({"messages": [user("more?")]}),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(
+        (s, &b["error"]["code"]),
+        (409, &json!("SBP_SESSION_CONFLICT")),
+        "{b}"
+    );
+    assert_eq!(h["x-should-retry"], "false");
+}

@@ -633,6 +633,7 @@ async fn sse_caller_sees_only_the_final_answer_of_a_tool_turn() {
     let (_, token, mut ws, _) = attached(&gw, json!({"mcp_tools": ["gps"]})).await;
     let mut request = ask("[[fake:tool=surface_gps]]");
     request["stream"] = json!(true);
+    request["stream_options"] = json!({"include_usage": true});
     let turn = gw.spawn_post("/v1/chat/completions", request, &tok(&token));
     let call = expect_tool_call(&mut ws).await;
     answer(&mut ws, &call, gps_fix()).await;
@@ -661,11 +662,25 @@ async fn sse_caller_sees_only_the_final_answer_of_a_tool_turn() {
         .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(text, format!("tool result: {GPS_FIX}"));
-    let sbp = events
-        .iter()
-        .find_map(|e| e.get("sbp"))
-        .expect("an event carries sbp");
-    assert_eq!(sbp["step_count"], 1, "{sbp}");
+    // As OpenAI streams: every chunk has a choice, but the usage chunk, last, with both rounds'
+    // usage; the `sbp` block rides on the finish chunk.
+    let [.., finish, usage, _done] = events.as_slice() else {
+        panic!("too few events: {events:?}");
+    };
+    for e in &events[..events.len() - 2] {
+        assert!(
+            e["choices"].as_array().is_some_and(|c| !c.is_empty()),
+            "{e}"
+        );
+    }
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    let rounds = gw.fake().requests().len() as u64;
+    assert_eq!(rounds, 2);
+    assert!(
+        usage["usage"]["total_tokens"].as_u64().unwrap_or(0) >= rounds,
+        "{usage}"
+    );
+    assert_eq!(finish["sbp"]["step_count"], 1, "{finish}");
 }
 
 #[tokio::test]

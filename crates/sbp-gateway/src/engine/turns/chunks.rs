@@ -22,18 +22,17 @@ pub fn strip_loop_fields(chunk: &mut Value, hide_tools: bool) -> bool {
     for choice in choices.iter_mut() {
         if let Some(c) = choice.as_object_mut() {
             c.insert("finish_reason".into(), Value::Null);
+            keep |= c.get("logprobs").is_some_and(|l| !l.is_null());
             if let Some(delta) = c.get_mut("delta").and_then(Value::as_object_mut) {
                 if hide_tools {
                     delta.remove("tool_calls");
                 }
-                keep |= delta
-                    .get("content")
-                    .and_then(Value::as_str)
-                    .is_some_and(|t| !t.is_empty())
-                    || delta.contains_key("role")
-                    || delta.contains_key("refusal")
-                    || delta.contains_key("tool_calls")
-                    || delta.contains_key("function_call");
+                // Whatever else the delta carries (audio, reasoning, a role) is the caller's.
+                keep |= delta.iter().any(|(key, v)| match v {
+                    Value::Null => false,
+                    Value::String(t) => !t.is_empty() || key == "role",
+                    _ => true,
+                });
             }
         }
     }
@@ -98,6 +97,45 @@ pub fn usage_chunk(reply: &Value) -> Value {
     chunk
 }
 
+/// A stored reply as the stream that first delivered it: one chunk with the whole message, the
+/// finish chunk, the usage chunk when asked for (an Idempotency-Key replay of a streamed request).
+pub fn replayed_chunks(reply: &Value, include_usage: bool) -> Vec<Value> {
+    let mut delta = Map::new();
+    delta.insert("role".into(), json!("assistant"));
+    if let Some(message) = reply
+        .pointer("/choices/0/message")
+        .and_then(Value::as_object)
+    {
+        for (key, value) in message {
+            if key == "tool_calls"
+                && let Some(calls) = value.as_array()
+            {
+                let indexed = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let mut c = c.clone();
+                        if let Some(call) = c.as_object_mut() {
+                            call.insert("index".into(), json!(i));
+                        }
+                        c
+                    })
+                    .collect();
+                delta.insert(key.clone(), Value::Array(indexed));
+            } else if key != "role" {
+                delta.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    let mut first = chunk_head(reply);
+    first["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": null}]);
+    let mut chunks = vec![first, closing_chunk(reply, false)];
+    if include_usage {
+        chunks.push(usage_chunk(reply));
+    }
+    chunks
+}
+
 fn chunk_head(reply: &Value) -> Value {
     json!({
         "id": reply.get("id").cloned().unwrap_or(Value::Null),
@@ -155,6 +193,17 @@ mod tests {
         assert_eq!(text["choices"][0]["finish_reason"], Value::Null);
         let mut usage_only = json!({"choices": [], "usage": {"total_tokens": 3}});
         assert!(!strip_loop_fields(&mut usage_only, false));
+        let mut bare_finish =
+            json!({"choices": [{"delta": {"content": null}, "finish_reason": "stop"}]});
+        assert!(!strip_loop_fields(&mut bare_finish, false));
+        for delta in [
+            json!({"reasoning_content": "thinking", "content": null}),
+            json!({"audio": {"id": "a1", "data": "AAA"}}),
+            json!({"role": "assistant", "content": ""}),
+        ] {
+            let mut chunk = json!({"choices": [{"index": 0, "delta": delta}]});
+            assert!(strip_loop_fields(&mut chunk, true), "{chunk}");
+        }
     }
 
     #[test]
@@ -185,6 +234,23 @@ mod tests {
             closing_chunk(&plain, true)["choices"][0]["finish_reason"],
             json!("stop")
         );
+    }
+
+    #[test]
+    fn a_replayed_reply_streams_whole() {
+        let reply = json!({"id": "c1", "created": 5, "model": "m", "usage": {"total_tokens": 9},
+            "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "hi"}}], "sbp": {"step_count": 1}});
+        let chunks = replayed_chunks(&reply, true);
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"],
+            json!({"role": "assistant", "content": "hi"})
+        );
+        assert_eq!(chunks[1]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(chunks[1]["sbp"]["step_count"], 1);
+        assert_eq!(chunks[2]["usage"]["total_tokens"], 9);
+        assert_eq!(replayed_chunks(&reply, false).len(), 2);
     }
 
     #[test]

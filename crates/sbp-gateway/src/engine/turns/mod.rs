@@ -78,6 +78,8 @@ pub enum ChatOutcome {
         session_id: Uuid,
         /// The session's token, when that request created the session.
         new_token: Option<String>,
+        /// For a streamed request, the stored reply as the chunks of a stream.
+        chunks: Option<Vec<Value>>,
     },
     /// SPEC 6.3: the session is suspended and the caller did not ask to resume it.
     ResumeAvailable {
@@ -239,17 +241,40 @@ impl Turns {
         if self.inner.config.strict_sbp && opts.is_none() && token.is_none() {
             return self.passthrough(request, client_stream).await;
         }
-        // The spec's 202 for a suspended session is for callers that can read it: one that sent
-        // an `sbp` object, or a plain HTTP client asking for a whole body. An OpenAI SDK (or a
-        // stream) without one gets an error it raises instead.
-        let reads_202 = opts.is_some() || !(openai_client || client_stream);
+        // The spec's 202 for a suspended session is for callers that can read it, asking for a
+        // whole body: one that sent an `sbp` object, or a plain HTTP client. An OpenAI SDK without
+        // one, and every stream (whose SDK loop would just see no chunk), get an error instead.
+        let reads_202 = !client_stream && (opts.is_some() || !openai_client);
         let mut opts = opts.unwrap_or_default();
         opts.auto_resume |= auto_resume;
         check_choices(&request)?;
+        let include_usage = client_stream
+            && request
+                .rest
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                == Some(&Value::Bool(true));
         let keyed = match idempotency {
             None => Keyed::Unkeyed,
             Some(k) => match self.idempotency(k, token.as_deref(), operator).await? {
                 Ok(keyed) => keyed,
+                Err(ChatOutcome::Replayed {
+                    status,
+                    body,
+                    session_id,
+                    new_token,
+                    ..
+                }) if client_stream && status == 200 => {
+                    // A streamed request's retry gets a stream again.
+                    let chunks = Some(chunks::replayed_chunks(&body, include_usage));
+                    return Ok(ChatOutcome::Replayed {
+                        status,
+                        body,
+                        session_id,
+                        new_token,
+                        chunks,
+                    });
+                }
                 Err(replay) => return Ok(replay),
             },
         };
@@ -270,12 +295,6 @@ impl Turns {
             Resolved::New { agent_id } => self.open_new(agent_id, &keyed, incoming, now)?,
             Resolved::Existing(s) => self.open_existing(&s, &keyed, incoming).await?,
         };
-        let include_usage = client_stream
-            && request
-                .rest
-                .get("stream_options")
-                .and_then(|o| o.get("include_usage"))
-                == Some(&Value::Bool(true));
         let plan = Plan {
             request,
             model,
@@ -651,6 +670,7 @@ impl Turns {
             body,
             session_id: rec.session_id,
             new_token,
+            chunks: None,
         }
     }
 
@@ -721,7 +741,7 @@ fn suspended(s: &SessionRecord) -> Error {
 fn continue_session(session: SessionRecord, explicit_resume: bool) -> Result<Resolved, Error> {
     match session.status {
         SessionStatus::Suspended if !explicit_resume => Ok(Resolved::ResumeAvailable(session)),
-        SessionStatus::Completed | SessionStatus::Failed => Err(Error::conflict(format!(
+        SessionStatus::Completed | SessionStatus::Failed => Err(Error::SessionEnded(format!(
             "session {} is {}; send sbp.force_new_session: true to start a new one",
             session.id, session.status
         ))),
