@@ -23,6 +23,9 @@ mod conformance;
 #[path = "binary/browser.rs"]
 mod browser;
 
+#[path = "binary/refclient.rs"]
+mod refclient;
+
 #[path = "binary/edge.rs"]
 mod edge;
 #[path = "binary/encryption.rs"]
