@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Makes sure the browser tests (crates/sbp-cli/tests/binary/browser.rs) can run: Debian's
-# Chromium at /usr/bin/chromium, node and npm, and tests/browser's node_modules (playwright-core
-# only, exact version from package-lock.json). Installs what is absent with apt-get and `npm ci`;
-# never downloads a browser of its own (playwright-core drives the system Chromium).
+# Makes sure the browser tests (crates/sbp-cli/tests/binary/browser.rs) and the reference-client
+# test (crates/sbp-cli/tests/binary/refclient.rs) can run: Debian's Chromium at /usr/bin/chromium,
+# node and npm, tests/browser's node_modules (playwright-core only) and tests/refclient's
+# (typescript only), each at the exact version of its package-lock.json. Installs what is absent
+# with apt-get and `npm ci`; never downloads a browser of its own (playwright-core drives the
+# system Chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,10 +27,11 @@ ensure_node() {
   apt_install nodejs npm
 }
 
-# `npm ci` when node_modules is missing or older than the lockfile (so a version bump lands).
+# `npm ci` in DIR when its node_modules lacks PACKAGE or is older than the lockfile (so a version
+# bump lands).
 ensure_modules() {
-  local dir=tests/browser
-  if [ -f "$dir/node_modules/playwright-core/package.json" ] \
+  local dir=$1 package=$2
+  if [ -f "$dir/node_modules/$package/package.json" ] \
     && [ ! "$dir/package-lock.json" -nt "$dir/node_modules/.package-lock.json" ]; then
     return 0
   fi
@@ -39,5 +42,6 @@ ensure_modules() {
 
 ensure_chromium
 ensure_node
-ensure_modules
-echo "browser-deps: chromium $(/usr/bin/chromium --version 2>/dev/null | awk '{print $2}'), node $(node --version), playwright-core $(node -p "require('./tests/browser/node_modules/playwright-core/package.json').version")" >&2
+ensure_modules tests/browser playwright-core
+ensure_modules tests/refclient typescript
+echo "browser-deps: chromium $(/usr/bin/chromium --version 2>/dev/null | awk '{print $2}'), node $(node --version), playwright-core $(node -p "require('./tests/browser/node_modules/playwright-core/package.json').version"), typescript $(node -p "require('./tests/refclient/node_modules/typescript/package.json').version")" >&2

@@ -69,15 +69,19 @@ fn frames() -> Vec<(&'static str, Vec<u8>)> {
             seq: 7,
             session_id: Some(SESSION.into()),
             chunk_id: Some("c-1".into()),
-        }),
+            turn: None,
+        }
+        .with_aliases()),
         ServerFrame::TurnChunk(TurnChunk {
-            chunk_id: "c-2".into(),
-            delta: "Hel".into(),
+            session_id: Some(SESSION.into()),
+            step: Some(3),
+            model: Some("gpt-4o".into()),
+            ..TurnChunk::new("c-2".into(), "Hel".into())
         }),
         ServerFrame::TurnComplete(TurnComplete {
-            chunk_id: "c-2".into(),
-            seq: Some(8),
-            model_used: None,
+            session_id: Some(SESSION.into()),
+            step: Some(3),
+            ..TurnComplete::new("c-2".into(), Some(8), None)
         }),
         ServerFrame::ToolCall(ToolCall {
             call_id: "4c1d2e3f-0000-4000-8000-000000000001".into(),

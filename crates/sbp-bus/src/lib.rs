@@ -65,6 +65,12 @@ pub struct LiveChunk {
     pub delta: String,
     pub round: u32,
     pub offset: u64,
+    /// The session's step this turn is, and the model writing it, for the TURN_CHUNK frame
+    /// (absent from earlier versions' messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 /// A completed (committed) turn as the connection holding the session needs it, wherever the
@@ -77,6 +83,12 @@ pub struct TurnDone {
     pub role: String,
     pub content: Option<String>,
     pub model_used: Option<String>,
+    /// The session's step count after the turn, and the turn's cost, for the TURN_COMPLETE
+    /// frame (absent from earlier versions' messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
 }
 
 /// A relayed call's outcome as replicas exchange it: `"outcome": {"result": …}` or
@@ -221,6 +233,8 @@ mod tests {
                     delta: "héllo".into(),
                     round: 2,
                     offset: 17,
+                    step: Some(4),
+                    model: Some("m".into()),
                 },
             },
             BusMsg::ToolReply {
@@ -268,6 +282,8 @@ mod tests {
                 delta: "hé".into(),
                 round: 2,
                 offset: 17,
+                step: None,
+                model: None,
             },
         };
         assert_eq!(serde_json::to_value(&msg).expect("serialises"), chunk);

@@ -146,6 +146,8 @@ async fn messages_arrive_at_their_replica_in_send_order() {
                     delta: format!("délta {i} |"),
                     round: 0,
                     offset: i,
+                    step: Some(3),
+                    model: Some("m".into()),
                 },
             })
             .collect();
@@ -158,6 +160,8 @@ async fn messages_arrive_at_their_replica_in_send_order() {
                     role: "assistant".into(),
                     content: Some("the whole answer".into()),
                     model_used: Some("m".into()),
+                    step: Some(3),
+                    cost_usd: None,
                 },
             },
             BusMsg::ToolCall {

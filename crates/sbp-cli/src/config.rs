@@ -532,6 +532,21 @@ pub(crate) fn duration(name: &str, text: &str) -> anyhow::Result<Option<Duration
     retention(name, Some(text.to_owned()), "0")
 }
 
+/// An upstream's base URL, checked at start: a value that is not an absolute http(s) URL would
+/// otherwise fail only at the first turn, as an upstream error. The value is not repeated in the
+/// message (it may hold credentials); the reason is.
+fn upstream_url(name: &str, url: String) -> anyhow::Result<String> {
+    let why = match reqwest::Url::parse(url.trim()) {
+        Err(e) => e.to_string(),
+        Ok(u) if !matches!(u.scheme(), "http" | "https") => {
+            format!("its scheme is '{}'", u.scheme())
+        }
+        Ok(u) if u.host_str().is_none_or(str::is_empty) => "it has no host".to_owned(),
+        Ok(_) => return Ok(url.trim().to_owned()),
+    };
+    bail!("--{name} must be an absolute http(s) URL such as http://127.0.0.1:11434/v1 ({why})")
+}
+
 fn seconds(name: &str, v: Option<f64>, default: f64) -> anyhow::Result<Duration> {
     let s = v.unwrap_or(default);
     if !(s.is_finite() && s > 0.0 && s < 1e7) {
@@ -708,7 +723,9 @@ impl Settings {
         let anthropic_url = args
             .anthropic_base_url
             .or(file.anthropic_base_url)
-            .filter(|s| !s.is_empty());
+            .filter(|s| !s.is_empty())
+            .map(|u| upstream_url("anthropic-base-url", u))
+            .transpose()?;
         let mut anthropic_models = list(args.anthropic_models, file.anthropic_models);
         if anthropic_models.is_empty() {
             anthropic_models = vec!["claude".into(), "anthropic/".into()];
@@ -797,7 +814,9 @@ impl Settings {
             llm_base_url: args
                 .llm_base_url
                 .or(file.llm_base_url)
-                .filter(|s| !s.is_empty()),
+                .filter(|s| !s.is_empty())
+                .map(|u| upstream_url("llm-base-url", u))
+                .transpose()?,
             llm_api_key: args
                 .llm_api_key
                 .or(file.llm_api_key)
@@ -1512,6 +1531,43 @@ mod tests {
         ] {
             assert!(Settings::resolve(args).is_err());
         }
+    }
+
+    #[test]
+    fn upstream_urls_must_be_absolute_http() {
+        for good in [
+            "http://127.0.0.1:11434/v1",
+            "https://api.openai.com/v1",
+            " http://[::1]:8000/v1 ",
+        ] {
+            assert_eq!(
+                upstream_url("llm-base-url", good.into()).ok().as_deref(),
+                Some(good.trim()),
+                "{good}"
+            );
+        }
+        for (bad, why) in [
+            ("notaurl", "relative URL without a base"),
+            ("/v1", "relative URL"),
+            ("ftp://host/v1", "scheme is 'ftp'"),
+            ("file:///tmp/x", "scheme is 'file'"),
+            ("http://", "empty host"),
+        ] {
+            let err = upstream_url("llm-base-url", bad.into())
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                err.starts_with("--llm-base-url must be an absolute http(s) URL")
+                    && err.contains(why),
+                "{bad}: {err}"
+            );
+        }
+        let args = ServeArgs {
+            anthropic_base_url: Some("api.anthropic.com".into()),
+            ..Default::default()
+        };
+        let err = Settings::resolve(args).expect_err("refused").to_string();
+        assert!(err.contains("--anthropic-base-url"), "{err}");
     }
 
     #[test]

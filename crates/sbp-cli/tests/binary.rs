@@ -23,6 +23,9 @@ mod conformance;
 #[path = "binary/browser.rs"]
 mod browser;
 
+#[path = "binary/refclient.rs"]
+mod refclient;
+
 #[path = "binary/edge.rs"]
 mod edge;
 #[path = "binary/encryption.rs"]
@@ -423,7 +426,7 @@ async fn bad_options_exit_non_zero_with_a_clear_message() {
     let bad_toml = bad_toml.display().to_string();
     // (flags, environment, what stderr must say)
     type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
-    let cases: [Case; 8] = [
+    let cases: [Case; 9] = [
         (
             &["--database", "mysql://x"],
             &[],
@@ -455,6 +458,11 @@ async fn bad_options_exit_non_zero_with_a_clear_message() {
             &["--mcp-server", "no-equals-sign"],
             &[],
             "--mcp-server 'no-equals-sign'",
+        ),
+        (
+            &["--llm-base-url", "notaurl"],
+            &[],
+            "--llm-base-url must be an absolute http(s) URL",
         ),
     ];
     for (args, envs, expected) in cases {

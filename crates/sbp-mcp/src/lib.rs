@@ -69,11 +69,14 @@
 //! the session id from there. A request without it is answered with an internal error (and logged),
 //! because that means the route was mounted without its middleware.
 //!
-//! Error mapping: [`HostError::UnknownTool`] and [`HostError::NoSurface`] become JSON-RPC
-//! `-32602 invalid params` (the code MCP specifies for an unknown tool) with a readable message and
-//! `data.sbp_error` = `"unknown_tool"` / `"no_surface"`; [`HostError::Internal`] is logged and
-//! answered with a generic `-32603`. A tool that ran and failed is not a protocol error: the host returns
-//! `Ok(ToolOutput { is_error: true, .. })` and the MCP client sees `isError: true`.
+//! Error mapping: [`HostError::UnknownTool`] becomes JSON-RPC `-32602 invalid params` (the code
+//! MCP specifies for an unknown tool) with a readable message and `data.sbp_error` =
+//! `"unknown_tool"`, and so does [`HostError::NoSurface`] from `tools/list` (`"no_surface"`);
+//! [`HostError::Internal`] is logged and answered with a generic `-32603`. A tool that ran and failed
+//! is not a protocol error: the host returns `Ok(ToolOutput { is_error: true, .. })` and the MCP
+//! client sees `isError: true`. Neither is a `tools/call` while no surface is attached: the host's
+//! `NoSurface` message comes back as a result with `isError: true`, which a model can read and act
+//! on (try later), where a JSON-RPC error would stop the client.
 //!
 //! By default the service is **stateless** (rmcp's `legacy_session_mode = false`, JSON responses):
 //! every POST is self-contained, nothing is kept between requests, no `Mcp-Session-Id` is issued, and

@@ -24,7 +24,9 @@ use crate::{ToolOutput, ToolSpec};
 /// `HostError`; it is `Ok(ToolOutput { is_error: true, .. })`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
-    /// No surface is attached to the session (or the session does not exist); the message says which.
+    /// No surface is attached to the session (or the session does not exist); the message says
+    /// which. From `tools/call` it is a tool-level error (`isError: true`) with this message as
+    /// its text: the client's model can read it and try later, when a surface has attached.
     #[error("no surface attached: {0}")]
     NoSurface(String),
     /// The attached surface does not offer this tool (the tool's name).
@@ -197,9 +199,10 @@ impl ServerHandler for SurfaceMcpServer {
         // rmcp cancels `ct` when the client sends notifications/cancelled or (stateless) hangs up;
         // nobody would read the answer, so stop waiting and drop the host's future.
         let output = tokio::select! {
-            output = self.host.call_tool(session, &name, arguments) => {
-                output.map_err(|e| host_error(session, e))?
-            }
+            output = self.host.call_tool(session, &name, arguments) => match output {
+                Err(HostError::NoSurface(message)) => ToolOutput::error(message),
+                other => other.map_err(|e| host_error(session, e))?,
+            },
             () = context.ct.cancelled() => {
                 tracing::debug!(%session, tool = %name, "northbound tools/call cancelled by the client");
                 return Err(ErrorData::internal_error("request cancelled", None));

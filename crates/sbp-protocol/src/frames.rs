@@ -175,7 +175,12 @@ pub enum ServerFrame {
     #[serde(rename = "SESSION_ATTACHED")]
     SessionAttached(Box<SessionAttached>),
     #[serde(rename = "SESSION_NOT_FOUND")]
-    SessionNotFound { detail: String },
+    SessionNotFound {
+        detail: String,
+        /// The session that was not found (the reference client names it in its error).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        session_id: Option<String>,
+    },
     #[serde(rename = "FORBIDDEN")]
     Forbidden { detail: String },
     #[serde(rename = "PROTOCOL_ERROR")]
@@ -251,14 +256,86 @@ pub struct TetherTurn {
     /// turn stream can replace that partial text with this whole turn.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk_id: Option<String>,
+    /// The same role, content and model nested, where the reference client reads them
+    /// (`turn.content`); `with_aliases` fills it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<TurnBody>,
 }
 
+/// A tethered turn's role, content and model, as TETHER_TURN's `turn` repeats them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnBody {
+    pub role: String,
+    pub content: Option<String>,
+    pub model_used: Option<String>,
+}
+
+impl TetherTurn {
+    /// Fills `turn` from the flat fields: call it on what is sent, after any change to them.
+    pub fn with_aliases(mut self) -> Self {
+        self.fill_aliases();
+        self
+    }
+
+    /// Replaces the content (an adaptation for the surface), keeping `turn` in step.
+    pub fn set_content(&mut self, content: String) {
+        self.content = Some(content);
+        self.fill_aliases();
+    }
+
+    fn fill_aliases(&mut self) {
+        self.turn = Some(TurnBody {
+            role: self.role.clone(),
+            content: self.content.clone(),
+            model_used: self.model_used.clone(),
+        });
+    }
+}
+
+/// A streamed piece of a turn. Besides the spec's `chunk_id` and `delta`, the gateway sends the
+/// fields the reference client reads: the delta again as `chunk`, the session, the step and the
+/// model (extension, docs/PROTOCOL-EXTENSIONS.md); a client must not require them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnChunk {
     pub chunk_id: String,
     pub delta: String,
+    /// `delta` again, under the reference client's name; `with_aliases` fills it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The session's step this turn is (its `step_count` once the turn is committed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// The model writing the turn, as far as the gateway knows it yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
+impl TurnChunk {
+    /// A chunk of `delta`, with `chunk` filled.
+    pub fn new(chunk_id: String, delta: String) -> Self {
+        Self {
+            chunk_id,
+            delta,
+            chunk: None,
+            session_id: None,
+            step: None,
+            model: None,
+        }
+        .with_aliases()
+    }
+
+    /// Fills `chunk` from `delta`.
+    pub fn with_aliases(mut self) -> Self {
+        self.chunk = Some(self.delta.clone());
+        self
+    }
+}
+
+/// The end of a streamed turn. Besides the spec's `chunk_id`, the fields the reference client
+/// reads (extension, docs/PROTOCOL-EXTENSIONS.md): the session, the step, the model (`model_used`
+/// again, as `model`) and the turn's cost; a client must not require them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnComplete {
     pub chunk_id: String,
@@ -267,6 +344,40 @@ pub struct TurnComplete {
     pub seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_used: Option<String>,
+    /// `model_used` again, under the reference client's name; `with_aliases` fills it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The session's step this turn completed (its `step_count` after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// The turn's cost in USD (SPEC 6.2's `cost_usd`), always sent: `null` when unknown (a local
+    /// model, or a gateway that does not price turns, like this one).
+    #[serde(default)]
+    pub cost_usd: Option<f64>,
+}
+
+impl TurnComplete {
+    /// The end of turn `chunk_id`, with `model` filled from `model_used`.
+    pub fn new(chunk_id: String, seq: Option<u64>, model_used: Option<String>) -> Self {
+        Self {
+            chunk_id,
+            seq,
+            model_used,
+            model: None,
+            session_id: None,
+            step: None,
+            cost_usd: None,
+        }
+        .with_aliases()
+    }
+
+    /// Fills `model` from `model_used`.
+    pub fn with_aliases(mut self) -> Self {
+        self.model.clone_from(&self.model_used);
+        self
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -384,19 +495,19 @@ mod tests {
                 json!({"type": "PROTOCOL_ERROR", "detail": "d"}),
             ),
             (
-                ServerFrame::TurnChunk(TurnChunk {
-                    chunk_id: "c".into(),
-                    delta: "x".into(),
-                }),
-                json!({"type": "TURN_CHUNK", "chunk_id": "c", "delta": "x"}),
+                ServerFrame::TurnChunk(TurnChunk::new("c".into(), "x".into())),
+                json!({"type": "TURN_CHUNK", "chunk_id": "c", "delta": "x", "chunk": "x"}),
             ),
             (
-                ServerFrame::TurnComplete(TurnComplete {
-                    chunk_id: "c".into(),
-                    seq: None,
-                    model_used: None,
-                }),
-                json!({"type": "TURN_COMPLETE", "chunk_id": "c"}),
+                ServerFrame::TurnComplete(TurnComplete::new("c".into(), None, None)),
+                json!({"type": "TURN_COMPLETE", "chunk_id": "c", "cost_usd": null}),
+            ),
+            (
+                ServerFrame::SessionNotFound {
+                    detail: "d".into(),
+                    session_id: Some("s".into()),
+                },
+                json!({"type": "SESSION_NOT_FOUND", "detail": "d", "session_id": "s"}),
             ),
         ];
         for (frame, expected) in cases {
@@ -404,5 +515,70 @@ mod tests {
             assert_eq!(serde_json::from_str::<Value>(&text).ok(), Some(expected));
             assert_eq!(serde_json::from_str::<ServerFrame>(&text).ok(), Some(frame));
         }
+    }
+
+    /// What the reference client reads beside the spec's fields: `turn.{role,content,model_used}`,
+    /// `chunk`/`step`/`model`/`session_id`, `step`/`model`/`cost_usd`; each second name carries
+    /// the same value as the first, also after the content is replaced.
+    #[test]
+    fn frames_carry_the_reference_clients_names_too() {
+        let mut tether = TetherTurn {
+            turn_index: 0,
+            role: "assistant".into(),
+            content: Some("raw **text**".into()),
+            model_used: Some("m".into()),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            seq: 3,
+            session_id: Some("s".into()),
+            chunk_id: None,
+            turn: None,
+        }
+        .with_aliases();
+        tether.set_content("raw text".into());
+        let v = serde_json::to_value(ServerFrame::TetherTurn(tether)).expect("serialises");
+        assert_eq!(v["content"], "raw text", "{v}");
+        assert_eq!(
+            v["turn"],
+            json!({"role": "assistant", "content": "raw text", "model_used": "m"}),
+            "{v}"
+        );
+
+        let chunk = TurnChunk {
+            session_id: Some("s".into()),
+            step: Some(2),
+            model: Some("m".into()),
+            ..TurnChunk::new("c".into(), "hi".into())
+        };
+        let v = serde_json::to_value(ServerFrame::TurnChunk(chunk)).expect("serialises");
+        assert_eq!(
+            v,
+            json!({"type": "TURN_CHUNK", "chunk_id": "c", "delta": "hi", "chunk": "hi",
+                   "session_id": "s", "step": 2, "model": "m"})
+        );
+
+        let done = TurnComplete {
+            session_id: Some("s".into()),
+            step: Some(2),
+            cost_usd: Some(0.25),
+            ..TurnComplete::new("c".into(), Some(9), Some("m".into()))
+        };
+        let v = serde_json::to_value(ServerFrame::TurnComplete(done)).expect("serialises");
+        assert_eq!(
+            v,
+            json!({"type": "TURN_COMPLETE", "chunk_id": "c", "seq": 9, "model_used": "m",
+                   "model": "m", "session_id": "s", "step": 2, "cost_usd": 0.25})
+        );
+
+        // A gateway that sends only the spec's fields still parses.
+        let spec: ServerFrame =
+            serde_json::from_value(json!({"type": "TURN_CHUNK", "chunk_id": "c", "delta": "x"}))
+                .expect("parses");
+        assert_eq!(
+            spec,
+            ServerFrame::TurnChunk(TurnChunk {
+                chunk: None,
+                ..TurnChunk::new("c".into(), "x".into())
+            })
+        );
     }
 }

@@ -319,11 +319,11 @@ mod tests {
         let mut t = Term::new(Vec::new(), false);
         t.chunk("c1", "Hello ");
         t.chunk("c1", "world,\nsecond line");
-        t.complete(&TurnComplete {
-            chunk_id: "c1".into(),
-            seq: Some(4),
-            model_used: Some("sbp/echo".into()),
-        });
+        t.complete(&TurnComplete::new(
+            "c1".into(),
+            Some(4),
+            Some("sbp/echo".into()),
+        ));
         assert_eq!(
             text(t),
             "assistant › Hello world,\n  second line\n  ✓ turn complete · sbp/echo · seq 4\n"

@@ -439,7 +439,7 @@ impl Driver {
                 *refusal = Some((DisconnectKind::Forbidden, detail.clone()));
                 return Ok(());
             }
-            ServerFrame::SessionNotFound { detail } => {
+            ServerFrame::SessionNotFound { detail, .. } => {
                 *refusal = Some((DisconnectKind::SessionNotFound, detail.clone()));
                 return Ok(());
             }
@@ -564,7 +564,7 @@ async fn handshake(
                     Ok(ServerFrame::Forbidden { detail }) => {
                         refusal = Some((DisconnectKind::Forbidden, detail));
                     }
-                    Ok(ServerFrame::SessionNotFound { detail }) => {
+                    Ok(ServerFrame::SessionNotFound { detail, .. }) => {
                         refusal = Some((DisconnectKind::SessionNotFound, detail));
                     }
                     Ok(ServerFrame::ProtocolError { detail }) => {

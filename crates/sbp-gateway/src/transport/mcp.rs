@@ -1,7 +1,8 @@
 //! `/v1/sbp/sessions/{id}/mcp`: the attached surface as a real MCP server (streamable HTTP, via
 //! rmcp in `sbp-mcp`). `tools/list` shows the surface's callable tools; `tools/call` becomes a
 //! TOOL_CALL frame on its WebSocket. The caller authenticates with the session token
-//! (`X-Session-Token`, or `Authorization: Bearer <session token>` as MCP clients send it).
+//! (`Authorization: Bearer <session token>` as MCP clients send it, or `X-Session-Token`); a
+//! request without one gets 401 with `WWW-Authenticate: Bearer`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,8 +119,25 @@ async fn authenticate(
             req.extensions_mut().insert(McpSession(session.id));
             next.run(req).await
         }
+        Err(Error::Unauthorized(_)) => unauthorized(),
         Err(e) => e.into_response(),
     }
+}
+
+/// 401 for a request without a token, saying how MCP clients authenticate here: the message and
+/// the challenge (RFC 6750 3.1: no error code when no credentials were sent) name Bearer.
+fn unauthorized() -> Response {
+    let mut resp = Error::Unauthorized(
+        "this MCP endpoint needs the session's token: send Authorization: Bearer <session token> \
+         (or X-Session-Token: <session token>)"
+            .into(),
+    )
+    .into_response();
+    resp.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"sbp-session\""),
+    );
+    resp
 }
 
 struct Host(Gateway);
@@ -134,8 +152,15 @@ impl SurfaceToolHost for Host {
             .await
             .into_iter()
             .map(|t| ToolSpec {
+                // MCP clients show the description to the user and the model: a tool declared by
+                // name only gets one that says where it runs.
+                description: t.description.or_else(|| {
+                    Some(format!(
+                        "Tool `{}` of the attached surface (runs on the user's device).",
+                        t.name
+                    ))
+                }),
                 name: t.name,
-                description: t.description,
                 input_schema: t.input_schema,
             })
             .collect())
@@ -154,8 +179,12 @@ impl SurfaceToolHost for Host {
                 Ok(v) => ToolOutput::json(v),
                 failed @ Err(_) => ToolOutput::error(tool_message_content(&failed)),
             }),
-            Err(CallRefused::NoSurface(m)) if !tools.is_attached(session).await => {
-                Err(HostError::NoSurface(m))
+            // The text the MCP client gets as a tool error.
+            Err(CallRefused::NoSurface(_)) if !tools.is_attached(session).await => {
+                Err(HostError::NoSurface(format!(
+                    "no surface is attached to this session, so the tool `{name}` cannot run \
+                     now; try again once a surface (a device) has attached"
+                )))
             }
             // `UnknownTool` carries the tool's name; the MCP error names it.
             Err(CallRefused::NoSurface(_) | CallRefused::NotAllowed(_)) => {

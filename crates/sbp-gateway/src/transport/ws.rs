@@ -225,7 +225,10 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             Err(e) => {
                 let (frame, code, reason) = match e {
                     AttachError::NotFound(d) => (
-                        ServerFrame::SessionNotFound { detail: d },
+                        ServerFrame::SessionNotFound {
+                            detail: d,
+                            session_id: Some(path_id.clone()),
+                        },
                         CLOSE_NOT_FOUND,
                         "session not found",
                     ),

@@ -112,6 +112,12 @@ async fn an_mcp_client_lists_and_calls_the_attached_surfaces_tools() {
         Value::Object((*tools[0].input_schema).clone()),
         json!({"type": "object", "additionalProperties": true})
     );
+    // Declared by name only: still described, for the client's user and model.
+    let camera = tools[0].description.as_deref().unwrap_or_default();
+    assert!(
+        camera.contains("`camera`") && camera.contains("attached surface"),
+        "{camera}"
+    );
 
     // tools/call: a TOOL_CALL frame to the surface; its TOOL_RESULT is the MCP result.
     let fix = json!({"lat": 35.68, "lon": 139.76});
@@ -202,14 +208,17 @@ async fn an_mcp_client_lists_and_calls_the_attached_surfaces_tools() {
     .await;
     let tools = client.list_all_tools().await.expect("tools/list");
     assert!(tools.is_empty(), "{tools:?}");
-    let error = rpc_error(
-        client
-            .call_tool(call("gps", json!({"accuracy": "high"})))
-            .await,
+    // A tool-level error the client's model can read (not a JSON-RPC error that stops it).
+    let result = client
+        .call_tool(call("gps", json!({"accuracy": "high"})))
+        .await
+        .expect("no surface is a tool-level error");
+    assert_eq!(result.is_error, Some(true), "{result:?}");
+    let text = only_text(&result);
+    assert!(
+        text.contains("no surface is attached") && text.contains("`gps`"),
+        "{text}"
     );
-    assert_eq!(error.code, ErrorCode::INVALID_PARAMS, "{error:?}");
-    assert!(error.message.contains("no surface"), "{error:?}");
-    assert_eq!(sbp_error(&error), Some("no_surface"), "{error:?}");
 
     client.cancel().await.expect("client closes");
     gw.stop().await;
@@ -285,6 +294,29 @@ async fn the_mcp_endpoint_takes_the_session_token_with_or_without_operator_keys(
         let (s, v) = raw_mcp(&gw, &id, "initialize", initialize_params(), &[]).await;
         assert_eq!(s, 401, "no token ({case}): {v}");
         assert_eq!(v["error"]["code"], "SBP_UNAUTHORIZED", "{case}: {v}");
+        // The 401 says how to authenticate, in its challenge and its message.
+        let resp = gw
+            .http
+            .post(format!("{}{}", gw.url, mcp_path(&id)))
+            .header("accept", "application/json, text/event-stream")
+            .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}))
+            .send()
+            .await
+            .expect("request sent");
+        assert_eq!(resp.status(), 401, "{case}");
+        let challenge = resp
+            .headers()
+            .get("www-authenticate")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        assert!(challenge.starts_with("Bearer"), "{case}: {challenge:?}");
+        let v: Value = resp.json().await.expect("the envelope");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("Authorization: Bearer <session token>"),
+            "{case}: {v}"
+        );
 
         let bearer_other = format!("Bearer {other_token}");
         for header in [

@@ -113,13 +113,14 @@ async fn exercise_with_rmcp_client(opts: NorthboundOptions) {
             .expect("tools/list")
             .is_empty()
     );
-    let no_surface = rpc_error(detached.call_tool(CallToolRequestParams::new("echo")).await);
-    assert_eq!(no_surface.code, ErrorCode::INVALID_PARAMS);
-    assert!(no_surface.message.contains("no surface"), "{no_surface:?}");
-    assert_eq!(
-        no_surface.data.as_ref().map(|d| d["sbp_error"].clone()),
-        Some(json!("no_surface"))
-    );
+    // A tool-level error, with the host's message as its text.
+    let no_surface = detached
+        .call_tool(CallToolRequestParams::new("echo"))
+        .await
+        .expect("a tool-level error is a result");
+    assert_eq!(no_surface.is_error, Some(true), "{no_surface:?}");
+    let text = no_surface.content[0].as_text().map(|t| t.text.as_str());
+    assert_eq!(text, Some("no surface is attached"), "{no_surface:?}");
     detached.cancel().await.expect("client closes");
 
     // An unknown session: the host's NoSurface surfaces on tools/list as well.

@@ -460,6 +460,9 @@ impl Sessions {
                     role: push.role,
                     content: Some(push.content),
                     model_used: push.model_used,
+                    // A pushed turn is not a step: the count stays where the last turn left it.
+                    step: Some(outcome.session.step_count),
+                    cost_usd: None,
                 },
             )
             .await;

@@ -13,10 +13,9 @@ use sbp_llm::{Assembler, Provider};
 use sbp_protocol::{ChatMessage, ChatRequest, ServerFrame, SurfaceContext};
 use serde_json::json;
 use tokio::sync::mpsc;
-use uuid::Uuid;
 
 use super::Frame;
-use super::render::chunk_frame;
+use super::render::{TurnTag, chunk_frame};
 use crate::config::CtpRule;
 use crate::engine::tasks::Tasks;
 
@@ -60,9 +59,10 @@ impl Ctp {
         profile: &Profile,
         ctx: &SurfaceContext,
         content: String,
-        chunk_id: Uuid,
+        tag: TurnTag,
         complete: Frame,
     ) -> CtpFrames {
+        let chunk_id = tag.chunk_id;
         let (tx, rx) = mpsc::channel(64);
         let request = ctp_request(rule, profile, ctx, &content);
         let provider = self.provider.clone();
@@ -82,7 +82,7 @@ impl Ctp {
                     let out = adapter.push(&delta);
                     if !out.is_empty() {
                         sent_any = true;
-                        if tx.send(chunk_frame(chunk_id, out)).await.is_err() {
+                        if tx.send(chunk_frame(&tag, out)).await.is_err() {
                             return Ok(());
                         }
                     }
@@ -107,7 +107,7 @@ impl Ctp {
                 (None, _) => adapter.finish(),
             };
             if !rest.is_empty() {
-                let _ = tx.send(chunk_frame(chunk_id, rest)).await;
+                let _ = tx.send(chunk_frame(&tag, rest)).await;
             }
             let _ = tx.send(complete).await;
         });
@@ -164,11 +164,12 @@ impl Ctp {
                         if let ServerFrame::TetherTurn(t) = &mut frame
                             && let Some(c) = &t.content
                         {
-                            t.content = Some(if i >= first_ctp {
+                            let rewritten = if i >= first_ctp {
                                 ctp.whole(&rule, &profile, &surface, c).await
                             } else {
                                 adapt(&profile, c)
-                            });
+                            };
+                            t.set_content(rewritten);
                         }
                         (frame, seq)
                     }

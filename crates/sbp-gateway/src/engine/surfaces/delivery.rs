@@ -48,16 +48,20 @@ impl Delivery {
 
     /// A TETHER_TURN for `e`, counted as sent on this connection.
     pub(super) fn tether_frame(&mut self, e: &TetherEntry) -> Frame {
-        let frame = ServerFrame::TetherTurn(TetherTurn {
-            turn_index: self.tether_index,
-            role: e.role.clone(),
-            content: e.content.clone(),
-            model_used: e.model_used.clone(),
-            created_at: iso(&e.created_at),
-            seq: e.seq,
-            session_id: Some(self.session_id.to_string()),
-            chunk_id: Some(e.chunk_id.to_string()),
-        });
+        let frame = ServerFrame::TetherTurn(
+            TetherTurn {
+                turn_index: self.tether_index,
+                role: e.role.clone(),
+                content: e.content.clone(),
+                model_used: e.model_used.clone(),
+                created_at: iso(&e.created_at),
+                seq: e.seq,
+                session_id: Some(self.session_id.to_string()),
+                chunk_id: Some(e.chunk_id.to_string()),
+                turn: None,
+            }
+            .with_aliases(),
+        );
         self.tether_index += 1;
         self.last_sent = self.last_sent.max(e.seq);
         (frame, Some(e.seq))
@@ -73,7 +77,8 @@ impl Delivery {
             if let ServerFrame::TetherTurn(t) = frame
                 && let Some(c) = &t.content
             {
-                t.content = Some(self.renderer.whole(c));
+                let adapted = self.renderer.whole(c);
+                t.set_content(adapted);
             }
         }
         frames

@@ -29,7 +29,7 @@ use crate::engine::federation::Federation;
 use crate::engine::federation::migration::PullError;
 use crate::metrics::Metrics;
 use ctp::Ctp;
-use render::{Rendering, chunk_frame, complete_frame, rendering_for};
+use render::{Rendering, TurnTag, chunk_frame, complete_frame, rendering_for};
 
 /// A frame for a connection and the tether seq it carries (reported sent once written).
 pub type Frame = (ServerFrame, Option<u64>);
@@ -250,9 +250,18 @@ impl Surfaces {
 
     /// A live delta for this connection, adapted for its surface (`None`: nothing to send now).
     pub fn live_chunk(&self, d: &mut Delivery, c: &LiveChunk) -> Option<Frame> {
+        let session_id = d.session_id;
         d.renderer
             .chunk(c.chunk_id, &c.delta, c.round, c.offset)
-            .map(|delta| chunk_frame(c.chunk_id, delta))
+            .map(|delta| {
+                let tag = TurnTag {
+                    chunk_id: c.chunk_id,
+                    session_id,
+                    step: c.step,
+                    model: c.model.clone(),
+                };
+                chunk_frame(&tag, delta)
+            })
     }
 
     /// The frames for a completed turn, in order after anything this connection has not yet seen.
@@ -305,12 +314,18 @@ impl Surfaces {
         mut before: Vec<Frame>,
     ) -> TurnFrames {
         let content = done.content.unwrap_or_default();
-        let complete = complete_frame(done.chunk_id, seq, done.model_used);
+        let tag = TurnTag {
+            chunk_id: done.chunk_id,
+            session_id: d.session_id,
+            step: done.step,
+            model: done.model_used,
+        };
+        let complete = complete_frame(&tag, seq, done.cost_usd);
         if let Rendering::Ctp { rule, profile } = &d.renderer.rendering {
-            let ctp =
-                self.inner
-                    .ctp
-                    .stream(rule, profile, &d.surface, content, done.chunk_id, complete);
+            let ctp = self
+                .inner
+                .ctp
+                .stream(rule, profile, &d.surface, content, tag, complete);
             d.renderer.drop_turn(done.chunk_id);
             return TurnFrames {
                 frames: before,
@@ -319,7 +334,7 @@ impl Surfaces {
         }
         let rest = d.renderer.rest(done.chunk_id, &content);
         if !rest.is_empty() {
-            before.push(chunk_frame(done.chunk_id, rest));
+            before.push(chunk_frame(&tag, rest));
         }
         before.push(complete);
         TurnFrames::now(before)

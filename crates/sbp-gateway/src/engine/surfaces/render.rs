@@ -183,27 +183,37 @@ pub fn shape_request(ctx: &SurfaceContext, req: &mut ChatRequest) {
     }
 }
 
-/// A TURN_CHUNK frame of turn `chunk_id`.
-pub fn chunk_frame(chunk_id: Uuid, delta: String) -> Frame {
-    (
-        ServerFrame::TurnChunk(TurnChunk {
-            chunk_id: chunk_id.to_string(),
-            delta,
-        }),
-        None,
-    )
+/// The turn a TURN_CHUNK or TURN_COMPLETE belongs to: its chunk id, and the session, the step
+/// and the model, which the reference client reads (docs/PROTOCOL-EXTENSIONS.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnTag {
+    pub chunk_id: Uuid,
+    pub session_id: Uuid,
+    pub step: Option<u64>,
+    pub model: Option<String>,
 }
 
-/// A TURN_COMPLETE frame; `seq` marks it for removal from the tether once sent.
-pub fn complete_frame(chunk_id: Uuid, seq: Option<u64>, model_used: Option<String>) -> Frame {
-    (
-        ServerFrame::TurnComplete(TurnComplete {
-            chunk_id: chunk_id.to_string(),
-            seq,
-            model_used,
-        }),
-        seq,
-    )
+/// A TURN_CHUNK frame of the turn.
+pub fn chunk_frame(tag: &TurnTag, delta: String) -> Frame {
+    let chunk = TurnChunk {
+        session_id: Some(tag.session_id.to_string()),
+        step: tag.step,
+        model: tag.model.clone(),
+        ..TurnChunk::new(tag.chunk_id.to_string(), delta)
+    };
+    (ServerFrame::TurnChunk(chunk), None)
+}
+
+/// The turn's TURN_COMPLETE frame, its `model_used` the tag's model; `seq` marks it for removal
+/// from the tether once sent.
+pub fn complete_frame(tag: &TurnTag, seq: Option<u64>, cost_usd: Option<f64>) -> Frame {
+    let complete = TurnComplete {
+        session_id: Some(tag.session_id.to_string()),
+        step: tag.step,
+        cost_usd,
+        ..TurnComplete::new(tag.chunk_id.to_string(), seq, tag.model.clone())
+    };
+    (ServerFrame::TurnComplete(complete), seq)
 }
 
 #[cfg(test)]

@@ -129,7 +129,12 @@ impl Turns {
         turn: &Turn,
         events: Option<&mpsc::Sender<SseEvent>>,
     ) -> Result<Upstream, Error> {
-        let mut sink = LiveSink::new(&self.inner.replicas, turn.session.id, turn.surface.clone());
+        let mut sink = LiveSink::new(
+            &self.inner.replicas,
+            turn.session.id,
+            turn.session.step_count + 1,
+            turn.surface.clone(),
+        );
         let started = Instant::now();
         let mut transcript = turn.request.clone();
         let mut usage = UsageSum::default();
@@ -211,7 +216,7 @@ impl Turns {
         while let Some(item) = stream.next().await {
             let mut chunk = item.map_err(Error::Upstream)?;
             if let Some(delta) = asm.push(&chunk) {
-                sink.chunk(&delta);
+                sink.chunk(&delta, asm.model.as_deref().unwrap_or(&routed));
             }
             let Some(tx) = events.filter(|_| !caller_gone) else {
                 continue;
@@ -403,6 +408,9 @@ impl Turns {
                     role: "assistant".into(),
                     content: text,
                     model_used: Some(up.model),
+                    step: Some(outcome.session.step_count),
+                    // The gateway does not price turns.
+                    cost_usd: None,
                 },
             )
             .await;
@@ -501,6 +509,8 @@ fn without_gateway_calls(mut out: RoundOut, catalog: &Catalog) -> RoundOut {
 struct LiveSink<'a> {
     replicas: &'a Replicas,
     session: Uuid,
+    /// The step the turn will be once committed.
+    step: u64,
     chunk_id: Uuid,
     target: Option<Attachment>,
     /// The upstream round streaming now, and the bytes of its text sent so far.
@@ -509,10 +519,11 @@ struct LiveSink<'a> {
 }
 
 impl<'a> LiveSink<'a> {
-    fn new(replicas: &'a Replicas, session: Uuid, target: Option<Attachment>) -> Self {
+    fn new(replicas: &'a Replicas, session: Uuid, step: u64, target: Option<Attachment>) -> Self {
         Self {
             replicas,
             session,
+            step,
             chunk_id: Uuid::now_v7(),
             target,
             round: 0,
@@ -531,13 +542,16 @@ impl<'a> LiveSink<'a> {
         self.target.is_some()
     }
 
-    fn chunk(&mut self, delta: &str) {
+    /// Sends `delta`, written by `model`.
+    fn chunk(&mut self, delta: &str, model: &str) {
         let Some(target) = &self.target else { return };
         let chunk = LiveChunk {
             chunk_id: self.chunk_id,
             delta: delta.to_owned(),
             round: self.round,
             offset: self.offset,
+            step: Some(self.step),
+            model: Some(model.to_owned()),
         };
         if self.replicas.send_chunk(self.session, target, chunk) {
             self.offset += delta.len() as u64;
