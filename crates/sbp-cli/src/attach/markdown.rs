@@ -37,7 +37,8 @@ pub fn render(text: &str, colour: bool) -> Vec<String> {
 /// A reply rendered while it streams in: each block (the text up to a blank line followed by a
 /// line that starts at the margin, outside a fenced code block) is rendered once it is complete,
 /// the rest by [`Stream::finish`]. Rendering block by block keeps lists, quotes and fenced code
-/// whole, while earlier blocks never need redrawing.
+/// whole, while earlier blocks never need redrawing. A heading is a block of its own line, and so
+/// is each item of a list of one-line items, so that these show as soon as they are written.
 #[derive(Debug)]
 pub struct Stream {
     colour: bool,
@@ -49,6 +50,11 @@ pub struct Stream {
     fence: Option<(char, usize)>,
     /// The last whole line was blank (outside a fence).
     after_blank: bool,
+    /// What the last whole line was, when it started at the margin outside a fence.
+    last: Line,
+    /// The block being collected is separated by a blank line from the one before it (not so the
+    /// next item of a list).
+    gap: bool,
     /// Lines were emitted already (the next block is separated by a blank line).
     emitted: bool,
 }
@@ -61,6 +67,8 @@ impl Stream {
             line: String::new(),
             fence: None,
             after_blank: false,
+            last: Line::Other,
+            gap: true,
             emitted: false,
         }
     }
@@ -86,6 +94,8 @@ impl Stream {
         self.emit(&mut out);
         self.fence = None;
         self.after_blank = false;
+        self.last = Line::Other;
+        self.gap = true;
         out
     }
 
@@ -93,18 +103,33 @@ impl Stream {
         let text = line.trim_end_matches(['\n', '\r']);
         let blank = text.trim().is_empty();
         let at_margin = !text.starts_with([' ', '\t']);
-        if self.fence.is_none() && self.after_blank && !blank && at_margin {
-            self.emit(out);
+        let kind = Line::of(text);
+        if self.fence.is_none() && !blank && at_margin {
+            if self.after_blank || self.last == Line::Heading {
+                self.emit(out);
+                self.gap = true;
+            } else if self.last == Line::Item && kind == Line::Item {
+                self.emit(out);
+                // The next item of the same list.
+                self.gap = false;
+            }
         }
+        let outside = self.fence.is_none();
         self.fence = match self.fence {
             None => opening_fence(text),
             Some(open) if closes_fence(text, open) => None,
             inside => inside,
         };
         self.after_blank = blank && self.fence.is_none();
+        self.last = if outside && self.fence.is_none() && at_margin {
+            kind
+        } else {
+            Line::Other
+        };
         self.block.push_str(&line);
     }
 
+    /// Renders the block collected.
     fn emit(&mut self, out: &mut Vec<String>) {
         let block = std::mem::take(&mut self.block);
         if block.trim().is_empty() {
@@ -114,11 +139,45 @@ impl Stream {
         if lines.is_empty() {
             return;
         }
-        if self.emitted {
+        if self.emitted && self.gap {
             out.push(String::new());
         }
         out.extend(lines);
         self.emitted = true;
+    }
+}
+
+/// What a source line starting at the margin begins, for where blocks end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// An ATX heading (`# Title`).
+    Heading,
+    /// A list item (`- x`, `* x`, `+ x`, `1. x`, `1) x`).
+    Item,
+    Other,
+}
+
+impl Line {
+    fn of(text: &str) -> Self {
+        let hashes = text.chars().take_while(|c| *c == '#').count();
+        if (1..=6).contains(&hashes)
+            && text[hashes..]
+                .chars()
+                .next()
+                .is_none_or(|c| c == ' ' || c == '\t')
+        {
+            return Self::Heading;
+        }
+        let digits = text.chars().take_while(char::is_ascii_digit).count();
+        let marker = match text[digits..].chars().next() {
+            Some('.' | ')') if (1..=9).contains(&digits) => digits + 1,
+            Some('-' | '*' | '+') if digits == 0 => 1,
+            _ => return Self::Other,
+        };
+        match text[marker..].chars().next() {
+            Some(' ' | '\t') => Self::Item,
+            _ => Self::Other,
+        }
     }
 }
 
@@ -714,6 +773,33 @@ mod tests {
             s.push("code\n\nstill code\n").is_empty(),
             "inside the fence"
         );
+    }
+
+    #[test]
+    fn headings_and_one_line_items_show_as_soon_as_they_end() {
+        let text = "# Plan\nFirst:\n- one\n- two\n- three\n\nDone.";
+        let mut s = Stream::new(false);
+        let mut seen = Vec::new();
+        for line in text.split_inclusive('\n') {
+            seen.push(s.push(line));
+        }
+        seen.push(s.finish());
+        let expected: [&[&str]; 8] = [
+            &[],
+            &["Plan"],
+            &[],
+            &["", "First:", "", "• one"],
+            &["• two"],
+            &[],
+            &[],
+            &["• three", "", "Done."],
+        ];
+        assert_eq!(seen, expected);
+        assert_eq!(seen.concat(), plain(text), "the same lines as the whole");
+        assert_eq!(Line::of("1) x"), Line::Item);
+        assert_eq!(Line::of("---"), Line::Other);
+        assert_eq!(Line::of("#hashtag"), Line::Other);
+        assert_eq!(Line::of("###"), Line::Heading);
     }
 
     #[test]
