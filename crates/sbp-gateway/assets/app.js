@@ -329,13 +329,15 @@ function begin(next) {
   }
   const opened = session;
   setState('connecting', '· reading the conversation');
-  readTranscript(opened.id).then((t) => {
+  const reading = readTranscript(opened.id).then((t) => {
     if (session === opened) showTranscript(t);
   }, (e) => {
     if (session === opened) addNote(`The earlier conversation could not be read: ${e.message}`, 'error', earlier);
   }).finally(() => {
     if (session === opened && !ws) connect();
   });
+  // A message typed meanwhile is sent once the read is done, so it is not read back as earlier.
+  sending = reading;
 }
 
 // ---------------------------------------------------------------------------------------------
