@@ -13,6 +13,8 @@ mod replicas;
 
 #[path = "binary/attach.rs"]
 mod attach;
+#[path = "binary/attach_tty.rs"]
+mod attach_tty;
 
 #[path = "binary/demo.rs"]
 mod demo;

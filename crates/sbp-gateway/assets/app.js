@@ -1,7 +1,8 @@
-// The browser surface of the SBP gateway: creates or joins a session, attaches over the WebSocket
-// as device_type "browser", streams replies, shows turns drained from the Tether, reconnects with
-// `last_seq`, and answers the agent's TOOL_CALLs after the user allows each one. With federation,
-// a session that moved to another gateway is shown as such, with a link to this page there.
+// The browser surface of the SBP gateway: creates or joins a session, shows its earlier
+// conversation from the stored transcript, attaches over the WebSocket as device_type "browser",
+// streams replies, shows turns drained from the Tether, reconnects with `last_seq`, and answers the
+// agent's TOOL_CALLs after the user allows each one. With federation, a session that moved to
+// another gateway is shown as such, with a link to this page there.
 //
 // Model output is untrusted: every piece of it reaches the page through createElement and
 // textContent (markdown.js), never through an HTML parser.
@@ -14,8 +15,13 @@ const SESSION_KEY = 'sbp.session'; // {id, token, lastSeq}
 const OPERATOR_KEY = 'sbp.operatorKey';
 const MODEL_KEY = 'sbp.model';
 const SURFACE_KEY = 'sbp.surfaceId';
-const HISTORY_PREFIX = 'sbp.history.'; // + session id: what this browser has shown
-const HISTORY_MAX = 200;
+// + session id: what earlier versions of this page kept of a conversation; the transcript
+// replaces it, and it is removed when seen.
+const OLD_HISTORY_PREFIX = 'sbp.history.';
+// The earlier conversation shown when the page opens a session: its last messages, read a page at
+// a time from GET /v1/sessions/{id}/messages (whose seqs count the messages from 0).
+const TRANSCRIPT_MAX = 200;
+const TRANSCRIPT_PAGES = 4;
 
 // As the Rust SDK: 250 ms doubling to a 5 s cap, minus up to 30% jitter; a connection that stayed
 // up 5 s starts over. These closes mean reconnecting would be wrong.
@@ -30,7 +36,11 @@ const ATTACH_TIMEOUT = 10000;
 const IDLE_TIMEOUT = 75000;
 
 // What the tests (and a curious user in the console) can read.
-const stats = { attaches: 0, queued: 0, chunks: 0, completes: 0, tetherTurns: 0, repeats: 0, acked: 0, toolCalls: 0 };
+const stats = {
+  attaches: 0, queued: 0, chunks: 0, completes: 0, tetherTurns: 0, repeats: 0, acked: 0, toolCalls: 0,
+  transcript: 0, // messages shown from the stored transcript
+  inTranscript: 0, // drained turns not shown again: the transcript had them
+};
 window.__sbpStats = stats;
 
 const storage = {
@@ -70,7 +80,7 @@ function timeText(date) {
 
 const log = $('log');
 let awayGroup = null; // the open "While you were away" group, if a drain is being shown
-let shown = []; // what this browser has shown of the session, oldest first
+let earlier = null; // the section holding the conversation read from the transcript
 
 const scroller = $('scroller');
 
@@ -109,7 +119,7 @@ function addMessage(role, text, opts = {}) {
     body);
   if (opts.seq) node.dataset.seq = String(opts.seq);
   setBody(node, text);
-  (opts.away ? openAway() : log).append(node);
+  (opts.into || (opts.away ? openAway() : log)).append(node);
   keepInView(wasNear);
   return node;
 }
@@ -121,37 +131,92 @@ function setBody(node, text) {
   else body.replaceChildren(renderMarkdown(text));
 }
 
-function addNote(text, kind = 'info') {
+function addNote(text, kind = 'info', into = log) {
   const wasNear = nearBottom();
   const node = el('p', { class: `note note-${kind}`, role: kind === 'error' ? 'alert' : null }, text);
-  log.append(node);
+  into.append(node);
   keepInView(wasNear);
   return node;
 }
 
-// What this browser has shown, so a reload shows it again (the gateway does not resend it).
-function remember(entry) {
-  shown.push(entry);
-  if (shown.length > HISTORY_MAX) shown = shown.slice(-HISTORY_MAX);
-  if (session) storage.set(HISTORY_PREFIX + session.id, shown);
+// ---------------------------------------------------------------------------------------------
+// The earlier conversation: the session's stored transcript, read when the page opens a session
+// (joined, from a link, or after a reload) and shown before anything the WebSocket brings. It is
+// read before the attach, so what the attach's drain brings is either in it (a turn tethered
+// before the read: shown from the transcript, and only ACKed when it arrives) or newer; a live turn
+// is always newer. A drained turn is matched to its stored message by role and creation time,
+// which the gateway writes once for both.
+
+const fromTranscript = new Map(); // `${role} ${ms}` -> message nodes not matched by a drain yet
+
+function transcriptKey(role, time) {
+  const ms = Date.parse(time);
+  return Number.isNaN(ms) ? null : `${role} ${ms}`;
 }
 
-function restoreHistory() {
-  shown = (session && storage.get(HISTORY_PREFIX + session.id)) || [];
-  if (!Array.isArray(shown)) shown = [];
-  for (const h of shown) {
-    if (!h || typeof h.text !== 'string') continue;
-    if (h.role === 'note') {
-      closeAway();
-      addNote(h.text);
-      continue;
-    }
-    if (!h.away) closeAway();
-    const node = addMessage(String(h.role), h.text, { away: h.away, time: h.time, seq: h.seq });
-    node.dataset.state = 'complete';
-    node.dataset.restored = 'true';
+// The text of a stored message's content: a string, or the text of its parts.
+function contentText(content) {
+  if (typeof content === 'string') return content;
+  if (!Array.isArray(content)) return '';
+  return content.map((part) => {
+    if (!part || typeof part !== 'object') return '';
+    if (part.type === 'text' && typeof part.text === 'string') return part.text;
+    return typeof part.type === 'string' ? `[${part.type}]` : '';
+  }).filter(Boolean).join('\n');
+}
+
+async function readTranscript(id) {
+  const base = `/v1/sessions/${encodeURIComponent(id)}/messages?limit=${TRANSCRIPT_MAX}`;
+  let { data } = await api('GET', base, undefined, true);
+  let messages = Array.isArray(data.messages) ? data.messages : [];
+  const total = Number(data.message_count) || messages.length;
+  // A long one: its last messages, from near its end.
+  if (data.has_more && total > TRANSCRIPT_MAX) {
+    ({ data } = await api('GET', `${base}&after=${total - TRANSCRIPT_MAX - 1}`, undefined, true));
+    messages = Array.isArray(data.messages) ? data.messages : [];
   }
-  closeAway();
+  // Messages stored since the count was read.
+  for (let page = 0; data.has_more && Number.isInteger(data.next_after) && page < TRANSCRIPT_PAGES; page += 1) {
+    ({ data } = await api('GET', `${base}&after=${data.next_after}`, undefined, true));
+    if (Array.isArray(data.messages)) messages = messages.concat(data.messages);
+  }
+  return { messages: messages.slice(-TRANSCRIPT_MAX), total: Math.max(total, messages.length) };
+}
+
+function showTranscript({ messages, total }) {
+  if (total > messages.length) {
+    const hidden = total - messages.length;
+    addNote(`${hidden} earlier message${hidden === 1 ? ' is' : 's are'} not shown.`, 'info', earlier);
+  }
+  for (const m of messages) {
+    if (!m || typeof m !== 'object') continue;
+    const role = typeof m.role === 'string' ? m.role : 'assistant';
+    // A tool's answer went to the model; the call it answers is noted below.
+    if (role === 'tool') continue;
+    const text = contentText(m.content);
+    if (text || !Array.isArray(m.tool_calls)) {
+      const node = addMessage(role, text, { into: earlier, time: m.created_at });
+      node.dataset.state = 'complete';
+      node.dataset.restored = 'true';
+      stats.transcript += 1;
+      const key = transcriptKey(role, m.created_at);
+      if (key) fromTranscript.set(key, (fromTranscript.get(key) || []).concat(node));
+    }
+    for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) {
+      const name = call && call.function && typeof call.function.name === 'string' ? call.function.name : 'a tool';
+      addNote(`The agent used ${name}.`, 'info', earlier);
+    }
+  }
+}
+
+// The node showing a drained turn already, from the transcript (then taken off the map).
+function shownFromTranscript(f) {
+  const key = transcriptKey(typeof f.role === 'string' ? f.role : 'assistant', f.created_at);
+  const nodes = key && fromTranscript.get(key);
+  if (!nodes || !nodes.length) return null;
+  const node = nodes.shift();
+  if (!nodes.length) fromTranscript.delete(key);
+  return node;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -168,13 +233,16 @@ function operatorKey() {
 }
 
 async function api(method, path, body, withToken, extra = {}) {
-  const headers = { 'Content-Type': 'application/json', ...extra };
+  const reading = method === 'GET';
+  const headers = reading ? { ...extra } : { 'Content-Type': 'application/json', ...extra };
   if (withToken && session) headers['X-Session-Token'] = session.token;
   const key = operatorKey();
   if (key) headers.Authorization = `Bearer ${key}`;
   let resp;
   try {
-    resp = await fetch(path, { method, headers, body: JSON.stringify(body || {}), cache: 'no-store', credentials: 'omit' });
+    resp = await fetch(path, {
+      method, headers, body: reading ? undefined : JSON.stringify(body || {}), cache: 'no-store', credentials: 'omit',
+    });
   } catch (e) {
     throw new Error(`cannot reach the gateway (${e.message})`);
   }
@@ -244,15 +312,32 @@ function begin(next) {
   const same = session && session.id === next.id;
   session = { id: next.id, token: next.token, lastSeq: same ? session.lastSeq : (next.lastSeq || 0) };
   saveSession();
+  storage.remove(OLD_HISTORY_PREFIX + session.id);
   log.replaceChildren();
   closeAway();
+  fromTranscript.clear();
+  earlier = el('section', { class: 'earlier', 'aria-label': 'Earlier conversation', 'data-testid': 'earlier' });
+  log.append(earlier);
   showChat();
-  restoreHistory();
   received = session.lastSeq;
   acked = 0;
   attempt = 0;
-  connect();
   $('message').focus();
+  if (next.created) {
+    connect();
+    return;
+  }
+  const opened = session;
+  setState('connecting', '· reading the conversation');
+  const reading = readTranscript(opened.id).then((t) => {
+    if (session === opened) showTranscript(t);
+  }, (e) => {
+    if (session === opened) addNote(`The earlier conversation could not be read: ${e.message}`, 'error', earlier);
+  }).finally(() => {
+    if (session === opened && !ws) connect();
+  });
+  // A message typed meanwhile is sent once the read is done, so it is not read back as earlier.
+  sending = reading;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -415,7 +500,7 @@ function onAttached(socket, f) {
   flushAck();
 }
 
-// A seq-carrying turn has been shown (and remembered): ACK it shortly, together with any others
+// A seq-carrying turn has been shown: ACK it shortly, together with any others
 // shown meanwhile, so a long drain costs a few ACK frames rather than one per turn (the gateway
 // closes connections that send frames faster than its frame rate).
 const ACK_DELAY_MS = 50;
@@ -509,7 +594,6 @@ function onComplete(f) {
   if (f.seq) node.dataset.seq = String(f.seq);
   const text = turn ? turn.text : '';
   setBody(node, text);
-  remember({ role: 'assistant', text, time: new Date().toISOString(), seq: f.seq || 0 });
   delivered(f.seq);
 }
 
@@ -530,12 +614,17 @@ function onTether(f) {
     cut.node.removeAttribute('aria-busy');
     if (f.seq) cut.node.dataset.seq = String(f.seq);
     setBody(cut.node, text);
-    remember({ role, text, time: f.created_at, seq: f.seq || 0 });
+    delivered(f.seq);
+    return;
+  }
+  const already = shownFromTranscript(f);
+  if (already) {
+    stats.inTranscript += 1;
+    if (f.seq) already.dataset.seq = String(f.seq);
   } else {
     const node = addMessage(role, text, { away: true, time: f.created_at, seq: f.seq });
     node.dataset.state = 'complete';
     if (f.chunk_id) node.dataset.chunkId = f.chunk_id;
-    remember({ role, text, time: f.created_at, seq: f.seq || 0, away: true });
   }
   delivered(f.seq);
 }
@@ -568,7 +657,6 @@ function sendMessage(text) {
   closeAway();
   const node = addMessage('user', text);
   node.dataset.state = 'sending';
-  remember({ role: 'user', text, time: new Date().toISOString() });
   const model = $('model').value.trim();
   const body = { messages: [{ role: 'user', content: text }], sbp: { resume: true } };
   if (model) body.model = model;
@@ -824,14 +912,12 @@ async function decide(allow) {
   if (!allow) {
     reply(null, 'denied by user');
     addNote(`You denied ${tool.name}.`);
-    remember({ role: 'note', text: `You denied ${tool.name}.` });
     return;
   }
   try {
     const result = await tool.run(call.tool_input || {}, entry.deadline - Date.now());
     reply(result, null);
     addNote(`You allowed ${tool.name}; its result was sent to the agent.`);
-    remember({ role: 'note', text: `You allowed ${tool.name}.` });
   } catch (e) {
     reply(null, e.message || String(e));
     addNote(`${tool.name} failed: ${e.message || e}`, 'error');
@@ -850,11 +936,9 @@ function leave() {
   }
   clearTimeout(retryTimer);
   clearInterval(idleTimer);
-  if (session) {
-    storage.remove(HISTORY_PREFIX + session.id);
-    storage.remove(SESSION_KEY);
-  }
+  if (session) storage.remove(SESSION_KEY);
   session = null;
+  fromTranscript.clear();
   for (const entry of prompts.slice()) removePrompt(entry);
   live.clear();
   log.replaceChildren();
@@ -867,7 +951,7 @@ async function createSession() {
   button.disabled = true;
   try {
     const { data } = await api('POST', '/v1/sbp/sessions', { metadata: { created_by: 'sbp browser page' } }, false);
-    begin({ id: data.session_id, token: data.session_token, lastSeq: 0 });
+    begin({ id: data.session_id, token: data.session_token, lastSeq: 0, created: true });
   } catch (e) {
     showSetup(`Could not create a session: ${e.message}`);
   } finally {

@@ -12,11 +12,18 @@
 //! One loop owns stdout: it takes the surface's events, the lines read from stdin (by a thread, so
 //! a blocked read never holds up the runtime's shutdown), the outcomes of sent messages and the
 //! tool handler's notes, and renders them through [`term::Term`].
+//!
+//! On a terminal (stdin and stdout both), lines are typed into a line editor ([`editor`]: history,
+//! arrow keys) and whatever arrives meanwhile is printed above the line being typed; replies are
+//! rendered from Markdown ([`markdown`]). Otherwise stdin is read line by line and the output is
+//! plain text, without escape codes.
 
+mod editor;
+mod markdown;
 mod term;
 mod tools;
 
-use std::io::{BufRead as _, Write as _};
+use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +39,7 @@ use sbp_client::{
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use editor::{Editor, Screen};
 use term::{Style, Term};
 use tools::{LocalTools, ToolNote};
 
@@ -53,6 +61,10 @@ const FIRST_ATTACH_TRIES: u32 = 8;
 Type a message and press Enter: it is sent over HTTP with the session token, and the reply streams
 back over the WebSocket. /quit (or end of input) detaches; /help lists the commands. With federation,
 messages follow a session that moved to another gateway (one line says where it went).
+
+On a terminal, lines are typed into a line editor (arrow keys, Emacs keys, the up arrow for earlier
+lines), what arrives meanwhile is printed above the line being typed, and replies are rendered from
+Markdown. With stdin or stdout not a terminal, input is read line by line and output is plain text.
 
 Exit status: 0 detached; 1 error (gateway unreachable, ...); 2 bad arguments; 3 forbidden (wrong
 token); 4 session not found; 5 displaced (another surface attached to the session); 130 Ctrl-C.")]
@@ -115,6 +127,8 @@ pub fn main(args: AttachArgs) -> i32 {
 enum Input {
     /// A line typed on stdin; `None` at end of input.
     Line(Option<String>),
+    /// Ctrl-C in the line editor (which reads it as a key, not as a signal).
+    Interrupt,
     /// A message was answered over HTTP (or failed).
     Sent(Result<(), String>),
     /// The session's HTTP calls now go to this gateway: the session moved there.
@@ -148,7 +162,10 @@ async fn attach(
     tools: Arc<LocalTools>,
     mut notes: mpsc::UnboundedReceiver<ToolNote>,
 ) -> anyhow::Result<i32> {
-    let mut term = Term::new(std::io::stdout(), term::use_colour());
+    let screen = Screen::default();
+    let colour = term::use_colour();
+    let stdout_is_terminal = std::io::stdout().is_terminal();
+    let mut term = Term::new(screen.clone(), colour).with_markdown(stdout_is_terminal);
     let session = match joining {
         Some((id, token)) => client.session(id, token),
         None => {
@@ -197,7 +214,18 @@ async fn attach(
     };
 
     let (input_tx, mut inputs) = mpsc::unbounded_channel();
-    spawn_stdin_reader(input_tx.clone());
+    let mut line_editor = None;
+    if stdout_is_terminal && std::io::stdin().is_terminal() && !dumb_terminal() {
+        match Editor::start(&screen, colour, input_tx.clone()) {
+            Ok(e) => line_editor = Some(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "no line editor; reading lines as they come");
+                spawn_stdin_reader(input_tx.clone());
+            }
+        }
+    } else {
+        spawn_stdin_reader(input_tx.clone());
+    }
     let (outbox, sender) = spawn_sender(session.clone(), args.model.clone(), input_tx);
 
     let mut ui = Ui {
@@ -207,6 +235,7 @@ async fn attach(
         in_flight: 0,
         unshown: 0,
         first: true,
+        farewell: None,
     };
     let mut eof_deadline: Option<Instant> = None;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -264,6 +293,10 @@ async fn attach(
                     ui.on_sent(outcome);
                 }
                 Input::Moved(url) => ui.moved(&url),
+                Input::Interrupt => {
+                    ui.leaving();
+                    break Some(EXIT_INTERRUPTED);
+                }
             },
             () = grace => {}
             installed = &mut ctrl_c, if ctrl_c_armed => {
@@ -279,6 +312,10 @@ async fn attach(
     };
 
     sender.abort();
+    // The terminal back to normal before the last lines, which are written directly.
+    if let Some(e) = line_editor {
+        e.stop().await;
+    }
     let code = match code {
         // A terminal close: the surface has ended already.
         Some(code) if code != EXIT_INTERRUPTED => code,
@@ -297,7 +334,15 @@ async fn attach(
         }
     };
     let _ = std::io::stdout().flush();
+    if let Some(message) = ui.farewell.take() {
+        eprintln!("sbp attach: {message}");
+    }
     Ok(code)
+}
+
+/// `TERM=dumb`: a terminal that cannot move its cursor, where a line editor would garble.
+fn dumb_terminal() -> bool {
+    std::env::var_os("TERM").is_some_and(|t| t == "dumb")
 }
 
 /// An error and its causes on one line, leaving out causes whose text the line already has
@@ -367,7 +412,7 @@ fn is_loopback(url: &str) -> bool {
 async fn first_attach(
     config: SurfaceConfig,
     backoff: &Backoff,
-    term: &mut Term<std::io::Stdout>,
+    term: &mut Term<Screen>,
 ) -> Result<Surface, sbp_client::Error> {
     let mut attempt = 0;
     loop {
@@ -465,7 +510,7 @@ enum Command {
 
 /// The UI loop's state.
 struct Ui {
-    term: Term<std::io::Stdout>,
+    term: Term<Screen>,
     url: String,
     catalogue: Vec<(String, String)>,
     /// Messages sent over HTTP and not answered yet.
@@ -475,6 +520,8 @@ struct Ui {
     /// arrive before its HTTP answer, so it may go below zero while messages are in flight.
     unshown: i64,
     first: bool,
+    /// Why the surface ended for good, for stderr once the terminal is back to normal.
+    farewell: Option<String>,
 }
 
 impl Ui {
@@ -545,7 +592,7 @@ impl Ui {
                     kind => (1, format!("disconnected for good ({kind:?}): {detail}")),
                 };
                 self.term.status("✖", Style::Bad, &message);
-                eprintln!("sbp attach: {message}");
+                self.farewell = Some(message);
                 return Some(code);
             }
         }

@@ -1,12 +1,16 @@
 //! What `sbp attach` prints: connection state, drained turns under a "while you were away" heading,
 //! live replies as they stream, turn boundaries and tool calls. Colour only on a terminal (and not
 //! with `NO_COLOR`); the text is the same either way, so piped output reads (and tests) the same.
+//! On a terminal, replies are rendered from Markdown ([`super::markdown`]), a block at a time as
+//! they stream; piped, they are the text as the model wrote it, streamed as it comes.
 
 use std::io::{IsTerminal as _, Write};
 use std::time::Duration;
 
 use sbp_client::protocol::frames::{TetherTurn, TurnComplete};
 use serde_json::Value;
+
+use super::markdown;
 
 /// Longest rendering of a tool's input or result on its status line.
 const TOOL_TEXT_MAX: usize = 160;
@@ -62,6 +66,12 @@ pub struct Term<W: Write> {
     draining: bool,
     /// Tether turns still expected in this drain (SESSION_ATTACHED's count).
     drain_left: u64,
+    /// Replies rendered from Markdown (a terminal) rather than written as they come.
+    markdown: bool,
+    /// With Markdown: the streaming turn's text not rendered yet, and whether any of its lines
+    /// were written.
+    stream: Option<markdown::Stream>,
+    stream_shown: bool,
 }
 
 impl<W: Write> Term<W> {
@@ -76,7 +86,16 @@ impl<W: Write> Term<W> {
             cut: None,
             draining: false,
             drain_left: 0,
+            markdown: false,
+            stream: None,
+            stream_shown: false,
         }
+    }
+
+    /// Renders replies from Markdown (for a terminal).
+    pub fn with_markdown(mut self, on: bool) -> Self {
+        self.markdown = on;
+        self
     }
 
     #[cfg(test)]
@@ -149,6 +168,22 @@ impl<W: Write> Term<W> {
     /// A live TURN_CHUNK.
     pub fn chunk(&mut self, chunk_id: &str, delta: &str) {
         self.close_drain();
+        if self.markdown {
+            if self.streaming.as_deref() != Some(chunk_id) {
+                self.end_stream();
+                self.streaming = Some(chunk_id.to_owned());
+                self.stream = Some(markdown::Stream::new(self.colour));
+                self.stream_shown = false;
+                self.interrupted = false;
+            }
+            let lines = self
+                .stream
+                .as_mut()
+                .map(|s| s.push(delta))
+                .unwrap_or_default();
+            self.reply_lines(&lines);
+            return;
+        }
         let same = self.streaming.as_deref() == Some(chunk_id);
         if !same || self.interrupted {
             self.break_line();
@@ -161,10 +196,53 @@ impl<W: Write> Term<W> {
         self.body(delta);
     }
 
+    /// With Markdown: the lines of a streaming reply, the first (and the first after anything
+    /// else was printed) after the reply's prefix, the others indented under it.
+    fn reply_lines(&mut self, lines: &[String]) {
+        for line in lines {
+            if self.line_open {
+                self.write("\n");
+            }
+            let resuming = !self.stream_shown || self.interrupted;
+            if resuming && line.is_empty() {
+                // A block's separator right after the prefix would only be a gap.
+                continue;
+            }
+            if resuming {
+                let prefix = self.paint(Style::Assistant, "assistant ›");
+                self.write(&format!("{prefix} {line}\n"));
+                self.stream_shown = true;
+                self.interrupted = false;
+            } else if line.is_empty() {
+                self.write("\n");
+            } else {
+                self.write(&format!("  {line}\n"));
+            }
+        }
+    }
+
+    /// With Markdown: renders what is left of the streaming reply. Returns whether the reply
+    /// showed any line at all.
+    fn end_stream(&mut self) -> bool {
+        let Some(mut stream) = self.stream.take() else {
+            return false;
+        };
+        let lines = stream.finish();
+        self.reply_lines(&lines);
+        std::mem::take(&mut self.stream_shown)
+    }
+
     /// TURN_COMPLETE: the end of a live turn.
     pub fn complete(&mut self, c: &TurnComplete) {
         self.close_drain();
-        if self.streaming.as_deref() != Some(c.chunk_id.as_str()) {
+        let shown = if self.streaming.as_deref() == Some(c.chunk_id.as_str()) {
+            // Piped, the chunks were the text; with Markdown, whether any line came of them.
+            !self.markdown || self.end_stream()
+        } else {
+            self.end_stream();
+            false
+        };
+        if !shown {
             // A turn with no text (or whose chunks went to an earlier connection).
             self.break_line();
             let prefix = self.paint(Style::Assistant, "assistant ›");
@@ -186,6 +264,7 @@ impl<W: Write> Term<W> {
 
     /// The connection dropped: a reply being streamed is cut off (it comes back whole, tethered).
     pub fn cut_off(&mut self) {
+        self.end_stream();
         if let Some(chunk_id) = self.streaming.take() {
             self.cut = Some(chunk_id);
             self.break_line();
@@ -217,8 +296,21 @@ impl<W: Write> Term<W> {
         let role = self.paint(role_style(&t.role), &format!("{} ›", t.role));
         self.write(&format!("{head} {role} "));
         self.at_body_line_start = false;
+        let rendered = match t.content.as_deref() {
+            Some(text) if self.markdown => markdown::render(text, self.colour),
+            _ => Vec::new(),
+        };
         match t.content.as_deref() {
-            Some(text) if !text.is_empty() => self.body(text),
+            Some(_) if !rendered.is_empty() => {
+                for (i, line) in rendered.iter().enumerate() {
+                    match i {
+                        0 => self.write(&format!("{line}\n")),
+                        _ if line.is_empty() => self.write("\n"),
+                        _ => self.write(&format!("  {line}\n")),
+                    }
+                }
+            }
+            Some(text) if !text.is_empty() && !self.markdown => self.body(text),
             _ => {
                 let none = self.paint(Style::Dim, "(no text)");
                 self.write(&none);
@@ -375,6 +467,42 @@ mod tests {
         assert!(out.contains("assistant › second\n  line\n"), "{out}");
         assert!(
             out.ends_with("── end of what you missed ──\nassistant › live"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn on_a_terminal_a_reply_is_rendered_a_block_at_a_time() {
+        let mut t = Term::new(Vec::new(), false).with_markdown(true);
+        t.chunk("c1", "Hello **wor");
+        t.chunk("c1", "ld**\n\n- a\n");
+        t.tool_called("clock", &json!({}));
+        t.chunk("c1", "- b");
+        t.complete(&TurnComplete {
+            chunk_id: "c1".into(),
+            seq: Some(2),
+            model_used: None,
+        });
+        t.complete(&TurnComplete {
+            chunk_id: "c2".into(),
+            seq: Some(3),
+            model_used: None,
+        });
+        assert_eq!(
+            text(t),
+            "assistant › Hello world\n⚙ tool clock({})\nassistant › • a\n  • b\n  ✓ turn complete · seq 2\n\
+             assistant › (no text)\n  ✓ turn complete · seq 3\n"
+        );
+    }
+
+    #[test]
+    fn on_a_terminal_a_drained_turn_is_rendered_whole() {
+        let mut t = Term::new(Vec::new(), false).with_markdown(true);
+        t.attached(1);
+        t.tether_turn(&turn(1, "# Gate\n\nNow **B12**."));
+        let out = text(t);
+        assert!(
+            out.contains("assistant › Gate\n\n  Now B12.\n── end of what you missed ──\n"),
             "{out}"
         );
     }

@@ -230,6 +230,10 @@ async fn creates_a_session_chats_and_detaches_at_end_of_input() {
     let reply = att.expect("Echo: hello from the terminal").await;
     assert!(reply.starts_with("assistant › "), "{reply}");
     att.expect("✓ turn complete").await;
+    // Piped, a reply is the text as written: no Markdown rendering, no escape codes.
+    att.type_line("a **plain** reply");
+    att.expect("assistant › Echo: a **plain** reply").await;
+    att.expect("✓ turn complete").await;
 
     // The last message goes out just before the input ends: its reply is still shown.
     att.type_line("one more thing");
@@ -244,6 +248,7 @@ async fn creates_a_session_chats_and_detaches_at_end_of_input() {
     );
     assert_eq!(out.matches("Echo: one more thing").count(), 1, "{out}");
     assert!(out.ends_with("○ detached"), "{out}");
+    assert!(!out.contains('\x1b'), "no escape codes when piped: {out:?}");
 
     let view = gw.session(&id, &token).await;
     assert_eq!(view["surface_attached"], false, "{view}");

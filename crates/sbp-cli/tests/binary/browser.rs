@@ -1,8 +1,9 @@
 //! End-to-end tests of the browser surface page in headless Chromium: the real `sbp serve`, and a
 //! Node script of `tests/browser/` driving Debian's Chromium through playwright-core against it
 //! (a reply streamed, Markdown rendered without running anything, a turn pushed while the
-//! connection was cut shown exactly once, a reply cut mid-stream completed once, tool calls behind
-//! the permission prompt, operator keys).
+//! connection was cut shown exactly once, a reply cut mid-stream completed once, a joined session's
+//! earlier conversation read from its transcript, tool calls behind the permission prompt,
+//! operator keys).
 //! Each script exits non-zero on failure; screenshots stay in
 //! `target/browser-artifacts/<test>/`. Plus the page's headers, checked without a browser.
 
@@ -240,6 +241,43 @@ async fn browser_page_completes_a_reply_cut_mid_stream_once() {
         "{transcript:?}"
     );
     assert!(transcript[3].1.ends_with("word24"), "{transcript:?}");
+    let view = session_view(&gw, &result).await;
+    assert_eq!(view["tether_turns_pending"], 0, "{view}");
+}
+
+/// A session with turns made over HTTP and a pushed (tethered) turn: the page joining it (id and
+/// token, then a shared link in a second browser) shows the earlier conversation from
+/// `GET /v1/sessions/{id}/messages` in order, the pushed turn once although it is also drained,
+/// then goes on live; nothing is stored twice and the tether ends empty.
+#[tokio::test]
+async fn browser_page_joining_a_session_shows_its_earlier_conversation() {
+    let _one = BROWSER.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gw = Sbp::start(dir.path(), &[]).await;
+    let result = scenario(
+        "history.mjs",
+        "browser_page_joining_a_session_shows_its_earlier_conversation",
+        &gw,
+        &[],
+    )
+    .await;
+    let id = str_field(&result, "session_id");
+    let token = str_field(&result, "session_token");
+    let transcript = gw.messages(id, token).await;
+    let roles: Vec<&str> = transcript.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        roles,
+        [
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "assistant",
+            "user",
+            "assistant"
+        ],
+        "{transcript:?}"
+    );
     let view = session_view(&gw, &result).await;
     assert_eq!(view["tether_turns_pending"], 0, "{view}");
 }
