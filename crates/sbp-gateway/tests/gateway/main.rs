@@ -12,6 +12,7 @@ mod http_l1;
 mod lifecycle;
 mod mcp;
 mod roaming;
+mod sessions;
 mod surfaces;
 mod tls;
 mod tools;
