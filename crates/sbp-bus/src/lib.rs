@@ -54,6 +54,10 @@ pub enum BusMsg {
     },
     /// Another replica's surface took `session` over: connection `conn` must close.
     Displace { session: Uuid, conn: u64 },
+    /// `session` was deleted: connection `conn` must close (as for a session not found). A
+    /// replica of an earlier version does not read it (it logs it and goes on): its surface
+    /// stays open on a session whose every request then answers 404.
+    Deleted { session: Uuid, conn: u64 },
 }
 
 /// A live streaming delta of the turn `chunk_id`, starting `offset` bytes into the text of the
@@ -248,6 +252,10 @@ mod tests {
             BusMsg::ToolReply {
                 call_id: Uuid::new_v4(),
                 outcome: RelayedOutcome(Err(ToolFailure::Surface("timeout".into()))),
+            },
+            BusMsg::Deleted {
+                session: Uuid::now_v7(),
+                conn: 9,
             },
             BusMsg::ToolCall {
                 session: Uuid::now_v7(),

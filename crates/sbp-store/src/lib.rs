@@ -130,6 +130,19 @@ pub trait SessionStore: Send + Sync {
     /// Whether the session was running.
     async fn suspend_if_running(&self, id: Uuid, now: Timestamp) -> StoreResult<bool>;
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>>;
+    /// A page of sessions as `query` says, at most `query.limit`.
+    async fn list_sessions(&self, query: SessionQuery) -> StoreResult<Vec<SessionRecord>>;
+    /// Erases the session and everything that holds its content, in one write: its messages,
+    /// snapshots, tether entries (a Redis tether's stream too), turns, idempotency records (with
+    /// their response bodies), memory and hold; its exports, and the bundles of those exports and
+    /// the ones that came in with it (an import's or a move's) that no other export or session
+    /// refers to, with their announcements. The lineage links of the session keep only their ids
+    /// (label and reason are cleared), and a foreign export it consumed stays as the record of
+    /// the token's single use, without its label. `NotFound` without the session;
+    /// `Conflict(SessionMoving)` while a handover leases it (unexpired) or it is arriving; a copy
+    /// left behind by a move away is erased. A turn of the session still running finds no session
+    /// when it writes again, so nothing of it is written after the erasure.
+    async fn delete_session(&self, id: Uuid, now: Timestamp) -> StoreResult<()>;
 }
 
 #[async_trait]
@@ -228,7 +241,8 @@ pub trait IdempotencyStore: Send + Sync {
 /// L3 roaming: bundles by CID, exports, sessions adopted with a history, lineage, session memory.
 #[async_trait]
 pub trait RoamingStore: Send + Sync {
-    /// Stores the bundle (kept when its CID is already there) and the export row in one write.
+    /// Stores the bundle (kept when its CID is already there) and the export row in one write;
+    /// `NotFound` when the exported session is not (or no longer) stored here.
     async fn create_export(&self, export: NewExport, bundle: NewBundle) -> StoreResult<()>;
     async fn get_export(&self, id: Uuid) -> StoreResult<Option<ExportRecord>>;
     /// The bundle's bytes exactly as stored.

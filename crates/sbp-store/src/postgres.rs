@@ -8,6 +8,7 @@ mod codec;
 mod connect;
 mod federation;
 mod holds;
+mod lifecycle;
 mod ops;
 mod reseal;
 mod roaming;
@@ -36,9 +37,9 @@ use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RoamingStore, SessionRecord,
-    SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore,
-    Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RoamingStore, SessionQuery,
+    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult,
+    TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// Histories at least this long are encoded on the blocking pool before `adopt_session`'s write.
@@ -456,6 +457,15 @@ impl SessionStore for PostgresStore {
     /// One row per status in `SessionStatus::ALL` order, zero counts included.
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         ops::count_sessions_by_status(&self.client().await?).await
+    }
+
+    async fn list_sessions(&self, query: SessionQuery) -> StoreResult<Vec<SessionRecord>> {
+        lifecycle::list_sessions(&self.client().await?, &self.seal, &query).await
+    }
+
+    async fn delete_session(&self, id: Uuid, now: Timestamp) -> StoreResult<()> {
+        self.write(move |tx| Box::pin(lifecycle::delete_session(tx, id, now)))
+            .await
     }
 }
 

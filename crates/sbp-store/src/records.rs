@@ -39,6 +39,18 @@ pub struct SessionRecord {
     pub metadata: Value,
 }
 
+/// Which sessions [`crate::SessionStore::list_sessions`] returns: newest first (by `created_at`,
+/// then id, both descending), filtered, from a position on.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SessionQuery {
+    pub agent_id: Option<String>,
+    pub status: Option<SessionStatus>,
+    /// Only sessions after this `(created_at, id)` in that order: the last one of the previous
+    /// page (a keyset cursor, so a page is an index range whatever came before it).
+    pub after: Option<(Timestamp, Uuid)>,
+    pub limit: u32,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewMessage {
     pub role: String,

@@ -58,6 +58,10 @@
 //! the session's stream, and the target's adoption streams the carried entries under their seqs
 //! (see the [`crate::HoldStore`] impl).
 //!
+//! An erased session (`delete_session`) loses its stream right after the SQL erasure; a marker
+//! `{prefix}tether:erased:{session}` then stops, for a day, any append that read the session's
+//! entries before the erasure (a turn's, the relay's) from streaming them again.
+//!
 //! Not supported: Redis Cluster (the scripts touch a session's stream and two shared keys). Streams
 //! and the `last` hash entry of a session are kept after it empties (an empty stream is ~200 bytes)
 //! because the `last` seq is what stops a replayed append.
@@ -80,9 +84,9 @@ use crate::seal::{Column, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewSession, NewTetherEntry, RoamingStore, SessionRecord,
-    SessionStore, SnapshotRecord, SnapshotStore, Store, StoreError, StoreResult, TetherEntry,
-    TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewSession, NewTetherEntry, RoamingStore, SessionQuery,
+    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, Store, StoreError, StoreResult,
+    TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// Outbox rows read from SQL per round trip while reconciling one session.
@@ -151,10 +155,13 @@ pub fn redacted_redis_url(url: &str) -> String {
 }
 
 /// Appends entries to a session's stream, skipping seqs at or below the session's last streamed
-/// one. KEYS: stream, last-hash, depth. ARGV: session, `next` | `all`, then per entry: seq, field
-/// count, fields and values. In `next` mode a first seq that does not follow the last one appends
-/// nothing and answers `{-1, last}`. Answers `{added, last}`.
+/// one. KEYS: stream, last-hash, depth, erased-marker. ARGV: session, `next` | `all`, then per
+/// entry: seq, field count, fields and values. In `next` mode a first seq that does not follow
+/// the last one appends nothing and answers `{-1, last}`. A session erased lately (its marker is
+/// there) gets nothing: an append that read its entries before the erasure must not bring them
+/// back. Answers `{added, last}`.
 const APPEND_LUA: &str = r"
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 0} end
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if ARGV[2] == 'next' and tonumber(ARGV[3]) > last + 1 then
   return {-1, last}
@@ -198,14 +205,25 @@ return n
 ";
 
 /// Forgets a session's stream: its entries, its last streamed seq and their count in the depth.
-/// KEYS: stream, last-hash, depth. ARGV: session. Answers how many entries were dropped.
+/// KEYS: stream, last-hash, depth, erased-marker. ARGV: session, then how many seconds the marker
+/// that stops later appends stays (the session was erased), or 0 to clear it (the session is
+/// here again, or left). Answers how many entries were dropped.
 const FORGET_LUA: &str = r"
 local n = redis.call('XLEN', KEYS[1])
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if n > 0 then redis.call('DECRBY', KEYS[3], n) end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[2])
+else
+  redis.call('DEL', KEYS[4])
+end
 return n
 ";
+
+/// How long an erased session's marker stops appends to its stream: far longer than an append
+/// that read the session's entries before the erasure can take.
+const ERASED_MARKER_SECS: u64 = 86_400;
 
 /// Rewrites a stream with the same ids and new fields (a reseal), only if it still holds exactly
 /// the expected ids. KEYS: stream. ARGV: n, the n ids, then per entry: id, field count, fields and
@@ -235,12 +253,14 @@ const STREAM_COLUMN: &str = "redis tether.content";
 /// Times a reseal reads a stream again when it changed while being resealed.
 const RESEAL_ATTEMPTS: usize = 5;
 
-/// Work the relay task owes: sessions whose append failed, and (handoff mode) outbox rows to delete.
+/// Work the relay task owes: sessions whose append failed, (handoff mode) outbox rows to delete,
+/// and streams of erased sessions still to drop.
 #[derive(Default)]
 struct Owed {
     unstreamed: HashSet<Uuid>,
     /// Session -> highest seq known to be in its stream, whose outbox rows may go.
     handoff: HashMap<Uuid, u64>,
+    erased: HashSet<Uuid>,
 }
 
 struct Shared<S: ?Sized> {
@@ -494,6 +514,10 @@ impl<S: Store + ?Sized> Shared<S> {
         format!("{}tether:depth", self.prefix)
     }
 
+    fn erased_key(&self, session: Uuid) -> String {
+        format!("{}tether:erased:{session}", self.prefix)
+    }
+
     fn owed(&self) -> std::sync::MutexGuard<'_, Owed> {
         // A panic while holding this lock leaves plain sets behind: still consistent to use.
         self.owed
@@ -593,6 +617,7 @@ impl<S: Store + ?Sized> Shared<S> {
         call.key(self.stream_key(session))
             .key(self.last_key())
             .key(self.depth_key())
+            .key(self.erased_key(session))
             .arg(session.to_string())
             .arg(if next_only { "next" } else { "all" });
         for (seq, fields) in entries {
@@ -665,19 +690,23 @@ impl<S: Store + ?Sized> Shared<S> {
 
     /// Drops everything Redis and the relay hold for the session (its entries, its last streamed
     /// seq, work owed for it): the session left this gateway, or arrives with a tether whose
-    /// seqs this gateway's earlier stream of it must not shadow.
-    async fn forget(&self, session: Uuid) -> StoreResult<()> {
+    /// seqs this gateway's earlier stream of it must not shadow, or (`erased`) was erased, and
+    /// then no append may stream anything of it for a while.
+    async fn forget(&self, session: Uuid, erased: bool) -> StoreResult<()> {
         {
             let mut owed = self.owed();
             owed.unstreamed.remove(&session);
             owed.handoff.remove(&session);
+            owed.erased.remove(&session);
         }
         let _: i64 = self
             .forget
             .key(self.stream_key(session))
             .key(self.last_key())
             .key(self.depth_key())
+            .key(self.erased_key(session))
             .arg(session.to_string())
+            .arg(if erased { ERASED_MARKER_SECS } else { 0 })
             .invoke_async(&mut self.redis.clone())
             .await
             .map_err(redis_err)?;
@@ -707,8 +736,15 @@ impl<S: Store + ?Sized> Shared<S> {
     }
 
     async fn relay_once(&self) -> StoreResult<u64> {
-        let unstreamed: Vec<Uuid> = self.owed().unstreamed.drain().collect();
+        let erased: Vec<Uuid> = self.owed().erased.drain().collect();
         let mut first_err = None;
+        for session in erased {
+            if let Err(e) = self.forget(session, true).await {
+                self.owed().erased.insert(session);
+                first_err.get_or_insert(e);
+            }
+        }
+        let unstreamed: Vec<Uuid> = self.owed().unstreamed.drain().collect();
         for session in unstreamed {
             if let Err(e) = self.reconcile(session).await {
                 self.owed().unstreamed.insert(session);
@@ -1014,6 +1050,23 @@ impl<S: Store + ?Sized + 'static> SessionStore for TetheredStore<S> {
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         self.shared.inner.count_sessions_by_status().await
     }
+
+    async fn list_sessions(&self, query: SessionQuery) -> StoreResult<Vec<SessionRecord>> {
+        self.shared.inner.list_sessions(query).await
+    }
+
+    /// The SQL erasure, then the session's stream, with a marker that stops an append racing the
+    /// erasure (one that read the entries before it) from bringing them back. Redis failing after
+    /// the SQL commit is not an error of the erasure: the relay drops the stream later.
+    async fn delete_session(&self, id: Uuid, now: Timestamp) -> StoreResult<()> {
+        let sh = &self.shared;
+        sh.inner.delete_session(id, now).await?;
+        if let Err(e) = sh.forget(id, true).await {
+            tracing::warn!(session_id = %id, error = %e, "dropping an erased session's tether stream failed; the relay retries");
+            sh.owed().erased.insert(id);
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -1251,7 +1304,7 @@ impl<S: Store + ?Sized + 'static> crate::HoldStore for TetheredStore<S> {
             .inner
             .commit_handover(session_id, migration_id, by_gateway, now)
             .await?;
-        sh.forget(session_id).await?;
+        sh.forget(session_id, false).await?;
         Ok(moved)
     }
 
@@ -1296,7 +1349,7 @@ impl<S: Store + ?Sized + 'static> crate::HoldStore for TetheredStore<S> {
             })
             .collect::<StoreResult<Vec<_>>>()?;
         let adopted = sh.inner.adopt_migrated(m).await?;
-        sh.forget(session).await?;
+        sh.forget(session, false).await?;
         let highest = carried.iter().map(|(seq, _)| *seq).max();
         if let Some(highest) = highest {
             // `all` mode never reports a gap; the script skips a seq that is out of order.
@@ -1326,7 +1379,7 @@ impl<S: Store + ?Sized + 'static> crate::HoldStore for TetheredStore<S> {
             .await?;
         // A failed move deleted the session: its stream goes too (a session still here keeps it).
         if !ok && sh.inner.get_session(session_id).await?.is_none() {
-            sh.forget(session_id).await?;
+            sh.forget(session_id, false).await?;
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 mod codec;
 mod federation;
 mod holds;
+mod lifecycle;
 mod ops;
 mod reseal;
 mod roaming;
@@ -29,9 +30,9 @@ use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
     MessageStore, NewBundle, NewExport, NewMessage, NewSession, RetentionStore, RoamingStore,
-    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, Sweep,
-    Swept, TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord,
-    TurnStore,
+    SessionQuery, SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError,
+    StoreResult, Sweep, Swept, TetherEntry, TetherStore, Timestamp, TurnProgress,
+    TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
 /// How long a connection waits for a lock held by another process before giving up with `Backend`.
@@ -172,9 +173,10 @@ const CHECKPOINT_ATTEMPTS: u32 = 5;
 const CHECKPOINT_PAUSE: Duration = Duration::from_millis(100);
 
 /// Copies the WAL into the database file and empties it, so the earlier bytes a reseal replaced
-/// are in neither. SQLite answers `(busy, log frames, checkpointed frames)` rather than failing
-/// when a reader's snapshot holds frames back: that is retried a few times, then refused.
-fn truncate_wal(conn: &Connection) -> StoreResult<()> {
+/// (or an erasure zeroed) are in neither. SQLite answers `(busy, log frames, checkpointed
+/// frames)` rather than failing when a reader's snapshot or a write holds frames back: that is
+/// retried a few times. Whether the WAL is empty now.
+fn truncate_wal(conn: &Connection) -> StoreResult<bool> {
     // A reader that holds its snapshot for seconds is a running gateway: waiting the full busy
     // timeout on every attempt would only delay the answer.
     conn.busy_timeout(CHECKPOINT_PAUSE * 5).map_err(db_err)?;
@@ -185,7 +187,7 @@ fn truncate_wal(conn: &Connection) -> StoreResult<()> {
             })
             .map_err(db_err)?;
         if busy == 0 {
-            return Ok(());
+            return Ok(true);
         }
         tracing::debug!(
             attempt,
@@ -197,12 +199,14 @@ fn truncate_wal(conn: &Connection) -> StoreResult<()> {
             std::thread::sleep(CHECKPOINT_PAUSE);
         }
     }
-    Err(StoreError::Backend(
-        "every value is resealed, but another connection (a running gateway?) holds the database \
-         open, so the write-ahead log still holds earlier bytes: stop the gateways and run \
-         sbp store reseal again"
-            .to_owned(),
-    ))
+    Ok(false)
+}
+
+/// [`truncate_wal`] on a connection of its own, off the writer thread.
+fn truncate_wal_at(path: &Path) -> StoreResult<bool> {
+    let conn = Connection::open(path).map_err(db_err)?;
+    configure(&conn)?;
+    truncate_wal(&conn)
 }
 
 /// Creates missing parent directories (owner only, 0700) and the database file (owner only, 0600)
@@ -269,6 +273,11 @@ fn open_writer(opts: &SqliteOptions) -> StoreResult<Connection> {
         .map_err(db_err)?;
     // Big batches dirty many pages; a larger cache keeps them from spilling mid-transaction.
     conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)
+        .map_err(db_err)?;
+    // Freed cells and pages are zeroed, so content a write replaced or deleted (an acknowledged
+    // tether entry, a replaced memory document, an erased session) does not stay in the file's
+    // free space; the pages a delete dirties are written anyway, so this costs little.
+    conn.pragma_update(None, "secure_delete", "ON")
         .map_err(db_err)?;
     schema::migrate(&mut conn)?;
     schema::check_keys(&mut conn, &opts.sealer)?;
@@ -403,7 +412,15 @@ impl SqliteStore {
             conn.pragma_update(None, "secure_delete", "ON")
                 .map_err(db_err)?;
             conn.execute_batch("VACUUM").map_err(db_err)?;
-            truncate_wal(&conn)
+            if truncate_wal(&conn)? {
+                return Ok(());
+            }
+            Err(StoreError::Backend(
+                "every value is resealed, but another connection (a running gateway?) holds the \
+                 database open, so the write-ahead log still holds earlier bytes: stop the \
+                 gateways and run sbp store reseal again"
+                    .to_owned(),
+            ))
         })
         .await
         .map_err(|e| StoreError::Backend(format!("vacuum task failed: {e}")))??;
@@ -518,6 +535,37 @@ impl SessionStore for SqliteStore {
     /// One row per status in `SessionStatus::ALL` order, zero counts included.
     async fn count_sessions_by_status(&self) -> StoreResult<Vec<(SessionStatus, u64)>> {
         self.read(|c, _| ops::count_sessions_by_status(c)).await
+    }
+
+    async fn list_sessions(&self, query: SessionQuery) -> StoreResult<Vec<SessionRecord>> {
+        self.read(move |c, s| lifecycle::list_sessions(c, s, &query))
+            .await
+    }
+
+    /// The erasure is one write (zeroing what it frees); then the WAL, which still holds the
+    /// earlier versions of those pages, is copied back and truncated. A checkpoint that other
+    /// connections keep busy is retried a few times, then left to the next one (logged): the
+    /// erasure itself stands.
+    async fn delete_session(&self, id: Uuid, now: Timestamp) -> StoreResult<()> {
+        self.write(move |c, _| lifecycle::delete_session(c, id, &now))
+            .await?;
+        let path = self.inner.readers.path.clone();
+        let truncated = tokio::task::spawn_blocking(move || truncate_wal_at(&path))
+            .await
+            .map_err(|e| StoreError::Backend(format!("checkpoint task failed: {e}")))
+            .and_then(|r| r);
+        match truncated {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                session_id = %id,
+                "session erased; the write-ahead log stays busy, so its earlier pages go at a \
+                 later checkpoint"
+            ),
+            Err(e) => {
+                tracing::warn!(session_id = %id, error = %e, "session erased; truncating the write-ahead log failed")
+            }
+        }
+        Ok(())
     }
 }
 

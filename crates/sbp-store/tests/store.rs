@@ -71,6 +71,11 @@ macro_rules! for_each_case {
             hold_finish_incoming_false_deletes,
             hold_epoch_grows_across_moves,
             hold_release_ends_only_its_own_lease,
+            list_sessions_newest_first_filtered_and_paged,
+            delete_session_erases_everything_of_it,
+            delete_session_under_a_running_turn,
+            delete_session_bundles_it_came_in_with,
+            delete_session_waits_for_a_move_to_end,
         );
     };
 }
@@ -201,7 +206,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 8);
+        assert_eq!(version, 9);
     }
 }
 
@@ -731,7 +736,8 @@ mod redis_tether {
         use super::*;
         use chrono::Utc;
         use sbp_store::{
-            FinishTurn, NewSession, NewTetherEntry, TetherEntry, TetherStore, TurnStore,
+            FinishTurn, NewSession, NewTetherEntry, SessionStore, TetherEntry, TetherStore,
+            TurnStore,
         };
         use uuid::Uuid;
 
@@ -837,6 +843,49 @@ mod redis_tether {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn committed_but_not_streamed_handoff() {
             committed_but_not_streamed(TetherMode::Handoff).await;
+        }
+
+        /// An erased session's stream goes with it, and its marker stops any later append (here
+        /// a writer that still has the session: its row made again behind the store's back, as a
+        /// turn that read it before the erasure would have).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn erasure_drops_the_stream_and_stops_late_appends() {
+            let fx = manual(TetherMode::Mirror).await;
+            let store = fx.tethered().await;
+            let prefix = fx.prefix.clone();
+            fx.run(async move {
+                let sid = session(&*store).await;
+                push(&*store, sid, "a").await;
+                assert_eq!(store.tether_count(sid).await.expect("count"), 1);
+                store.delete_session(sid, Utc::now()).await.expect("erase");
+                let client = redis::Client::open(test_redis_url()).expect("url");
+                let mut con = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("connect");
+                let stream: bool = redis::cmd("EXISTS")
+                    .arg(format!("{prefix}tether:{sid}"))
+                    .query_async(&mut con)
+                    .await
+                    .expect("exists");
+                assert!(!stream, "the stream is gone");
+
+                let record = NewSession {
+                    id: sid,
+                    agent_id: "agent-r".to_owned(),
+                    token_hash: format!("{}{}", sid.simple(), Uuid::new_v4().simple()),
+                    created_at: Utc::now(),
+                    metadata: serde_json::json!({}),
+                };
+                store.inner().create_session(record).await.expect("again");
+                push(&*store, sid, "late").await;
+                assert_eq!(store.inner().tether_count(sid).await.expect("outbox"), 1);
+                assert_eq!(store.tether_count(sid).await.expect("count"), 0);
+                assert!(pending(&*store, sid).await.is_empty());
+                store.relay_once().await.expect("relay");
+                assert_eq!(store.tether_count(sid).await.expect("count"), 0);
+            })
+            .await;
         }
 
         /// Reconciling again and again appends nothing twice, and an acknowledged seq never comes
@@ -965,6 +1014,58 @@ mod redis_tether {
     }
 }
 
+/// Erasing a session on SQLite: the database files themselves (main, WAL and shared memory, read
+/// as raw bytes) keep nothing of it, while the gateway's store is still open and after it closed.
+mod erasure {
+    use std::sync::Arc;
+
+    use sbp_store::Store;
+    use sbp_store::sqlite::{SqliteOptions, SqliteStore};
+
+    use crate::sealing::{files_contain, marker};
+    use crate::suite::sealing::{write_everything, write_migrated};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_files_hold_nothing_of_an_erased_session() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open(SqliteOptions::new(dir.path().join("sbp.sqlite3")))
+                .await
+                .expect("open"),
+        );
+        let (erased, moved, kept) = (marker(), marker(), marker());
+        // A marker in every content column, through every unit of work, and a fork that copied
+        // the transcript; a session moved in from another gateway; a control left alone.
+        let w = write_everything(&store, &erased).await;
+        let m = write_migrated(&store, &moved).await;
+        write_everything(&store, &kept).await;
+        assert!(
+            files_contain(dir.path(), &erased),
+            "written before the erasure"
+        );
+        assert!(files_contain(dir.path(), &moved));
+
+        let now = chrono::Utc::now();
+        // The move completes (an arriving session cannot be erased).
+        for hold in store.incoming_holds().await.expect("holds") {
+            let migration = hold.migration_id.expect("a migration");
+            store
+                .finish_incoming(hold.session_id, migration, true, now)
+                .await
+                .expect("finish");
+        }
+        for id in [w.session.id, w.adopted, m.session.id] {
+            store.delete_session(id, now).await.expect("erase");
+        }
+        assert!(!files_contain(dir.path(), &erased), "erased, store open");
+        assert!(!files_contain(dir.path(), &moved), "moved in, erased");
+        assert!(files_contain(dir.path(), &kept), "the control stays");
+        drop(store);
+        assert!(!files_contain(dir.path(), &erased), "after the last close");
+        assert!(files_contain(dir.path(), &kept));
+    }
+}
+
 /// Encryption at rest on each backend: the raw files, rows and streams hold no plaintext (and do
 /// without a key, so the search can find it), keys rotate and a reseal retires the old one, and a
 /// start with a keyring that does not fit the database is refused.
@@ -990,7 +1091,7 @@ pub(crate) mod sealing {
         Sealer::new(Keyring::new(key(current), previous).expect("distinct keys"))
     }
 
-    fn marker() -> String {
+    pub(crate) fn marker() -> String {
         format!("MARK-{}", uuid::Uuid::new_v4().simple())
     }
 
@@ -1001,7 +1102,7 @@ pub(crate) mod sealing {
     }
 
     /// Whether any file of the database (main, `-wal`, `-shm`) holds `needle`, read as raw bytes.
-    fn files_contain(dir: &Path, needle: &str) -> bool {
+    pub(crate) fn files_contain(dir: &Path, needle: &str) -> bool {
         std::fs::read_dir(dir)
             .expect("dir")
             .map(|e| std::fs::read(e.expect("entry").path()).expect("read"))

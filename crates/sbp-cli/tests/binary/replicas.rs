@@ -1037,3 +1037,32 @@ async fn surface_displaced_unheard_is_not_revived_when_its_successor_detaches() 
     assert_eq!(pushed["delivery"], "tethered", "{pushed}");
     assert_displacement_unheard(&a);
 }
+
+/// A session deleted through replica B while its surface is attached to replica A: A closes the
+/// surface with 4004 (the bus carries the deletion), and neither replica knows the session after.
+#[tokio::test]
+async fn a_session_deleted_on_one_replica_closes_its_surface_on_another() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let dep = Deployment::new(Some(&fake.base_url()));
+    let (a, b) = tokio::join!(dep.replica("a"), dep.replica("b"));
+    let (id, token) = new_session(&b).await;
+    let (mut ws, _) = a.attach(&id, &token).await;
+    let path = format!("/v1/sessions/{id}");
+    let (status, _, body) = send(
+        b.http
+            .delete(format!("{}{path}", b.url))
+            .header("x-session-token", &token),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    ws.expect_close(4004).await;
+    for gw in [&a, &b] {
+        let (status, _, body) = send(gw.get(&path).header("x-session-token", &token)).await;
+        assert_eq!(status, 404, "{body}");
+    }
+    let mut again = a.connect(&id).await;
+    again
+        .send(json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token}))
+        .await;
+    again.expect_error_close("SESSION_NOT_FOUND", 4004).await;
+}

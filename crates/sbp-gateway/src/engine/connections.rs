@@ -35,6 +35,8 @@ pub enum ConnMsg {
     TurnDone(Box<TurnDone>),
     /// Another surface attached to the session; this connection must close.
     Displaced,
+    /// The session was deleted; this connection must close.
+    Deleted,
 }
 
 impl ConnMsg {
@@ -43,7 +45,7 @@ impl ConnMsg {
         match self {
             ConnMsg::Chunk(c) => c.delta.len() + MSG_OVERHEAD,
             ConnMsg::TurnDone(d) => d.content.as_ref().map_or(0, String::len) + MSG_OVERHEAD,
-            ConnMsg::Displaced => 0,
+            ConnMsg::Displaced | ConnMsg::Deleted => 0,
         }
     }
 }
@@ -215,11 +217,11 @@ impl Attachment {
         }
     }
 
-    /// Tells the (local) connection it was displaced. If its inbox is full it still notices: it is
-    /// gone from the map, and it checks `is_current` when it drains.
-    fn displace(&self) {
+    /// Tells the (local) connection it must close (`Displaced` or `Deleted`). If its inbox is full
+    /// it still notices: it is gone from the map, and it checks `is_current` when it drains.
+    fn close(&self, why: ConnMsg) {
         if let Route::Local { tx, .. } = &self.route {
-            let _ = tx.try_send(ConnMsg::Displaced);
+            let _ = tx.try_send(why);
         }
     }
 }
@@ -286,7 +288,7 @@ impl Connections {
         };
         let old = self.conns().insert(session, att);
         if let Some(old) = old {
-            old.displace();
+            old.close(ConnMsg::Displaced);
         }
         (
             conn_id,
@@ -316,9 +318,19 @@ impl Connections {
     /// being the session's and is told to close. Its close then changes nothing (it is no longer
     /// current).
     pub fn displace(&self, session: Uuid, conn_id: u64) -> bool {
+        self.end(session, conn_id, ConnMsg::Displaced)
+    }
+
+    /// The session was deleted: connection `conn_id`, if still current, stops being the
+    /// session's and is told to close.
+    pub fn deleted(&self, session: Uuid, conn_id: u64) -> bool {
+        self.end(session, conn_id, ConnMsg::Deleted)
+    }
+
+    fn end(&self, session: Uuid, conn_id: u64, why: ConnMsg) -> bool {
         match self.take_if_current(session, conn_id) {
             Some(att) => {
-                att.displace();
+                att.close(why);
                 true
             }
             None => false,

@@ -309,6 +309,33 @@ impl Replicas {
         }
     }
 
+    /// Closes the session's surface wherever it is attached, and forgets it on the bus: the
+    /// session was deleted (the closing connection, no longer current, releases nothing).
+    pub async fn close_deleted(&self, session: Uuid) {
+        let Some(att) = self.locate(session).await else {
+            return;
+        };
+        match (att.replica(), &self.inner.bus) {
+            (Some(replica), Some(bus)) => {
+                bus.send(
+                    &replica,
+                    BusMsg::Deleted {
+                        session,
+                        conn: att.conn_id,
+                    },
+                );
+            }
+            _ => {
+                self.inner.connections.deleted(session, att.conn_id);
+            }
+        }
+        if let Some(bus) = &self.inner.bus
+            && let Err(e) = bus.release(session, att.conn_id).await
+        {
+            tracing::warn!(session_id = %session, error = %e, "forgetting a deleted session's surface on the bus failed");
+        }
+    }
+
     /// Withdraws a claim whose attach failed (the claim may have been applied before the error):
     /// the registry must not name a connection that never served.
     pub async fn withdraw(&self, session: Uuid, conn: u64) {
@@ -384,6 +411,11 @@ impl Replicas {
                 BusMsg::Displace { session, conn } => {
                     if self.inner.connections.displace(session, conn) {
                         tracing::info!(session_id = %session, conn_id = conn, "surface displaced by an attach on another replica");
+                    }
+                }
+                BusMsg::Deleted { session, conn } => {
+                    if self.inner.connections.deleted(session, conn) {
+                        tracing::info!(session_id = %session, conn_id = conn, "surface closed: its session was deleted on another replica");
                     }
                 }
             }

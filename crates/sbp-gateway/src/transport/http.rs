@@ -9,7 +9,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use sbp_protocol::ErrorCode;
-use sbp_protocol::rest::{Health, MessagesQuery, SetStatus};
+use sbp_protocol::rest::{Health, MessagesQuery, SessionsQuery, SetStatus};
 use serde_json::{Map, Value, json};
 
 use super::errors;
@@ -17,7 +17,7 @@ use super::extract::{ChatBody, JsonObject, Operator, fingerprint, header, sessio
 use super::headers::{add_headers, created, session_headers};
 use super::to_wire;
 use crate::Gateway;
-use crate::engine::sessions::{Caller, PushTurn};
+use crate::engine::sessions::{Caller, ListRequest, PushTurn};
 use crate::engine::turns::{ChatInput, ChatOutcome, IdempotencyKey, SseEvent};
 use crate::error::Error;
 
@@ -227,6 +227,34 @@ pub async fn get_session(
         obj.insert("federation".into(), Value::Object(location));
     }
     Ok(Json(body).into_response())
+}
+
+/// `GET /v1/sessions`: a page of sessions, newest first.
+pub async fn list_sessions(
+    State(gw): State<Gateway>,
+    caller: Caller,
+    query: Result<Query<SessionsQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult {
+    let Query(q) = query.map_err(|e| Error::invalid(format!("bad query: {e}")))?;
+    let request = ListRequest {
+        agent_id: q.agent_id,
+        status: q.status,
+        cursor: q.cursor,
+        limit: q.limit,
+    };
+    let page = gw.sessions().list(&caller, request).await?;
+    Ok(Json(to_wire::session_list(page)).into_response())
+}
+
+/// `DELETE /v1/sessions/{id}`: the session and everything that holds its content, erased.
+pub async fn delete_session(
+    State(gw): State<Gateway>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let session = gw.sessions().authorized(&id, &caller).await?;
+    gw.sessions().delete(&session).await?;
+    Ok(Json(to_wire::session_deleted(session.id)).into_response())
 }
 
 pub async fn list_messages(

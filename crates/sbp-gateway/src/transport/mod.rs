@@ -100,10 +100,22 @@ fn session_routes(gateway: &Gateway) -> Router<Gateway> {
         .route("/v1/chat/completions", post(http::chat_completions))
         .route("/v1/models", get(http::models))
         .route("/v1/models/{id}", get(http::model))
-        .route("/v1/sessions", post(http::create_session))
-        .route("/v1/sbp/sessions", post(http::create_session))
-        .route("/v1/sessions/{id}", get(http::get_session))
-        .route("/v1/sbp/sessions/{id}", get(http::get_session))
+        .route(
+            "/v1/sessions",
+            post(http::create_session).get(http::list_sessions),
+        )
+        .route(
+            "/v1/sbp/sessions",
+            post(http::create_session).get(http::list_sessions),
+        )
+        .route(
+            "/v1/sessions/{id}",
+            get(http::get_session).delete(http::delete_session),
+        )
+        .route(
+            "/v1/sbp/sessions/{id}",
+            get(http::get_session).delete(http::delete_session),
+        )
         .route("/v1/sessions/{id}/messages", get(http::list_messages))
         .route("/v1/sbp/sessions/{id}/messages", get(http::list_messages))
         .route(

@@ -7,8 +7,8 @@ use sbp_protocol::rest::{
     Delivery, Export, ExportImport, ExportInfo, ExportList, ForkInfo, ForkLink, ForkOrigin,
     HANDOFF_COMPLETED, HandoffInfo, Health, ImportInfo, ImportLink, ImportedFrom, IncomingHandoff,
     Lineage, Memory, MessagePage, OutgoingHandoff, Provenance, PushedTurn, SessionCreated,
-    SessionInfo, Snapshot, SnapshotInfo, SnapshotList, StatusChanged, StoredMessage, TetherLoaded,
-    ToolCallOutcome, ToolCallStatus,
+    SessionDeleted, SessionInfo, SessionList, SessionSummary, Snapshot, SnapshotInfo, SnapshotList,
+    StatusChanged, StoredMessage, TetherLoaded, ToolCallOutcome, ToolCallStatus,
 };
 use sbp_store::{
     ExportRecord, LinkKind, LinkRecord, MemoryRecord, MessageRecord, SessionRecord, SnapshotRecord,
@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use crate::engine::roaming::{Exported, Forked, HandedOff, Imported, TokenInfo};
-use crate::engine::sessions::SessionView;
+use crate::engine::sessions::{SessionPage, SessionView};
 use crate::engine::tools::BackendCallOutcome;
 use sbp_protocol::time::{iso, unix_iso};
 
@@ -71,6 +71,41 @@ pub fn session_info(v: SessionView) -> SessionInfo {
         extra: Map::new(),
     }
     .with_aliases()
+}
+
+/// A page of `GET /v1/sessions`: each session's record without its content.
+pub fn session_list(page: SessionPage) -> SessionList {
+    let data = page
+        .sessions
+        .into_iter()
+        .map(|s| SessionSummary {
+            session_id: id(s.id),
+            agent_id: Some(s.agent_id),
+            status: s.status,
+            step_count: s.step_count,
+            message_count: s.message_count,
+            created_at: Some(iso(&s.created_at)),
+            updated_at: Some(iso(&s.updated_at)),
+            model: s.model,
+            tether_enabled: s.tether_enabled,
+            extra: Map::new(),
+        })
+        .collect();
+    SessionList {
+        object: "list".into(),
+        data,
+        has_more: page.next_cursor.is_some(),
+        next_cursor: page.next_cursor,
+        extra: Map::new(),
+    }
+}
+
+pub fn session_deleted(session: Uuid) -> SessionDeleted {
+    SessionDeleted {
+        session_id: id(session),
+        deleted: true,
+        extra: Map::new(),
+    }
 }
 
 /// One page of the transcript; `next` is the seq to continue after, when there may be more.

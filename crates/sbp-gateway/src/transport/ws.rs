@@ -460,6 +460,9 @@ async fn connection_loop(
                 inbox.backlog.release(msg.as_ref().map_or(0, ConnMsg::weight));
                 let frames = match msg {
                     None | Some(ConnMsg::Displaced) => return Err(displaced()),
+                    Some(ConnMsg::Deleted) => {
+                        return Err(End::closing("session deleted", CLOSE_NOT_FOUND, "session deleted"));
+                    }
                     Some(ConnMsg::Chunk(c)) => {
                         gw.surfaces().live_chunk(d, &c).into_iter().collect()
                     }

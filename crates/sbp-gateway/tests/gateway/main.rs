@@ -13,6 +13,7 @@ mod lifecycle;
 mod mcp;
 mod openai_compat;
 mod roaming;
+mod sessions;
 mod surfaces;
 mod tls;
 mod tools;

@@ -57,6 +57,11 @@ pub trait TestGatewayExt {
         (s, v)
     }
 
+    async fn delete(&self, path: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+        let (s, _, v) = send(self.request(Method::DELETE, path, headers)).await;
+        (s, v)
+    }
+
     async fn patch(&self, path: &str, body: Value, headers: &[(&str, &str)]) -> (u16, Value) {
         let (s, _, v) = send(self.request(Method::PATCH, path, headers).json(&body)).await;
         (s, v)

@@ -31,8 +31,8 @@ pub use roaming::{
 };
 pub use sessions::{
     Delivery, Health, MessagePage, MessagesQuery, NewSession, PushTurn, PushedTurn, SessionCreated,
-    SessionInfo, SetStatus, Snapshot, SnapshotInfo, SnapshotList, StatusChanged, StoredMessage,
-    TetherLoaded,
+    SessionDeleted, SessionInfo, SessionList, SessionSummary, SessionsQuery, SetStatus, Snapshot,
+    SnapshotInfo, SnapshotList, StatusChanged, StoredMessage, TetherLoaded,
 };
 pub use tools::{ToolCallOutcome, ToolCallRequest, ToolCallStatus};
 

@@ -1,5 +1,5 @@
-//! Session endpoints: create, inspect, transcript, status, snapshots, backend-pushed turns, the
-//! conformance suite's tether loader, and the health check.
+//! Session endpoints: create, list, inspect, delete, transcript, status, snapshots,
+//! backend-pushed turns, the conformance suite's tether loader, and the health check.
 
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
@@ -94,6 +94,75 @@ impl SessionInfo {
         self.queued_turns = Some(self.tether_turns_pending);
         self
     }
+}
+
+/// The query of `GET /v1/sessions`. The gateway parses it with this type.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionsQuery {
+    /// 1 to 100; 20 by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    /// `next_cursor` of the previous page (opaque).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
+    /// Only this agent's sessions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    /// Only sessions in this status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<SessionStatus>,
+}
+
+/// A session as `GET /v1/sessions` lists it: what identifies and counts it, none of its content
+/// (no metadata, no task: `GET /v1/sessions/{id}` with its token shows those).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionSummary {
+    pub session_id: String,
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    pub status: SessionStatus,
+    #[serde(default)]
+    pub step_count: u64,
+    #[serde(default)]
+    pub message_count: u64,
+    #[serde(default)]
+    pub created_at: Option<String>,
+    #[serde(default)]
+    pub updated_at: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub tether_enabled: bool,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `GET /v1/sessions`: one page of sessions, newest first (by creation, then id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionList {
+    /// `list`.
+    #[serde(default)]
+    pub object: String,
+    #[serde(default)]
+    pub data: Vec<SessionSummary>,
+    #[serde(default)]
+    pub has_more: bool,
+    /// Pass as `cursor` to get the next page; `null` on the last one.
+    #[serde(default)]
+    pub next_cursor: Option<String>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// The answer to `DELETE /v1/sessions/{id}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionDeleted {
+    pub session_id: String,
+    /// `true`.
+    #[serde(default)]
+    pub deleted: bool,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// The query of `GET /v1/sessions/{id}/messages`. The gateway parses it with this type.
@@ -356,6 +425,20 @@ mod tests {
             round_trips::<PushedTurn>(&json!({"session_id": id, "seq": 3, "delivery": delivery}));
         }
         round_trips::<TetherLoaded>(&json!({"session_id": id, "enqueued": 2, "seqs": [4, 5]}));
+        let listed = json!({
+            "session_id": id, "agent_id": "a1", "status": "suspended", "step_count": 2,
+            "message_count": 4, "created_at": ts, "updated_at": ts, "model": null,
+            "tether_enabled": true
+        });
+        for next in [json!("abc"), Value::Null] {
+            round_trips::<SessionList>(&json!({
+                "object": "list", "data": [listed.clone()], "has_more": next.is_string(),
+                "next_cursor": next
+            }));
+        }
+        round_trips::<SessionDeleted>(&json!({"session_id": id, "deleted": true}));
+        round_trips::<SessionsQuery>(&json!({"limit": 5, "cursor": "c", "status": "idle"}));
+        round_trips::<SessionsQuery>(&json!({}));
     }
 
     #[test]
@@ -369,6 +452,9 @@ mod tests {
         parses::<SnapshotList>(&json!({"session_id": "s"}));
         parses::<Snapshot>(&json!({"session_id": "s", "snapshot_id": "n"}));
         parses::<TetherLoaded>(&json!({"session_id": "s"}));
+        let list: SessionList = parses(&json!({"data": [{"session_id": "s", "status": "idle"}]}));
+        assert_eq!((list.has_more, list.next_cursor), (false, None));
+        parses::<SessionDeleted>(&json!({"session_id": "s"}));
         parses::<Health>(&json!({"status": "ok"}));
     }
 

@@ -128,6 +128,8 @@ pub(crate) async fn create_export(
     export: NewExport,
     bundle: NewBundle,
 ) -> StoreResult<()> {
+    // Locked against the session's erasure: an export racing it stores nothing.
+    super::lifecycle::lock_session_shared(tx, export.session_id).await?;
     insert_bundle(tx, seal, &bundle, &export.created_at).await?;
     if insert_export(tx, seal, &export).await? {
         Ok(())
@@ -413,14 +415,31 @@ pub(crate) async fn adopt_session(
             None => Ok(()),
         }
     };
-    let (session, messages, snapshot, memory, link) =
-        tokio::join!(session, messages, snapshot, memory, link);
+    // The bundle it came in with holds its history: its erasure removes it.
+    let came_with = async {
+        let Some(bundle) = &a.bundle else {
+            return Ok(());
+        };
+        let st = prep(
+            tx,
+            "INSERT INTO session_bundles (session_id, bundle_cid) VALUES ($1, $2) \
+             ON CONFLICT DO NOTHING",
+        )
+        .await?;
+        tx.execute(&st, &[&new_id, &bundle.cid])
+            .await
+            .map(drop)
+            .map_err(db_err)
+    };
+    let (session, messages, snapshot, memory, link, came_with) =
+        tokio::join!(session, messages, snapshot, memory, link, came_with);
     first_error([
         session.as_ref().err().cloned(),
         messages.err(),
         snapshot.err(),
         memory.err(),
         link.err(),
+        came_with.err(),
     ])?;
     session
 }

@@ -282,6 +282,34 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE exports ADD COLUMN purpose text NOT NULL DEFAULT 'roaming';
     ALTER TABLE exports ADD COLUMN redeemed_by text;
     "#,
+    // v9: session lifecycle (listing, erasure), as SQLite v9. Listing reads sessions newest first
+    // by (created_at, id), optionally of one agent or one status. created_at and agent_id never
+    // change, so the new indexes keep a turn's updates HOT; status was indexed already.
+    // `session_bundles` records the bundles that came in with a session (an import's, a move's);
+    // `exports` drops its foreign key to `bundles`, so a foreign export consumed by an erased
+    // session stays as the record of the token's single use while its bundle goes.
+    r#"
+    CREATE INDEX sessions_created ON sessions (created_at, id);
+    CREATE INDEX sessions_agent_created ON sessions (agent_id, created_at, id);
+    DROP INDEX sessions_status;
+    CREATE INDEX sessions_status ON sessions (status, created_at, id);
+
+    CREATE TABLE session_bundles (
+        session_id uuid NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        -- No foreign key: a retention sweep removes bundles no export refers to.
+        bundle_cid text NOT NULL,
+        PRIMARY KEY (session_id, bundle_cid)
+    );
+    CREATE INDEX session_bundles_cid ON session_bundles (bundle_cid);
+    INSERT INTO session_bundles (session_id, bundle_cid)
+        SELECT import_session_id, bundle_cid FROM exports
+        WHERE foreign_origin AND import_session_id IN (SELECT id FROM sessions)
+        ON CONFLICT DO NOTHING;
+
+    ALTER TABLE exports DROP CONSTRAINT IF EXISTS exports_bundle_cid_fkey;
+    CREATE INDEX exports_bundle ON exports (bundle_cid);
+    CREATE INDEX exports_import_session ON exports (import_session_id);
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.
@@ -572,7 +600,78 @@ mod tests {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        assert_eq!(versions, (1..=8).collect::<Vec<_>>());
+        let latest = i32::try_from(SCHEMA_VERSION).expect("a few migrations");
+        assert_eq!(versions, (1..=latest).collect::<Vec<_>>());
+    }
+
+    /// A schema a v8 build left (before session lifecycle), with a session that imported a
+    /// foreign token (its export and bundle) and an unrelated session, migrates in place: the
+    /// bundle is recorded as the session's, so erasing the session removes it and keeps the
+    /// export as the record of the token's single use; listing works.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn v8_schema_migrates_in_place() {
+        in_fresh_schema(migrate_from_v8).await;
+    }
+
+    async fn migrate_from_v8(url: String, schema: String) {
+        let (imported, other, export) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let at = Utc::now() - Duration::minutes(5);
+        let old = old_schema(&url, &schema, 8).await;
+        for (id, hash, minutes) in [(imported, "h1", 2), (other, "h2", 1)] {
+            let created = at + Duration::minutes(minutes);
+            old.execute(
+                "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, \
+                 updated_at, metadata) VALUES ($1, 'agent', $2, 'idle', $3, $3, '{}')",
+                &[&id, &hash, &created],
+            )
+            .await
+            .expect("session");
+        }
+        old.execute(
+            "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-f', '\\x7b7d', $1)",
+            &[&at],
+        )
+        .await
+        .expect("bundle");
+        old.execute(
+            "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, created_at, \
+             expires_at, foreign_origin, imported_at, import_session_id) \
+             VALUES ($1, $2, 'cid-f', 'label', 2, $3, $3, true, $3, $4)",
+            &[&export, &Uuid::new_v4(), &at, &imported],
+        )
+        .await
+        .expect("export");
+
+        let opts = PostgresOptions {
+            max_connections: 2,
+            schema: Some(schema),
+            ..PostgresOptions::default()
+        };
+        let store = PostgresStore::open(&url, opts)
+            .await
+            .expect("open migrates");
+        let listed = store
+            .list_sessions(crate::SessionQuery {
+                limit: 10,
+                ..crate::SessionQuery::default()
+            })
+            .await
+            .expect("list");
+        assert_eq!(
+            listed.iter().map(|s| s.id).collect::<Vec<_>>(),
+            [imported, other]
+        );
+        store
+            .delete_session(imported, Utc::now())
+            .await
+            .expect("erase");
+        assert_eq!(store.get_bundle("cid-f").await.expect("bundle"), None);
+        let kept = store
+            .get_export(export)
+            .await
+            .expect("export")
+            .expect("kept");
+        assert_eq!((kept.label, kept.import_session_id), (None, Some(imported)));
     }
 
     async fn migrate_from_v2(url: String, schema: String) {

@@ -123,6 +123,8 @@ pub(crate) fn create_export(
     export: &NewExport,
     bundle: &NewBundle,
 ) -> StoreResult<()> {
+    // In the same write as the rows, so an export racing the session's erasure stores nothing.
+    super::lifecycle::require_session(conn, &uuid(&export.session_id))?;
     insert_bundle(conn, seal, bundle, &export.created_at)?;
     if insert_export(conn, seal, export)? {
         Ok(())
@@ -340,6 +342,15 @@ pub(crate) fn adopt_session(
             .map_err(db_err)?;
     }
     insert_session(conn, seal, &a.session)?;
+    if let Some(bundle) = &a.bundle {
+        // The bundle it came in with holds its history: its erasure removes it.
+        conn.prepare_cached(
+            "INSERT INTO session_bundles (session_id, bundle_cid) VALUES (?1, ?2) \
+             ON CONFLICT DO NOTHING",
+        )
+        .and_then(|mut st| st.execute(params![sid, bundle.cid]))
+        .map_err(db_err)?;
+    }
     let here;
     let (bodies, bytes) = match encoded {
         Some(e) => e,

@@ -269,6 +269,55 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE exports ADD COLUMN purpose TEXT NOT NULL DEFAULT 'roaming';
     ALTER TABLE exports ADD COLUMN redeemed_by TEXT;
     "#,
+    // v9: session lifecycle (listing, erasure). Listing reads sessions newest first by
+    // (created_at, id), optionally of one agent or one status: an index for each (created_at and
+    // agent_id never change, so turns' updates of the row do not touch the first two; status was
+    // indexed already). `session_bundles` records the bundles that came in with a session (an
+    // import's, a move's), which its erasure removes; those of earlier imports of foreign tokens
+    // are found through their export. `exports` loses its foreign key to `bundles` (rebuilt, the
+    // SQLite way to drop one): a foreign export consumed by an erased session stays as the
+    // record of the token's single use while its bundle goes.
+    r#"
+    CREATE INDEX sessions_created ON sessions (created_at, id);
+    CREATE INDEX sessions_agent_created ON sessions (agent_id, created_at, id);
+    DROP INDEX sessions_status;
+    CREATE INDEX sessions_status ON sessions (status, created_at, id);
+
+    CREATE TABLE session_bundles (
+        session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        -- No foreign key: a retention sweep removes bundles no export refers to.
+        bundle_cid TEXT NOT NULL,
+        PRIMARY KEY (session_id, bundle_cid)
+    ) WITHOUT ROWID;
+    CREATE INDEX session_bundles_cid ON session_bundles (bundle_cid);
+    INSERT OR IGNORE INTO session_bundles (session_id, bundle_cid)
+        SELECT import_session_id, bundle_cid FROM exports
+        WHERE foreign_origin = 1 AND import_session_id IN (SELECT id FROM sessions);
+
+    CREATE TABLE exports_v9 (
+        id                TEXT PRIMARY KEY NOT NULL,
+        session_id        TEXT NOT NULL,
+        bundle_cid        TEXT NOT NULL,
+        label             TEXT,
+        message_count     INTEGER NOT NULL,
+        created_at        TEXT NOT NULL,
+        expires_at        TEXT NOT NULL,
+        foreign_origin    INTEGER NOT NULL,
+        imported_at       TEXT,
+        import_session_id TEXT,
+        purpose           TEXT NOT NULL DEFAULT 'roaming',
+        redeemed_by       TEXT
+    );
+    INSERT INTO exports_v9 (id, session_id, bundle_cid, label, message_count, created_at,
+        expires_at, foreign_origin, imported_at, import_session_id, purpose, redeemed_by)
+        SELECT id, session_id, bundle_cid, label, message_count, created_at, expires_at,
+        foreign_origin, imported_at, import_session_id, purpose, redeemed_by FROM exports;
+    DROP TABLE exports;
+    ALTER TABLE exports_v9 RENAME TO exports;
+    CREATE INDEX exports_session ON exports (session_id, created_at);
+    CREATE INDEX exports_bundle ON exports (bundle_cid);
+    CREATE INDEX exports_import_session ON exports (import_session_id);
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -533,6 +582,77 @@ mod tests {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 8);
+        assert_eq!(usize::try_from(version).ok(), Some(MIGRATIONS.len()));
+    }
+
+    /// A database a v8 build left (before session lifecycle), with a session that imported a
+    /// foreign token (its export and bundle) and an unrelated session, migrates in place: the
+    /// bundle is recorded as the session's, so erasing the session removes it and keeps the
+    /// export (no longer tied to `bundles`) as the record of the token's single use.
+    #[tokio::test]
+    async fn v8_database_migrates_in_place() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("v8.sqlite3");
+        let (imported, other, export) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let at = Utc::now() - Duration::minutes(5);
+        {
+            let conn = Connection::open(&path).expect("open");
+            for sql in &MIGRATIONS[..8] {
+                conn.execute_batch(sql).expect("v1 to v8");
+            }
+            conn.execute_batch("PRAGMA user_version = 8")
+                .expect("version");
+            for (id, hash, minutes) in [(imported, "h1", 2), (other, "h2", 1)] {
+                conn.execute(
+                    "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, \
+                     updated_at, metadata) VALUES (?1, 'agent', ?2, 'idle', ?3, ?3, '{}')",
+                    params![uuid(&id), hash, ts(&(at + Duration::minutes(minutes)))],
+                )
+                .expect("session");
+            }
+            conn.execute(
+                "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-f', X'7B7D', ?1)",
+                params![ts(&at)],
+            )
+            .expect("bundle");
+            conn.execute(
+                "INSERT INTO exports (id, session_id, bundle_cid, label, message_count, \
+                 created_at, expires_at, foreign_origin, imported_at, import_session_id) \
+                 VALUES (?1, ?2, 'cid-f', 'label', 2, ?3, ?3, 1, ?3, ?4)",
+                params![
+                    uuid(&export),
+                    uuid(&Uuid::new_v4()),
+                    ts(&at),
+                    uuid(&imported)
+                ],
+            )
+            .expect("export");
+        }
+
+        let store = SqliteStore::open(SqliteOptions::new(&path))
+            .await
+            .expect("open migrates");
+        let listed = store
+            .list_sessions(crate::SessionQuery {
+                limit: 10,
+                ..crate::SessionQuery::default()
+            })
+            .await
+            .expect("list");
+        assert_eq!(
+            listed.iter().map(|s| s.id).collect::<Vec<_>>(),
+            [imported, other]
+        );
+        store
+            .delete_session(imported, Utc::now())
+            .await
+            .expect("erase");
+        assert_eq!(store.get_bundle("cid-f").await.expect("bundle"), None);
+        let kept = store
+            .get_export(export)
+            .await
+            .expect("export")
+            .expect("kept");
+        assert_eq!((kept.label, kept.import_session_id), (None, Some(imported)));
     }
 }

@@ -17,12 +17,14 @@ use uuid::Uuid;
 
 pub mod federation;
 mod holds;
+mod lifecycle;
 mod replicas;
 mod reserved;
 mod roaming;
 pub mod sealing;
 pub use federation::*;
 pub use holds::*;
+pub use lifecycle::*;
 pub use replicas::*;
 pub use reserved::*;
 pub use roaming::*;

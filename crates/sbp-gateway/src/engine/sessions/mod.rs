@@ -1,7 +1,11 @@
 //! Sessions: who may act on one (session tokens, operator keys), creating one, how it looks from
-//! outside, its status and snapshots, and turns a backend pushes into it.
+//! outside, its status and snapshots, turns a backend pushes into it, and (`lifecycle.rs`) listing
+//! and deleting sessions.
 
+mod lifecycle;
 mod tokens;
+
+pub use lifecycle::{DEFAULT_PAGE, ListRequest, MAX_PAGE, SessionPage};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;

@@ -1,9 +1,10 @@
 //! Session token hashes kept in memory, so the hot token checks (ATTACH_SESSION, the backend
 //! tool-call endpoint) skip a store read. Exact, not a heuristic: a session's token hash is written
 //! once when the session is made and never changes, even when the session moves between gateways
-//! (federation keeps its id and token). The one deletion, a copy dropped when a move was refused,
-//! leaves a hash that still matches its token; the attach checks such a session's presence
-//! (`Federation::is_away`), and the other routes read the session itself.
+//! (federation keeps its id and token). A deleted session's hash is forgotten here; another
+//! replica's copy, and the one of a copy dropped when a move was refused, still matches its
+//! token: the attach then finds no session to mark attached, and the other routes read the
+//! session itself.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -41,6 +42,11 @@ impl TokenCache {
             hashes.clear();
         }
         hashes.insert(id, raw);
+    }
+
+    /// Forgets a session's hash (the session was deleted).
+    pub(crate) fn forget(&self, id: Uuid) {
+        self.lock().remove(&id);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, [u8; 32]>> {

@@ -426,7 +426,11 @@ impl Surfaces {
             .store
             .mark_attached(id, Utc::now())
             .await
-            .map_err(internal)?;
+            .map_err(|e| match e {
+                // Deleted since its token was checked (another replica's cache knew the token).
+                StoreError::NotFound => AttachError::NotFound(format!("No session with ID {id}")),
+                other => internal(other),
+            })?;
         // Registered here before it is claimed on the bus: a displacement sent by a later claim on
         // another replica then always finds this connection.
         let (conn_id, inbox) = self.inner.connections.register(id, surface.clone());
