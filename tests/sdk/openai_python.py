@@ -162,6 +162,26 @@ def refused_requests():
         assert e.param == "n", e.body
 
 
+def session_count():
+    with urllib.request.urlopen(f"{BASE}/v1/sessions?limit=100") as resp:
+        return len(json.load(resp)["data"])
+
+
+def no_orphan_sessions():
+    # The SDK retries a 503 twice: three requests, and no session left behind by any of them.
+    before = session_count()
+    sent = []
+    try:
+        counting_client(sent, max_retries=2).chat.completions.create(
+            model="fake-error-503", messages=user("hi")
+        )
+        raise AssertionError("no error")
+    except openai.InternalServerError:
+        pass
+    assert len(sent) == 3, f"{len(sent)} requests"
+    assert session_count() == before, (session_count(), before)
+
+
 def models():
     ids = [m.id for m in client().models.list()]
     assert "fake" in ids, ids
@@ -181,6 +201,7 @@ SCENARIOS = [
     suspended_session,
     upstream_error,
     refused_requests,
+    no_orphan_sessions,
     models,
 ]
 

@@ -74,6 +74,7 @@ async fn the_python_sdk_works_unchanged() {
             "suspended_session",
             "upstream_error",
             "refused_requests",
+            "no_orphan_sessions",
             "models",
         ]
     );

@@ -537,3 +537,63 @@ async fn an_ended_session_is_a_conflict_the_sdks_do_not_retry() {
     );
     assert_eq!(h["x-should-retry"], "false");
 }
+
+async fn session_count(gw: &TestGateway) -> usize {
+    let (s, list) = gw.get("/v1/sessions?limit=100", &[]).await;
+    assert_eq!(s, 200, "{list}");
+    list["data"].as_array().expect("data").len()
+}
+
+#[tokio::test]
+async fn a_new_session_whose_first_turn_fails_is_not_kept() {
+    let gw = TestGateway::with_fake().await;
+    let (_, token) = gw.session().await;
+    assert_eq!(session_count(&gw).await, 1);
+    let key = [("idempotency-key", "5f1c2e3d-4b5a-4c6d-8e7f-9a0b1c2d3e4f")];
+    for headers in [&[][..], &key[..], &key[..]] {
+        let (s, h, b) = gw
+            .chat(
+                json!({"model": "fake-error-503", "messages": [user("hi")]}),
+                headers,
+            )
+            .await;
+        assert_eq!(s, 503, "{b}");
+        assert!(h.get("x-session-id").is_none() && h.get("x-session-token").is_none());
+        assert!(b["error"]["detail"].get("session_id").is_none(), "{b}");
+    }
+    // Streamed: the failure arrives as the first event, with no session either.
+    let (s, h, b) = gw
+        .chat(
+            json!({"model": "fake-error-500", "stream": true, "messages": [user("hi")]}),
+            &[],
+        )
+        .await;
+    assert_eq!(s, 500, "{b}");
+    assert!(h.get("x-session-id").is_none());
+    // Cut after streaming began: the caller learnt the session, which is gone all the same.
+    let (s, h, _) = stream(
+        &gw,
+        json!({"model": "m", "stream": true, "messages": [user("[[fake:drop=1]] [[fake:chunks=5]] a b c d e")]}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 200);
+    let id = h["x-session-id"].to_str().expect("id").to_owned();
+    let cut = h["x-session-token"].to_str().expect("token").to_owned();
+    let (s, b) = gw
+        .get(&format!("/v1/sessions/{id}"), &[("x-session-token", &cut)])
+        .await;
+    assert!(s == 403 || s == 404, "{s} {b}");
+    assert_eq!(session_count(&gw).await, 1);
+
+    // An existing session keeps the user's message of a failed turn.
+    let (s, h, _) = gw
+        .chat(
+            json!({"model": "fake-error-503", "messages": [user("kept")]}),
+            &[("x-session-token", &token)],
+        )
+        .await;
+    assert_eq!(s, 503);
+    assert!(h.get("x-session-id").is_some());
+    assert_eq!(session_count(&gw).await, 1);
+}

@@ -93,10 +93,16 @@ impl Turns {
                 if let Err(e) = self.inner.store.fail_turn(fail).await {
                     tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
                 }
-                Err(Error::InTurn {
-                    session: turn.session(),
-                    cause: Box::new(err),
-                })
+                if turn.creates_session && self.discard(&turn).await {
+                    // Nothing of the session remains, so its caller is not told about it (an
+                    // SDK's retries of a failing first request leave no orphan sessions).
+                    Err(err)
+                } else {
+                    Err(Error::InTurn {
+                        session: turn.session(),
+                        cause: Box::new(err),
+                    })
+                }
             }
         };
         if let Some(tx) = events {
@@ -118,6 +124,19 @@ impl Turns {
             }
         }
         outcome
+    }
+
+    /// Erases a session whose first turn failed: its messages, snapshots and Idempotency-Key go
+    /// (a retry with the key starts afresh). False when it could not be erased (it is then kept,
+    /// and its caller told about it as for any failed turn).
+    async fn discard(&self, turn: &Turn) -> bool {
+        match self.inner.sessions.delete(&turn.session).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(session_id = %turn.session.id, error = %e, "erasing a session whose first turn failed failed; it is kept");
+                false
+            }
+        }
     }
 
     /// The agent loop: calls the upstream with the gateway's tools (surface and southbound MCP)

@@ -143,6 +143,8 @@ struct Plan {
 /// What a turn task needs, owned.
 struct Turn {
     session: SessionRecord,
+    /// This turn's request created the session: if the turn fails, nothing of it is kept.
+    creates_session: bool,
     created_token: Option<String>,
     turn_id: Uuid,
     /// The upstream request: the whole transcript, the model, shaped for the surface.
@@ -495,6 +497,7 @@ impl Turns {
             last_task,
             idempotency_key: store_key,
             surface,
+            creates_session: created,
         })
     }
 
