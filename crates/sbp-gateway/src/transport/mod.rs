@@ -8,6 +8,7 @@ mod headers;
 mod http;
 mod limits;
 mod mcp;
+pub mod openapi;
 mod page;
 mod policy;
 mod requests;
@@ -97,6 +98,7 @@ fn session_routes(gateway: &Gateway) -> Router<Gateway> {
         .route("/assets/{file}", get(page::asset))
         .route("/healthz", get(http::healthz))
         .route("/metrics", get(http::metrics))
+        .route("/openapi.json", get(openapi::serve))
         .route("/v1/chat/completions", post(http::chat_completions))
         .route("/v1/models", get(http::models))
         .route("/v1/models/{id}", get(http::model))

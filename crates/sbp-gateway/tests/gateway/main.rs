@@ -11,6 +11,7 @@ mod http_edge;
 mod http_l1;
 mod lifecycle;
 mod mcp;
+mod openapi;
 mod roaming;
 mod surfaces;
 mod tls;
