@@ -5,6 +5,7 @@ mod support;
 mod anthropic;
 mod architecture;
 mod bounded_input;
+mod cors;
 mod edge;
 mod federation_srv;
 mod http_edge;
