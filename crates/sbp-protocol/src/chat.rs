@@ -16,7 +16,7 @@ use crate::schema::{InvalidField, check_message};
 #[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ChatRequest {
-    /// `None`: the gateway's default model.
+    /// Absent: the gateway's default model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,

@@ -153,6 +153,7 @@ impl ErrorCode {
     }
 }
 
+/// The envelope of every error answer (SPEC 12.1).
 #[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -162,11 +163,15 @@ pub struct ErrorBody {
 #[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorDetail {
+    /// An `SBP_*` code: SPEC 12.1's, or one of this gateway's in the same namespace.
     pub code: String,
+    /// What happened, for a person.
     pub message: String,
     /// The request field at fault, as OpenAI's errors name it (`messages[3].role`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param: Option<String>,
+    /// Facts about the error a program can use (a rate limit's `retry_after`, the gateway a
+    /// session moved to, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<Value>,
 }

@@ -242,8 +242,8 @@ const TURN_HEADERS: &[(&str, bool)] = &[
 const REPLAY_HEADERS: &[(&str, bool)] = &[("Idempotent-Replayed", false)];
 
 /// Every documented operation, one line each: a route added to the router gets its line here
-/// (the test `openapi::every_documented_operation_is_routed` checks that each line is routed).
-/// A table, so rustfmt leaves it as one.
+/// (the tests `openapi::every_route_is_documented` and `every_documented_operation_is_routed`
+/// hold the two in step). A table, so rustfmt leaves it as one.
 #[rustfmt::skip]
 fn operations() -> Vec<Op> {
     use Auth::{Open, Peer, Session};

@@ -7,8 +7,9 @@ use reqwest::Method;
 use reqwest::header::HeaderMap;
 use sbp_gateway::{GatewayConfig, PublicUrl};
 use serde_json::json;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
-use crate::support::{Options, TestGateway, TestGatewayExt};
+use crate::support::{Options, TestGateway, TestGatewayExt, Ws};
 
 const APP: &str = "http://app.example:3000";
 const KEY: &str = "operator-key";
@@ -236,4 +237,44 @@ async fn the_page_keeps_its_strict_policy_with_cors_on() {
             assert_eq!(header(resp.headers(), "x-frame-options"), "DENY");
         }
     }
+}
+
+/// The app may open a surface's WebSocket too (browsers send `Origin` on the handshake, and CORS
+/// does not apply to it); another origin still may not.
+#[tokio::test]
+async fn the_configured_origin_may_open_a_surface_websocket() {
+    let gw = with_cors().await;
+    let bearer = format!("Bearer {KEY}");
+    let (status, _, created) = gw
+        .post(
+            "/v1/sessions",
+            json!({}),
+            &[("origin", APP), ("authorization", bearer.as_str())],
+        )
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let (id, token) = (
+        created["session_id"].as_str().expect("id"),
+        created["session_token"].as_str().expect("token"),
+    );
+    let url = format!("{}/v1/sbp/ws/{id}", gw.ws_base);
+    let mut req = url.as_str().into_client_request().expect("request");
+    req.headers_mut()
+        .insert("origin", "http://evil.example".parse().expect("header"));
+    match tokio_tungstenite::connect_async(req).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+            assert_eq!(resp.status().as_u16(), 403);
+        }
+        other => panic!("another origin's handshake must be refused, got {other:?}"),
+    }
+    let mut req = url.as_str().into_client_request().expect("request");
+    req.headers_mut()
+        .insert("origin", APP.parse().expect("header"));
+    let (stream, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("the app's handshake passes");
+    let mut ws = Ws { stream };
+    ws.send(json!({"type": "ATTACH_SESSION", "session_id": id, "session_token": token}))
+        .await;
+    assert_eq!(ws.recv().await["type"], "SESSION_ATTACHED");
 }

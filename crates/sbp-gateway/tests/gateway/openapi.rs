@@ -1,7 +1,8 @@
 //! The OpenAPI document against the real gateway: the committed `docs/openapi.json` is what
-//! `GET /openapi.json` serves, every documented route and method is routed, and what the
-//! endpoints answer, successes and errors, validates against the document's schema for that
-//! status (a JSON Schema 2020-12 validator over the document's own components).
+//! `GET /openapi.json` serves, every documented route and method is routed and every route of the
+//! router is documented, and what the endpoints answer, successes and errors, validates against
+//! the document's schema for that status (a JSON Schema 2020-12 validator over the document's own
+//! components).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -262,6 +263,97 @@ async fn federated() -> TestGateway {
         ..Options::default()
     })
     .await
+}
+
+/// The routes the router declares (`.route("PATH", get(..).post(..))` and `.route_service`, in
+/// `src/transport/`), as (path with its parameters unnamed, methods; none for a service, which
+/// takes any method).
+fn declared_routes() -> Vec<(String, Vec<String>)> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/transport");
+    let mut routes = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("src/transport") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("source");
+        for (at, _) in text.match_indices(".route") {
+            let rest = &text[at..];
+            let Some(open) = rest.find('(') else { continue };
+            if !matches!(&rest[..open], ".route" | ".route_service") {
+                continue;
+            }
+            // The call's text, to its closing parenthesis.
+            let mut depth = 0;
+            let end = rest[open..]
+                .char_indices()
+                .find_map(|(i, c)| {
+                    match c {
+                        '(' => depth += 1,
+                        ')' => depth -= 1,
+                        _ => {}
+                    }
+                    (depth == 0).then_some(open + i)
+                })
+                .expect("a closed call");
+            let call = &rest[open + 1..end];
+            let Some(route) = call.split('"').nth(1) else {
+                continue;
+            };
+            let methods = ["get", "post", "put", "patch", "delete"]
+                .into_iter()
+                .filter(|m| {
+                    call.match_indices(&format!("{m}("))
+                        .any(|(i, _)| i == 0 || !call.as_bytes()[i - 1].is_ascii_alphanumeric())
+                })
+                .map(str::to_owned)
+                .collect();
+            routes.push((unnamed(route), methods));
+        }
+    }
+    routes
+}
+
+/// A path with its parameters' names left out (`/v1/models/{}`).
+fn unnamed(path: &str) -> String {
+    path.split('/')
+        .map(|seg| if seg.starts_with('{') { "{}" } else { seg })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// The other direction: every route of the router has its operations in the document (but the
+/// conformance suite's test hook), so a new route cannot go undocumented.
+#[tokio::test]
+async fn every_route_is_documented() {
+    let gw = TestGateway::start().await;
+    let api = Api::of(&gw).await;
+    let documented: Vec<(String, Vec<String>)> = api.doc["paths"]
+        .as_object()
+        .expect("paths")
+        .iter()
+        .map(|(p, item)| {
+            let methods = item.as_object().expect("item").keys().cloned().collect();
+            (unnamed(p), methods)
+        })
+        .collect();
+    let routes = declared_routes();
+    assert!(routes.len() >= 35, "the routes were found: {routes:?}");
+    for (route, methods) in routes {
+        if route.contains("/_test/") {
+            continue;
+        }
+        let Some((_, doc_methods)) = documented.iter().find(|(p, _)| *p == route) else {
+            panic!("{route} is routed but not in the OpenAPI document (transport/openapi.rs)");
+        };
+        for m in methods {
+            assert!(
+                doc_methods.contains(&m),
+                "{} {route} is not documented",
+                m.to_uppercase()
+            );
+        }
+    }
 }
 
 /// Whether an answer came from a route rather than the router's "no such endpoint" or "method not
