@@ -291,6 +291,12 @@ pub struct ServeArgs {
     /// any `Host` is accepted (with a warning at start). [default: none]
     #[arg(long = "public-url", env = "SBP_PUBLIC_URLS", value_delimiter = ',')]
     pub public_urls: Vec<String>,
+    /// The origin of a web app allowed to call the API from its pages, e.g.
+    /// https://app.example.com (repeatable; env: comma-separated): its `Origin` is accepted,
+    /// preflights are answered without credentials, and the session headers are exposed to it.
+    /// Other origins stay refused. [default: none, no CORS]
+    #[arg(long = "cors-origin", env = "SBP_CORS_ORIGINS", value_delimiter = ',')]
+    pub cors_origins: Vec<String>,
     /// Requests per client address (IPv6: per /64) without a valid operator key, as
     /// COUNT/s|m|h[,BURST]; 0 turns it off. [default: 200/s,1000]
     #[arg(long, env = "SBP_RATE_LIMIT_IP")]
@@ -386,6 +392,7 @@ struct FileConfig {
     enable_test_hooks: Option<bool>,
     insecure_no_session_auth: Option<bool>,
     public_urls: Option<Vec<String>>,
+    cors_origins: Option<Vec<String>>,
     rate_limit_ip: Option<String>,
     rate_limit_session: Option<String>,
     rate_limit_key: Option<String>,
@@ -495,6 +502,7 @@ pub struct Settings {
     pub enable_test_hooks: bool,
     pub insecure_no_session_auth: bool,
     pub public_urls: Vec<PublicUrl>,
+    pub cors_origins: Vec<PublicUrl>,
     pub rate_limits: RateLimits,
     pub log_format: String,
     /// Federation (L6); `None`: off.
@@ -743,6 +751,10 @@ impl Settings {
             .iter()
             .map(|u| u.parse().map_err(|e| anyhow::anyhow!("--public-url: {e}")))
             .collect::<anyhow::Result<Vec<PublicUrl>>>()?;
+        let cors_origins = list(args.cors_origins, file.cors_origins)
+            .iter()
+            .map(|o| PublicUrl::parse_origin(o).map_err(|e| anyhow::anyhow!("--cors-origin: {e}")))
+            .collect::<anyhow::Result<Vec<PublicUrl>>>()?;
         let defaults = RateLimits::default();
         let limit =
             |name: &str, flag: Option<String>, file: Option<String>, default| match flag.or(file) {
@@ -906,6 +918,7 @@ impl Settings {
             insecure_no_session_auth: args.insecure_no_session_auth
                 || file.insecure_no_session_auth.unwrap_or(false),
             public_urls,
+            cors_origins,
             rate_limits,
             log_format,
             federation,
@@ -1618,6 +1631,40 @@ mod tests {
             },
         ] {
             assert!(Settings::resolve(args).is_err());
+        }
+    }
+
+    #[test]
+    fn cors_origins_from_flags_and_file() {
+        let d = Settings::resolve(ServeArgs::default()).expect("resolves");
+        assert!(d.cors_origins.is_empty(), "off by default");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sbp.toml");
+        std::fs::write(&file, "cors_origins = [\"http://localhost:5173\"]\n").expect("write");
+        let s = Settings::resolve(ServeArgs {
+            config: Some(file),
+            cors_origins: vec!["https://App.example.com/".into()],
+            ..Default::default()
+        })
+        .expect("resolves");
+        let origins: Vec<String> = s.cors_origins.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            origins,
+            ["https://app.example.com", "http://localhost:5173"]
+        );
+        for bad in [
+            "*",
+            "null",
+            "app.example.com",
+            "ftp://app.example.com",
+            "https://app.example.com/path",
+            "https://app.example.com/?q",
+        ] {
+            let args = ServeArgs {
+                cors_origins: vec![bad.into()],
+                ..Default::default()
+            };
+            assert!(Settings::resolve(args).is_err(), "{bad}");
         }
     }
 

@@ -1,6 +1,6 @@
 //! The `sbp` binary. `sbp serve` runs the gateway; logs go to stderr, the one startup line to stdout.
 //! `sbp attach` is a terminal surface for a session of any SBP gateway. `sbp encryption-key` and
-//! `sbp store reseal` manage encryption at rest.
+//! `sbp store reseal` manage encryption at rest. `sbp openapi` prints the API's OpenAPI document.
 
 mod attach;
 mod config;
@@ -45,6 +45,9 @@ enum Command {
     /// Federation (L6): the node's identity key.
     #[command(subcommand)]
     Federation(federation::FederationCommand),
+    /// Print the HTTP API's OpenAPI 3.1 document (what `GET /openapi.json` serves; the repository
+    /// keeps it as docs/openapi.json).
+    Openapi,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,6 +86,10 @@ fn main() -> anyhow::Result<()> {
         }
         Command::EncryptionKey(keys::KeyCommand::Generate { out }) => keys::generate(out),
         Command::Federation(cmd) => federation::run(cmd),
+        Command::Openapi => {
+            print!("{}", sbp_gateway::transport::openapi::json());
+            Ok(())
+        }
         Command::Store(keys::StoreCommand::Reseal(args)) => {
             init_logging_with("text", "warn", None);
             tokio::runtime::Builder::new_multi_thread()

@@ -124,6 +124,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         enable_test_hooks: s.enable_test_hooks,
         insecure_no_session_auth: s.insecure_no_session_auth,
         public_urls: s.public_urls.clone(),
+        cors_origins: s.cors_origins.clone(),
         rate_limits: s.rate_limits.clone(),
         secret,
         previous_secrets: s.previous_jwt_secrets.clone(),

@@ -1,6 +1,6 @@
 //! End-to-end tests of the real `sbp` binary: durability across `kill -9`, an in-flight turn cut
-//! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM, and
-//! operator API keys; several processes as replicas of one deployment (`binary/replicas.rs`);
+//! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM,
+//! operator API keys, CORS origins and the OpenAPI document (`binary/cors_and_openapi.rs`); several processes as replicas of one deployment (`binary/replicas.rs`);
 //! PostgreSQL over TLS (`binary/postgres_tls.rs`); federation between gateways and trackers
 //! (`binary/federation.rs`) and sessions moving between them with their surface
 //! (`binary/federation_migration.rs`). Each test runs its own gateway processes on
@@ -28,6 +28,8 @@ mod browser;
 #[path = "binary/refclient.rs"]
 mod refclient;
 
+#[path = "binary/cors_and_openapi.rs"]
+mod cors_and_openapi;
 #[path = "binary/edge.rs"]
 mod edge;
 #[path = "binary/encryption.rs"]

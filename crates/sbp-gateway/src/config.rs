@@ -78,6 +78,10 @@ pub struct GatewayConfig {
     /// The URLs browsers and clients reach this gateway by (besides loopback): their hosts are
     /// accepted in `Host`, their origins in `Origin` (`transport/policy.rs`).
     pub public_urls: Vec<PublicUrl>,
+    /// Origins of web apps that may call the API from their own pages (`--cors-origin`): their
+    /// `Origin` passes the request policy and they get CORS answers (`transport/cors.rs`).
+    /// Empty: no CORS, and other origins are refused.
+    pub cors_origins: Vec<PublicUrl>,
     /// The connection layer: timeouts, connection caps, TLS (`edge/`).
     pub edge: EdgeConfig,
     /// How long a stop waits for in-flight requests and turns; then turns still running are
@@ -191,6 +195,7 @@ impl Default for GatewayConfig {
             replica_timeout: Duration::from_secs(10),
             rate_limits: RateLimits::default(),
             public_urls: Vec::new(),
+            cors_origins: Vec::new(),
             edge: EdgeConfig::default(),
             shutdown_grace: Duration::from_secs(30),
             federation: None,
@@ -245,6 +250,30 @@ impl PublicUrl {
     pub fn effective_port(&self) -> u16 {
         self.port
             .unwrap_or(if self.scheme == "https" { 443 } else { 80 })
+    }
+
+    /// Whether both are the same origin (scheme, host and port; a default port given or not).
+    pub fn same_origin(&self, other: &PublicUrl) -> bool {
+        self.scheme == other.scheme
+            && self.host == other.host
+            && self.effective_port() == other.effective_port()
+    }
+
+    /// A web origin as `--cors-origin` takes it: `http(s)://host[:port]`, nothing after. Not `*`
+    /// nor `null`: each origin allowed is named.
+    pub fn parse_origin(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let bad = || {
+            format!(
+                "CORS origin '{t}' must be a web origin like https://app.example.com[:PORT] \
+                 (no path, no wildcard)"
+            )
+        };
+        let rest = t.split_once("://").map_or("", |(_, rest)| rest);
+        if rest.is_empty() || rest.trim_end_matches('/').contains(['/', '?', '#']) {
+            return Err(bad());
+        }
+        t.parse().map_err(|_| bad())
     }
 }
 

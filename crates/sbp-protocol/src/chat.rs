@@ -13,9 +13,10 @@ use crate::SbpRequestOptions;
 use crate::schema::{InvalidField, check_message};
 
 /// A `POST /v1/chat/completions` body.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ChatRequest {
-    /// `None`: the gateway's default model.
+    /// Absent: the gateway's default model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
@@ -392,6 +393,62 @@ pub fn content_text(content: &Value) -> Option<String> {
             (!texts.is_empty()).then(|| texts.join(""))
         }
         _ => None,
+    }
+}
+
+/// Messages and tool declarations pass through as sent, vendor fields included: their schemas
+/// name the fields the gateway reads and leave every other one open.
+#[cfg(feature = "openapi")]
+mod openapi {
+    use std::borrow::Cow;
+
+    use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+
+    impl JsonSchema for super::ChatMessage {
+        fn schema_name() -> Cow<'static, str> {
+            "ChatMessage".into()
+        }
+
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "description": "An OpenAI chat message, kept as sent (vendor fields included).",
+                "type": "object",
+                "required": ["role"],
+                "properties": {
+                    "role": {"type": "string", "description": "system, developer, user, assistant or tool"},
+                    "content": {"description": "A string, an array of content parts, or null (an assistant message with tool_calls)."},
+                    "name": {"type": "string"},
+                    "tool_calls": {"type": "array", "items": {"type": "object"}},
+                    "tool_call_id": {"type": "string"}
+                },
+                "additionalProperties": true
+            })
+        }
+    }
+
+    impl JsonSchema for super::ToolDecl {
+        fn schema_name() -> Cow<'static, str> {
+            "ToolDecl".into()
+        }
+
+        fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            json_schema!({
+                "description": "An OpenAI tool declaration (`{\"type\": \"function\", \"function\": {...}}`).",
+                "type": "object",
+                "properties": {
+                    "type": {"type": "string"},
+                    "function": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"}
+                        }
+                    }
+                },
+                "additionalProperties": true
+            })
+        }
     }
 }
 

@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 /// Request options. Beyond SPEC 6.1 it accepts `session_id`, `session_token` and `resume`, which the
 /// spec's resume flow (6.3) and the reference clients send inside the namespace.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SbpRequestOptions {
     #[serde(default)]
@@ -46,6 +47,7 @@ impl SbpRequestOptions {
 
 /// The `sbp` block of a completion response: SPEC 6.2's fields plus `agent_id`, `status` and, for a
 /// session created by this request, `session_token`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SbpResponseMeta {
     pub session_id: String,

@@ -180,14 +180,19 @@ pub fn openai_type(status: u16) -> &'static str {
     }
 }
 
+/// The envelope of every error answer (SPEC 12.1).
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorDetail {
+    /// An `SBP_*` code: SPEC 12.1's, or one of this gateway's in the same namespace.
     pub code: String,
+    /// What happened, for a person.
     pub message: String,
     /// OpenAI's error `type` (`invalid_request_error`, ...): the upstream's own for its errors.
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
@@ -198,6 +203,8 @@ pub struct ErrorDetail {
     /// The upstream's own error code (`model_not_found`), for an upstream error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_code: Option<Value>,
+    /// Facts about the error a program can use (a rate limit's `retry_after`, the gateway a
+    /// session moved to, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<Value>,
 }

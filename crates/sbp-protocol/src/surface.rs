@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 pub const WELL_KNOWN_DEVICE_TYPES: [&str; 6] =
     ["mobile", "desktop", "iot", "browser", "voice", "unknown"];
 
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SurfaceContext {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -119,6 +120,7 @@ impl SurfaceContext {
 }
 
 /// A surface tool's full description (extension): what an MCP server's `tools/list` gives.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolSchema {
     pub name: String,

@@ -273,8 +273,8 @@ pub fn bearer(headers: &HeaderMap) -> Option<String> {
         .then(|| key.trim().to_owned())
 }
 
-/// With operator API keys configured, every endpoint but `/healthz`, the browser page and its
-/// assets (which hold no data) and the WebSocket (which authenticates with the session token in
+/// With operator API keys configured, every endpoint but `/healthz`, `/openapi.json`, the browser
+/// page and its assets (which hold no data) and the WebSocket (which authenticates with the session token in
 /// ATTACH_SESSION) needs `Authorization: Bearer <key>`.
 /// Routes peers call: they authenticate with a federation token or a signed record, and the
 /// manifest is public.
@@ -293,9 +293,11 @@ pub async fn operator_auth(State(gw): State<Gateway>, mut req: Request, next: Ne
         return next.run(req).await;
     }
     let path = req.uri().path();
-    // The WebSocket and MCP endpoints authenticate with the session token instead; the page and
-    // its assets are static files, and the API calls the page makes carry the key themselves.
+    // The WebSocket and MCP endpoints authenticate with the session token instead; the page, its
+    // assets and the API's description are static files, and the API calls the page makes carry
+    // the key themselves.
     let open = path == "/healthz"
+        || path == "/openapi.json"
         || path == "/"
         || path
             .strip_prefix("/assets/")

@@ -1,6 +1,7 @@
 //! HTTP and WebSocket transport: routes, extractors and the mapping of engine results to responses.
 //! Handlers stay thin: extract, call one engine function, map the result.
 
+mod cors;
 mod errors;
 mod extract;
 mod federation;
@@ -8,6 +9,7 @@ mod headers;
 mod http;
 mod limits;
 mod mcp;
+pub mod openapi;
 mod page;
 mod policy;
 mod requests;
@@ -29,9 +31,9 @@ use sbp_protocol::federation::Role;
 use crate::Gateway;
 
 /// The gateway's routes behind, from the outside in: the envelope for any error made below in
-/// plain text, the request policy (`Host`, `Origin`, path), the rate limits, operator
-/// authentication. `bound` is the address the gateway listens on (a loopback one means its names
-/// are known).
+/// plain text, the request policy (`Host`, `Origin`, path), CORS when origins are configured
+/// (preflights answered there), the rate limits, operator authentication. `bound` is the address
+/// the gateway listens on (a loopback one means its names are known).
 pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     let max_body = gateway.config().max_body_bytes;
     let scheme = match gateway.config().edge.tls {
@@ -80,12 +82,16 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     }
     let limits = Arc::new(limits::Limits::new(gateway.clone()));
     let policy = Arc::new(policy::Policy::new(gateway.config(), bound));
-    app.fallback(http::not_found)
+    let mut app = app
+        .fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
         .layer(from_fn_with_state(gateway.clone(), extract::operator_auth))
         .layer(DefaultBodyLimit::max(max_body))
-        .layer(from_fn_with_state(limits, limits::enforce))
-        .layer(from_fn_with_state(policy, policy::enforce))
+        .layer(from_fn_with_state(limits, limits::enforce));
+    if let Some(cors) = cors::layer(gateway.config()) {
+        app = app.layer(cors);
+    }
+    app.layer(from_fn_with_state(policy, policy::enforce))
         .layer(from_fn(errors::envelope))
         .with_state(gateway)
 }
@@ -97,6 +103,7 @@ fn session_routes(gateway: &Gateway) -> Router<Gateway> {
         .route("/assets/{file}", get(page::asset))
         .route("/healthz", get(http::healthz))
         .route("/metrics", get(http::metrics))
+        .route("/openapi.json", get(openapi::serve))
         .route("/v1/chat/completions", post(http::chat_completions))
         .route("/v1/models", get(http::models))
         .route("/v1/models/{id}", get(http::model))

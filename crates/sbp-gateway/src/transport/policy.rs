@@ -9,9 +9,10 @@
 //! with no `--public-url` accepts any host (it cannot know the names it is reached by) and says so
 //! at start.
 //!
-//! An `Origin` is accepted when it is the request's own origin (same host, same port), or one of
-//! the `--public-url` origins (a proxy may rewrite `Host`). `null` and every other origin are
-//! refused, on every route including the WebSocket upgrade. A request a browser marks
+//! An `Origin` is accepted when it is the request's own origin (same host, same port), one of
+//! the `--public-url` origins (a proxy may rewrite `Host`), or a web app's origin given with
+//! `--cors-origin` (`cors.rs` answers its preflights). `null` and every other origin are refused,
+//! on every route including the WebSocket upgrade. A request a browser marks
 //! `Sec-Fetch-Site: cross-site` without an `Origin` (an `<img>`, a `<script>` of another site) is
 //! refused too, unless it is a plain navigation (a link to the page): it could only probe, but
 //! refused here it never counts against the rate limits of the user's own address. `/healthz` is
@@ -34,6 +35,8 @@ pub struct Policy {
     /// `None`: any host is accepted.
     hosts: Option<Vec<String>>,
     public: Vec<PublicUrl>,
+    /// Web apps' origins allowed by `--cors-origin`.
+    cors: Vec<PublicUrl>,
 }
 
 impl Policy {
@@ -50,7 +53,11 @@ impl Policy {
         } else {
             Some(public.iter().map(|u| u.host.clone()).collect())
         };
-        Self { hosts, public }
+        Self {
+            hosts,
+            public,
+            cors: config.cors_origins.clone(),
+        }
     }
 
     fn host_allowed(&self, host: &str) -> bool {
@@ -77,11 +84,11 @@ impl Policy {
                 }
         });
         same_origin
-            || self.public.iter().any(|p| {
-                p.scheme == origin.scheme
-                    && p.host == origin.host
-                    && p.effective_port() == origin.effective_port()
-            })
+            || self
+                .public
+                .iter()
+                .chain(&self.cors)
+                .any(|p| p.same_origin(&origin))
     }
 }
 
@@ -196,7 +203,8 @@ pub async fn enforce(State(policy): State<Arc<Policy>>, req: Request, next: Next
             tracing::debug!(origin, "cross-origin request refused");
             return errors::routing(
                 ErrorCode::Forbidden,
-                "cross-origin requests are refused (list the page's origin with --public-url)",
+                "cross-origin requests are refused (list the page's origin with --public-url, or a \
+                 web app's with --cors-origin)",
             );
         }
         None if is_cross_site(req.headers()) && !is_navigation(&req) => {
@@ -278,6 +286,35 @@ mod tests {
         assert!(p.origin_allowed("https://gw.example.com", Some(&local)));
         assert!(p.origin_allowed("https://gw.example.com:443", Some(&local)));
         assert!(!p.origin_allowed("http://gw.example.com", Some(&local)));
+    }
+
+    #[test]
+    fn cors_origins_pass_and_others_stay_refused() {
+        let config = GatewayConfig {
+            cors_origins: ["https://app.example.com", "http://localhost:5173"]
+                .iter()
+                .map(|o| PublicUrl::parse_origin(o).expect("origin"))
+                .collect(),
+            ..GatewayConfig::default()
+        };
+        let p = Policy::new(&config, "127.0.0.1:8080".parse().expect("addr"));
+        let local = t("127.0.0.1", Some(8080));
+        for ok in [
+            "https://app.example.com",
+            "https://app.example.com:443",
+            "http://localhost:5173",
+        ] {
+            assert!(p.origin_allowed(ok, Some(&local)), "{ok}");
+        }
+        for refused in [
+            "http://app.example.com",
+            "https://app.example.com:8443",
+            "https://evil.example.com",
+            "http://localhost:5174",
+            "null",
+        ] {
+            assert!(!p.origin_allowed(refused, Some(&local)), "{refused}");
+        }
     }
 
     #[test]

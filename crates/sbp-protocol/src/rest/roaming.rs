@@ -12,6 +12,7 @@ use crate::SessionStatus;
 pub const HANDOFF_COMPLETED: &str = "completed";
 
 /// `POST /v1/sbp/sessions/{id}/export`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExportRequest {
     /// 60 to 604800; the gateway's default when `None`.
@@ -26,6 +27,7 @@ pub struct ExportRequest {
 }
 
 /// The 201 answer to [`ExportRequest`].
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Export {
     pub export_id: String,
@@ -65,6 +67,7 @@ impl Export {
 
 /// `POST /v1/sbp/sessions/import`: a roaming token, a raw bundle, or both. The gateway also takes
 /// `token` for `roaming_token` and `agent_id` for `target_agent_id`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ImportRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,6 +92,7 @@ impl ImportRequest {
 }
 
 /// The 201 answer to [`ImportRequest`]: the new session.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImportInfo {
     pub session_id: String,
@@ -142,6 +146,7 @@ impl ImportInfo {
 }
 
 /// Where an imported session came from (SPEC 8's `provenance`).
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Provenance {
@@ -158,6 +163,7 @@ pub struct Provenance {
 }
 
 /// An export, as `GET /v1/sbp/token/{token}`, the export list and the lineage describe it.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExportInfo {
     pub export_id: String,
@@ -211,6 +217,7 @@ impl ExportInfo {
 }
 
 /// An import of an export, in the export list.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ExportImport {
@@ -224,6 +231,7 @@ pub struct ExportImport {
 }
 
 /// `GET /v1/sbp/sessions/{id}/exports`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExportList {
     pub session_id: String,
@@ -234,6 +242,7 @@ pub struct ExportList {
 }
 
 /// `POST /v1/sbp/sessions/{id}/fork`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ForkRequest {
     /// At most 120 characters.
@@ -246,6 +255,7 @@ pub struct ForkRequest {
 }
 
 /// The 201 answer to [`ForkRequest`]: the new session.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForkInfo {
     pub fork_id: String,
@@ -295,6 +305,7 @@ impl ForkInfo {
 }
 
 /// `POST /v1/sbp/sessions/{id}/handoff`. The gateway also takes `target_agent_id`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HandoffRequest {
     /// 1 to 256 characters.
@@ -318,6 +329,7 @@ impl HandoffRequest {
 }
 
 /// The 201 answer to [`HandoffRequest`]: the other agent's new session.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HandoffInfo {
     #[serde(default)]
@@ -377,6 +389,7 @@ impl HandoffInfo {
 }
 
 /// `GET /v1/sbp/sessions/{id}/lineage`: the session's family tree.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Lineage {
     pub session_id: String,
@@ -404,6 +417,7 @@ pub struct Lineage {
 }
 
 /// A handoff from this session, in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct OutgoingHandoff {
@@ -431,6 +445,7 @@ impl OutgoingHandoff {
 }
 
 /// A handoff into this session, in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct IncomingHandoff {
@@ -458,6 +473,7 @@ impl IncomingHandoff {
 }
 
 /// A fork of the session in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForkLink {
     #[serde(default)]
@@ -479,6 +495,7 @@ pub struct ForkLink {
 }
 
 /// Where a forked session came from, in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ForkOrigin {
@@ -494,6 +511,7 @@ pub struct ForkOrigin {
 }
 
 /// The session an imported session came from, in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ImportedFrom {
@@ -506,6 +524,7 @@ pub struct ImportedFrom {
 }
 
 /// A consuming import of one of the session's exports, in its lineage.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ImportLink {
@@ -517,6 +536,7 @@ pub struct ImportLink {
 }
 
 /// `PUT /v1/sbp/sessions/{id}/memory`: replaces the session's memory document.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemoryPut {
     /// The payload's format; the gateway's key-value schema when `None`.
@@ -526,6 +546,7 @@ pub struct MemoryPut {
 }
 
 /// `GET` (and the answer to `PUT`) `/v1/sbp/sessions/{id}/memory`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Memory {
     pub session_id: String,

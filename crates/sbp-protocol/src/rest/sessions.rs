@@ -8,6 +8,7 @@ use super::present;
 use crate::{SessionStatus, SurfaceContext};
 
 /// `GET /healthz`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Health {
     /// `ok`.
@@ -17,6 +18,7 @@ pub struct Health {
 }
 
 /// `POST /v1/sessions` (or `/v1/sbp/sessions`): a new idle session.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NewSession {
     /// 1 to 256 characters; without it, `X-Agent-Id` or a generated id.
@@ -28,6 +30,7 @@ pub struct NewSession {
 }
 
 /// The 201 answer to [`NewSession`].
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionCreated {
     pub session_id: String,
@@ -48,6 +51,7 @@ pub struct SessionCreated {
 }
 
 /// `GET /v1/sessions/{id}`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionInfo {
     pub session_id: String,
@@ -97,6 +101,7 @@ impl SessionInfo {
 }
 
 /// The query of `GET /v1/sessions`. The gateway parses it with this type.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionsQuery {
     /// 1 to 100; 20 by default.
@@ -115,6 +120,7 @@ pub struct SessionsQuery {
 
 /// A session as `GET /v1/sessions` lists it: what identifies and counts it, none of its content
 /// (no metadata, no task: `GET /v1/sessions/{id}` with its token shows those).
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionSummary {
     pub session_id: String,
@@ -138,6 +144,7 @@ pub struct SessionSummary {
 }
 
 /// `GET /v1/sessions`: one page of sessions, newest first (by creation, then id).
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionList {
     /// `list`.
@@ -155,6 +162,7 @@ pub struct SessionList {
 }
 
 /// The answer to `DELETE /v1/sessions/{id}`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionDeleted {
     pub session_id: String,
@@ -166,6 +174,7 @@ pub struct SessionDeleted {
 }
 
 /// The query of `GET /v1/sessions/{id}/messages`. The gateway parses it with this type.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MessagesQuery {
     /// Only messages after this seq (`next_after` of the previous page).
@@ -177,6 +186,7 @@ pub struct MessagesQuery {
 }
 
 /// One page of `GET /v1/sessions/{id}/messages`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MessagePage {
     #[serde(default)]
@@ -196,6 +206,7 @@ pub struct MessagePage {
 
 /// A message of the stored transcript: the chat message object as it was given, with the gateway's
 /// `seq`, `model_used`, `cost_usd` and `created_at`.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredMessage {
     pub role: String,
@@ -229,6 +240,7 @@ impl StoredMessage {
 
 /// `PATCH` (or `POST`) `/v1/sbp/sessions/{id}/status`. The gateway parses it with this type: a
 /// status it does not know is refused with its own message, so `status` is a string here.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SetStatus {
     /// `running`, `suspended`, `completed` or `failed`.
@@ -244,6 +256,7 @@ impl SetStatus {
 }
 
 /// The answer to [`SetStatus`].
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusChanged {
     pub session_id: String,
@@ -259,6 +272,7 @@ pub struct StatusChanged {
 }
 
 /// A snapshot as `GET /v1/sbp/sessions/{id}/snapshots` lists it.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotInfo {
     pub snapshot_id: String,
@@ -283,6 +297,7 @@ pub struct SnapshotInfo {
 }
 
 /// `GET /v1/sbp/sessions/{id}/snapshots`: newest first.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotList {
     pub session_id: String,
@@ -293,6 +308,7 @@ pub struct SnapshotList {
 }
 
 /// `GET /v1/sbp/sessions/{id}/snapshots/latest`: the snapshot with its messages.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     pub session_id: String,
@@ -304,6 +320,7 @@ pub struct Snapshot {
 }
 
 /// `POST /v1/sbp/sessions/{id}/turns`: a turn pushed by a backend.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PushTurn {
     pub content: String,
@@ -326,6 +343,7 @@ impl PushTurn {
 }
 
 /// How a pushed turn was delivered.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Delivery {
@@ -333,11 +351,14 @@ pub enum Delivery {
     Live,
     /// No surface attached: waiting in the tether.
     Tethered,
+    /// A value this version does not know (never sent by this gateway).
     #[serde(other)]
+    #[cfg_attr(feature = "openapi", schemars(skip))]
     Other,
 }
 
 /// The 201 answer to [`PushTurn`].
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PushedTurn {
     pub session_id: String,

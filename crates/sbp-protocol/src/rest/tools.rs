@@ -6,6 +6,7 @@ use serde_json::{Map, Value};
 
 /// The request. The gateway also takes `name` / `tool` for `tool_name` and `arguments` / `input`
 /// for `tool_input` (default `{}`); `timeout_ms` is 1 to 300,000.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCallRequest {
     pub tool_name: String,
@@ -30,6 +31,7 @@ impl ToolCallRequest {
 }
 
 /// How a backend tool call ended.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ToolCallStatus {
@@ -39,7 +41,9 @@ pub enum ToolCallStatus {
     Timeout,
     /// The surface went away while the call was in flight.
     Disconnected,
+    /// A value this version does not know (never sent by this gateway).
     #[serde(other)]
+    #[cfg_attr(feature = "openapi", schemars(skip))]
     Other,
 }
 
@@ -56,6 +60,7 @@ impl ToolCallStatus {
 }
 
 /// The 200 answer: the surface's TOOL_RESULT, or how the call ended without one.
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCallOutcome {
     #[serde(default)]
