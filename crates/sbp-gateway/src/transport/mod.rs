@@ -1,6 +1,7 @@
 //! HTTP and WebSocket transport: routes, extractors and the mapping of engine results to responses.
 //! Handlers stay thin: extract, call one engine function, map the result.
 
+mod access;
 mod errors;
 mod extract;
 mod federation;
@@ -28,8 +29,8 @@ use sbp_protocol::federation::Role;
 
 use crate::Gateway;
 
-/// The gateway's routes behind, from the outside in: the envelope for any error made below in
-/// plain text, the request policy (`Host`, `Origin`, path), the rate limits, operator
+/// The gateway's routes behind, from the outside in: the access log (and request metrics), the
+/// envelope for any error made below in plain text, the request policy (`Host`, `Origin`, path), the rate limits, operator
 /// authentication. `bound` is the address the gateway listens on (a loopback one means its names
 /// are known).
 pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
@@ -87,6 +88,7 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
         .layer(from_fn_with_state(limits, limits::enforce))
         .layer(from_fn_with_state(policy, policy::enforce))
         .layer(from_fn(errors::envelope))
+        .layer(from_fn_with_state(gateway.clone(), access::log))
         .with_state(gateway)
 }
 

@@ -4,7 +4,6 @@
 mod tokens;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_bus::TurnDone;
@@ -21,7 +20,7 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::limits::{Size, stored_bytes};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Timed as _};
 use crate::ratelimit::{Limit, Limiter};
 use tokens::TokenCache;
 
@@ -239,9 +238,10 @@ impl Sessions {
         };
         let id = new.id;
         let hash = new.token_hash.clone();
-        self.inner.store.create_session(new).await?;
+        let created = self.inner.store.create_session(new);
+        created.timed(&self.inner.metrics, "create_session").await?;
         self.inner.tokens.remember(id, &hash);
-        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.sessions_created.inc();
         let session = self
             .inner
             .store
@@ -431,6 +431,7 @@ impl Sessions {
                 idempotency_claim: key.as_ref().map(|(_, f)| f.clone()),
                 now,
             })
+            .timed(&self.inner.metrics, "push_turn")
             .await;
         let outcome = match (outcome, &key) {
             // Another request with this key committed first: answer as its retry would.
@@ -446,8 +447,8 @@ impl Sessions {
             }
             (outcome, _) => outcome?,
         };
-        self.inner.metrics.turns_pushed.fetch_add(1, Relaxed);
-        self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
+        self.inner.metrics.turns_pushed.inc();
+        self.inner.metrics.tether_enqueued.inc();
         let seq = outcome.tether_seq.unwrap_or_default();
         let attached = self
             .inner
