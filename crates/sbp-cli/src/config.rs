@@ -313,7 +313,8 @@ pub struct ServeArgs {
     /// that address is refused until it refills. 0 turns it off. [default: 60/m,60]
     #[arg(long, env = "SBP_RATE_LIMIT_AUTH_FAILURES")]
     pub rate_limit_auth_failures: Option<String>,
-    /// Log format: `text` or `json` (level via SBP_LOG, e.g. SBP_LOG=debug). [default: text]
+    /// Log format: `text` or `json`, on stderr; one access line per request (target
+    /// `sbp::access`). Level via SBP_LOG, e.g. SBP_LOG=debug. [default: text]
     #[arg(long, env = "SBP_LOG_FORMAT")]
     pub log_format: Option<String>,
     #[command(flatten)]

@@ -67,9 +67,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Attach(args) => {
             // Warnings only by default: stdout is the conversation, and stderr shares the terminal.
-            let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-            init_logging_with("text", "warn", Some(ansi));
+            init_logging_with("text", "warn");
             let code = attach::main(*args);
             if code != 0 {
                 std::process::exit(code);
@@ -77,11 +75,11 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Demo(args) => {
-            init_logging_with("text", "warn", None);
+            init_logging_with("text", "warn");
             exit_with(demo::main(*args))
         }
         Command::Conformance(args) => {
-            init_logging_with("text", "warn", None);
+            init_logging_with("text", "warn");
             exit_with(conformance::main(*args))
         }
         Command::EncryptionKey(keys::KeyCommand::Generate { out }) => keys::generate(out),
@@ -91,7 +89,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Store(keys::StoreCommand::Reseal(args)) => {
-            init_logging_with("text", "warn", None);
+            init_logging_with("text", "warn");
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
@@ -108,21 +106,33 @@ fn exit_with(code: i32) -> anyhow::Result<()> {
 }
 
 fn init_logging(format: &str) {
-    init_logging_with(format, "info", None);
+    init_logging_with(format, "info");
 }
 
-/// `ansi`: colour the log lines or not; `None` leaves tracing-subscriber's default.
-fn init_logging_with(format: &str, default_level: &str, ansi: Option<bool>) {
+/// Logs to stderr, coloured only when stderr is a terminal (and `NO_COLOR` is unset), so a log
+/// file or collector gets no escape sequences. `SBP_LOG` (an `EnvFilter`) overrides the level;
+/// unless it names `rmcp`, the MCP library stays at `warn`: it logs every request it serves at
+/// `info`, which the access log already covers.
+fn init_logging_with(format: &str, default_level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_env("SBP_LOG").unwrap_or_else(|_| EnvFilter::new(default_level));
+    let directives = std::env::var("SBP_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| default_level.to_owned());
+    let directives = match directives.contains("rmcp") {
+        true => directives,
+        false => format!("{directives},rmcp=warn"),
+    };
+    let filter = EnvFilter::try_new(&directives).unwrap_or_else(|e| {
+        eprintln!("SBP_LOG is not a valid filter ({e}); logging at {default_level}");
+        EnvFilter::new(format!("{default_level},rmcp=warn"))
+    });
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let builder = match ansi {
-        Some(ansi) => builder.with_ansi(ansi),
-        None => builder,
-    };
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     if format == "json" {
         builder.json().init();
     } else {

@@ -1,15 +1,20 @@
 //! End-to-end tests of the real `sbp` binary: durability across `kill -9`, an in-flight turn cut
 //! by `kill -9`, startup output and files, configuration from env and TOML, graceful SIGTERM,
-//! operator API keys, CORS origins and the OpenAPI document (`binary/cors_and_openapi.rs`); several processes as replicas of one deployment (`binary/replicas.rs`);
-//! PostgreSQL over TLS (`binary/postgres_tls.rs`); federation between gateways and trackers
-//! (`binary/federation.rs`) and sessions moving between them with their surface
-//! (`binary/federation_migration.rs`). Each test runs its own gateway processes on
+//! operator API keys, CORS origins and the OpenAPI document (`binary/cors_and_openapi.rs`); the
+//! access log (`binary/access_log.rs`); OpenAI's SDKs (`binary/openai_sdks.rs`) and the reference
+//! TypeScript client (`binary/refclient.rs`); several processes as replicas of one deployment
+//! (`binary/replicas.rs`); PostgreSQL over TLS (`binary/postgres_tls.rs`); federation between
+//! gateways and trackers (`binary/federation.rs`) and sessions moving between them with their
+//! surface (`binary/federation_migration.rs`). Each test runs its own gateway processes on
 //! 127.0.0.1:0 over temp data dirs.
 
 mod support;
 
 #[path = "binary/replicas.rs"]
 mod replicas;
+
+#[path = "binary/access_log.rs"]
+mod access_log;
 
 #[path = "binary/attach.rs"]
 mod attach;

@@ -95,6 +95,10 @@ impl Provider for AnthropicProvider {
         requested.to_owned()
     }
 
+    fn provider_name(&self, _requested: &str) -> &'static str {
+        "anthropic"
+    }
+
     async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError> {
         let (req, requested) = self.request(&request, false);
         let deadline = tokio::time::Instant::now() + self.opts.request_timeout;

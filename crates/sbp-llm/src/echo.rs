@@ -331,6 +331,10 @@ impl Provider for EchoProvider {
         ECHO_MODEL.to_owned()
     }
 
+    fn provider_name(&self, _requested: &str) -> &'static str {
+        "echo"
+    }
+
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let reply = Self::reply(&body);
         let (message, finish) = match &reply {

@@ -98,6 +98,11 @@ pub type ChunkStream = BoxStream<'static, Result<Value, LlmError>>;
 pub trait Provider: Send + Sync {
     /// The model name reported as `model_routed_to` when the provider does not say otherwise.
     fn route_name(&self, requested: &str) -> String;
+    /// The kind of upstream `requested` goes to (`openai` for any OpenAI-compatible endpoint,
+    /// `anthropic`, `echo`), a closed set for metrics and logs.
+    fn provider_name(&self, _requested: &str) -> &'static str {
+        "other"
+    }
     /// A whole completion of `request` (its `stream` and `sbp` are not sent).
     async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError>;
     /// `request` answered as a stream of chunks (its `sbp` is not sent).

@@ -53,6 +53,10 @@ impl Provider for OpenAiProvider {
         requested.to_owned()
     }
 
+    fn provider_name(&self, _requested: &str) -> &'static str {
+        "openai"
+    }
+
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let requested = body.model.clone().unwrap_or_default();
         let deadline = tokio::time::Instant::now() + self.opts.request_timeout;

@@ -117,6 +117,11 @@ impl Provider for Router {
         provider.route_name(upstream)
     }
 
+    fn provider_name(&self, requested: &str) -> &'static str {
+        let (provider, upstream) = self.resolve(requested);
+        provider.provider_name(upstream)
+    }
+
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let (provider, body) = self.route(body);
         provider.complete(body).await
@@ -267,6 +272,18 @@ mod tests {
             .expect("the default answers");
         assert_eq!(c.text(), Some("default"));
         assert!(format!("{r:?}").contains("anthropic/"));
+    }
+
+    #[test]
+    fn the_provider_name_is_the_routed_providers() {
+        let r = Router::new(Arc::new(Named("default")))
+            .with_route(ModelMatch::prefix("sbp/"), Arc::new(crate::EchoProvider));
+        assert_eq!(r.provider_name("sbp/echo"), "echo");
+        assert_eq!(
+            r.provider_name("gpt-4o"),
+            "other",
+            "a provider that names no kind"
+        );
     }
 
     #[test]

@@ -201,6 +201,22 @@ pub enum ServerFrame {
 }
 
 impl ServerFrame {
+    /// The frame's `type`, as sent.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Self::SessionAttached(_) => "SESSION_ATTACHED",
+            Self::SessionNotFound { .. } => "SESSION_NOT_FOUND",
+            Self::Forbidden { .. } => "FORBIDDEN",
+            Self::ProtocolError { .. } => "PROTOCOL_ERROR",
+            Self::TetherTurn(_) => "TETHER_TURN",
+            Self::TurnChunk(_) => "TURN_CHUNK",
+            Self::TurnComplete(_) => "TURN_COMPLETE",
+            Self::ToolCall(_) => "TOOL_CALL",
+            Self::Ping => "PING",
+            Self::Unknown => "UNKNOWN",
+        }
+    }
+
     /// Serialises the frame to its JSON text.
     pub fn to_json(&self) -> String {
         // Serialising these plain structs (string keys, no non-finite floats) cannot fail.
@@ -512,6 +528,7 @@ mod tests {
         ];
         for (frame, expected) in cases {
             let text = frame.to_json();
+            assert_eq!(frame.type_name(), expected["type"]);
             assert_eq!(serde_json::from_str::<Value>(&text).ok(), Some(expected));
             assert_eq!(serde_json::from_str::<ServerFrame>(&text).ok(), Some(frame));
         }

@@ -181,10 +181,7 @@ impl Edge {
 
     fn shed(&self, peer: std::net::SocketAddr, what: &'static str) {
         let (open, health) = self.limits.open();
-        self.gateway
-            .metrics()
-            .connections_shed
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.gateway.metrics().connections_shed.inc();
         tracing::debug!(%peer, open, health, what, "connection over a connection cap");
     }
 
@@ -214,7 +211,7 @@ impl Edge {
                 self.gateway
                     .metrics()
                     .connections_timed_out
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    .inc();
                 tracing::debug!(peer = %conn.peer, reason = ?closed, "connection closed by the edge");
             }
             _ = self.kill.cancelled() => {}

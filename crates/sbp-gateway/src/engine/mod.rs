@@ -31,7 +31,7 @@ use sbp_store::Store;
 
 use crate::config::GatewayConfig;
 use crate::error::Error;
-use crate::metrics::{LiveGauges, Metrics};
+use crate::metrics::{LiveGauges, Metrics, Observed};
 use calls::PendingCalls;
 use connections::Connections;
 use federation::Federation;
@@ -113,6 +113,8 @@ impl Gateway {
         };
         let config = Arc::new(config);
         let metrics = Arc::new(Metrics::default());
+        // Every upstream call (turns, passthrough, CTP) is counted and timed where it is made.
+        let provider: Arc<dyn Provider> = Arc::new(Observed::new(provider, metrics.clone()));
         let tasks = Tasks::default();
         let connections = Arc::new(Connections::new(config.ws_outbound_budget));
         let calls = Arc::new(PendingCalls::default());

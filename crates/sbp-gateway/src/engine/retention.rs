@@ -4,7 +4,6 @@
 //! at once remove each row once.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_store::{Store, Sweep};
@@ -55,19 +54,15 @@ async fn sweep_once(store: &dyn Store, config: &GatewayConfig, metrics: &Metrics
     };
     match store.sweep(sweep).await {
         Ok(swept) => {
-            metrics.retention_sweeps.fetch_add(1, Relaxed);
-            metrics.retention_exports.fetch_add(swept.exports, Relaxed);
-            metrics.retention_bundles.fetch_add(swept.bundles, Relaxed);
-            metrics
-                .retention_snapshots
-                .fetch_add(swept.snapshots, Relaxed);
-            metrics.retention_jti.fetch_add(swept.jti, Relaxed);
+            metrics.retention_sweeps.inc();
+            metrics.retention_exports.inc_by(swept.exports);
+            metrics.retention_bundles.inc_by(swept.bundles);
+            metrics.retention_snapshots.inc_by(swept.snapshots);
+            metrics.retention_jti.inc_by(swept.jti);
             metrics
                 .retention_registry_records
-                .fetch_add(swept.registry_records, Relaxed);
-            metrics
-                .retention_announcements
-                .fetch_add(swept.announcements, Relaxed);
+                .inc_by(swept.registry_records);
+            metrics.retention_announcements.inc_by(swept.announcements);
             if swept != Default::default() {
                 tracing::info!(
                     exports = swept.exports,

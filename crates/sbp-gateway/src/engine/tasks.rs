@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tokio_util::task::task_tracker::TrackedFuture;
+use tracing::Instrument as _;
 
 #[derive(Clone, Default)]
 pub struct Tasks {
@@ -26,7 +27,9 @@ impl Tasks {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        self.tracker.spawn(fut)
+        // In the span of whoever started it (a request's, with its request id), so what the
+        // task logs (an upstream failure) can be matched with the request.
+        self.tracker.spawn(fut.in_current_span())
     }
 
     /// Runs `f` as a tracked task on the blocking pool.

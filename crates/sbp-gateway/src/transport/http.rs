@@ -29,7 +29,7 @@ pub async fn healthz() -> Json<Health> {
 
 pub async fn metrics(State(gw): State<Gateway>) -> ApiResult {
     let text = gw.render_metrics().await?;
-    Ok(([("content-type", "text/plain; version=0.0.4")], text).into_response())
+    Ok(([("content-type", crate::metrics::CONTENT_TYPE)], text).into_response())
 }
 
 /// `GET /v1/models`: OpenAI's list shape, so chat front ends and SDKs that list models first work.

@@ -1,6 +1,7 @@
 //! HTTP and WebSocket transport: routes, extractors and the mapping of engine results to responses.
 //! Handlers stay thin: extract, call one engine function, map the result.
 
+mod access;
 mod cors;
 mod errors;
 mod extract;
@@ -30,10 +31,11 @@ use sbp_protocol::federation::Role;
 
 use crate::Gateway;
 
-/// The gateway's routes behind, from the outside in: the envelope for any error made below in
-/// plain text, the request policy (`Host`, `Origin`, path), CORS when origins are configured
-/// (preflights answered there), the rate limits, operator authentication. `bound` is the address
-/// the gateway listens on (a loopback one means its names are known).
+/// The gateway's routes behind, from the outside in: the access log (and request metrics), the
+/// envelope for any error made below in plain text, the request policy (`Host`, `Origin`, path),
+/// CORS when origins are configured (preflights answered there), the rate limits, operator
+/// authentication. `bound` is the address the gateway listens on (a loopback one means its names
+/// are known).
 pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     let max_body = gateway.config().max_body_bytes;
     let scheme = match gateway.config().edge.tls {
@@ -93,6 +95,7 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
     }
     app.layer(from_fn_with_state(policy, policy::enforce))
         .layer(from_fn(errors::envelope))
+        .layer(from_fn_with_state(gateway.clone(), access::log))
         .with_state(gateway)
 }
 

@@ -752,6 +752,11 @@ fn document() -> Value {
                     "name": "Idempotency-Key", "in": "header", "required": false,
                     "description": "A retry with the same key and body gets the first answer again (`Idempotent-Replayed: true`) instead of running twice.",
                     "schema": {"type": "string"}
+                },
+                "X-SBP-Auto-Resume": {
+                    "name": "X-SBP-Auto-Resume", "in": "header", "required": false,
+                    "description": "`true`: a suspended session is resumed instead of answered 202 (or 423 for an OpenAI client).",
+                    "schema": {"type": "string", "enum": ["true", "false", "1", "0"]}
                 }
             },
             "responses": error_responses(&error),

@@ -12,9 +12,11 @@ mod wire;
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::Extension;
+use axum::extract::{MatchedPath, Path, State};
 use axum::response::Response;
 use hyper_util::rt::TokioIo;
+use sbp_protocol::frames::FrameError;
 use sbp_protocol::frames::{
     CLOSE_FORBIDDEN, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_PROTOCOL_ERROR,
 };
@@ -26,8 +28,10 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use crate::Gateway;
 use crate::engine::connections::{ConnMsg, Inbox};
 use crate::engine::surfaces::{AttachError, CtpFrames, Delivery, Frame};
+use crate::transport::access::{self, RequestId};
 use handshake::WsUpgrade;
-use socket::{Close, Incoming, Socket, WriteFailed};
+pub(super) use socket::Totals;
+use socket::{Close, Incoming, Socket, Tally, WriteFailed};
 use wire::{FrameLimit, Wire};
 
 /// Close code sent to a connection displaced by a newer ATTACH_SESSION (docs/PROTOCOL-EXTENSIONS.md).
@@ -39,13 +43,25 @@ const CLOSE_INTERNAL: u16 = 1011;
 /// RFC 6455 1013: try again later (a session another gateway could not hand over now).
 const CLOSE_TRY_AGAIN: u16 = 1013;
 
-pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUpgrade) -> Response {
-    let (response, on_upgrade) = ws.accept();
+pub async fn upgrade(
+    State(gw): State<Gateway>,
+    Path(id): Path<String>,
+    route: MatchedPath,
+    request_id: Option<Extension<RequestId>>,
+    ws: WsUpgrade,
+) -> Response {
+    let (mut response, on_upgrade) = ws.accept();
+    // The connection writes its own access line when it ends.
+    let line = access::Connection::new(route.as_str(), &id, request_id.map(|Extension(r)| r));
+    response.extensions_mut().insert(access::OwnLine);
     let tracked = gw.clone();
-    tokio::spawn(tracked.track(async move {
+    let task = async move {
         let Ok(upgraded) = on_upgrade.await else {
             return;
         };
+        let tally = Tally::new(gw.metrics().ws_frames.clone());
+        let open = gw.metrics().ws_open.clone();
+        open.inc();
         let cfg = gw.config();
         let max = cfg.max_frame_bytes;
         // Small buffers: tungstenite's 128 KiB defaults would cost ~256 KiB per idle surface. Writes
@@ -64,10 +80,31 @@ pub async fn upgrade(State(gw): State<Gateway>, Path(id): Path<String>, ws: WsUp
             FrameLimit::new(cfg.ws_frame_rate, cfg.ws_frame_burst),
         );
         let stream = WebSocketStream::from_raw_socket(wire, Role::Server, Some(ws_config)).await;
-        let socket = Socket::new(stream, cfg.ws_write_timeout);
+        let socket = Socket::new(stream, cfg.ws_write_timeout, tally.clone());
         run(gw, id, socket).await;
-    }));
+        open.dec();
+        line.ended(&tally.totals());
+    };
+    // In the request's span: what the connection logs carries its request id.
+    tokio::spawn(tracked.track(tracing::Instrument::in_current_span(task)));
     response
+}
+
+/// A client frame parsed, and counted by its type.
+fn parse(socket: &Socket, text: &str) -> Result<ClientFrame, FrameError> {
+    let parsed = ClientFrame::parse(text);
+    let kind = match &parsed {
+        Ok(ClientFrame::Attach(_)) => "ATTACH_SESSION",
+        Ok(ClientFrame::Detach) => "DETACH",
+        Ok(ClientFrame::ToolResult(_)) => "TOOL_RESULT",
+        Ok(ClientFrame::Pong) => "PONG",
+        Ok(ClientFrame::Ack { .. }) => "ACK",
+        // The client names these types: one label for all of them keeps the set closed.
+        Ok(ClientFrame::Unknown { .. }) => "UNKNOWN",
+        Err(_) => "INVALID",
+    };
+    socket.received(kind, text.len());
+    parsed
 }
 
 /// Why a connection ended, and how it is closed.
@@ -132,13 +169,13 @@ const SLOW_WRITE: &str = "write timeout";
 const SLOW_BACKLOG: &str = "outbound budget exceeded";
 
 async fn send(socket: &mut Socket, frame: &ServerFrame) -> Result<(), End> {
-    Ok(socket.send(frame.to_json()).await?)
+    Ok(socket.send_frame(frame).await?)
 }
 
 /// Sends an error frame; the connection then closes with `code`.
 async fn refused(socket: &mut Socket, frame: ServerFrame, code: u16, reason: &'static str) -> End {
     // Best effort: the close follows whether or not this was written.
-    let _ = socket.send(frame.to_json()).await;
+    let _ = socket.send_frame(&frame).await;
     End::closing(reason, code, reason)
 }
 
@@ -158,9 +195,7 @@ fn protocol_error(detail: String) -> ServerFrame {
 #[allow(clippy::manual_async_fn)] // deliberate: see above
 fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output = ()> + Send {
     async move {
-        gw.metrics()
-            .ws_connections
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        gw.metrics().ws_connections.inc();
         let timeout = gw.config().attach_timeout;
         let deadline = tokio::time::Instant::now() + timeout;
         let first = match tokio::time::timeout_at(deadline, socket.recv()).await {
@@ -192,7 +227,7 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             }
             Ok(Incoming::Text(t)) => t,
         };
-        let attach = match ClientFrame::parse(first.as_str()) {
+        let attach = match parse(&socket, first.as_str()) {
             Ok(ClientFrame::Attach(a)) => a,
             Ok(other) => {
                 let detail = format!(
@@ -293,9 +328,7 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
             end
         };
         if slow {
-            gw.metrics()
-                .ws_slow_consumers
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            gw.metrics().ws_slow_consumers.inc();
             tracing::warn!(session_id = %delivery.session_id, conn_id = delivery.conn_id, reason = end.reason, queued_bytes = inbox.backlog.queued(), "dropping a surface that does not read");
         }
         // Detached before the closing handshake, which may take a while: from now on turns go to
@@ -315,9 +348,7 @@ fn run(gw: Gateway, path_id: String, mut socket: Socket) -> impl Future<Output =
 /// Counts a connection closed for sending frames too fast.
 fn count_flood(gw: &Gateway, close: Close) {
     if close == Close::Send(socket::CLOSE_POLICY, socket::FLOOD) {
-        gw.metrics()
-            .ws_frame_floods
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        gw.metrics().ws_frame_floods.inc();
     }
 }
 
@@ -430,7 +461,7 @@ async fn connection_loop(
                 Incoming::Binary => {
                     return Err(Box::pin(refused(socket, protocol_error("binary frames are not supported".into()), CLOSE_PROTOCOL_ERROR, "protocol error")).await);
                 }
-                Incoming::Text(text) => match ClientFrame::parse(text.as_str()) {
+                Incoming::Text(text) => match parse(socket, text.as_str()) {
                     Err(e) => {
                         return Err(Box::pin(refused(socket, protocol_error(e.to_string()), CLOSE_PROTOCOL_ERROR, "protocol error")).await);
                     }

@@ -723,7 +723,10 @@ async fn metrics_count_turns_and_sessions() {
         "{text}"
     );
     assert!(
-        text.contains("sbp_upstream_latency_seconds_count 1"),
+        text.lines()
+            .any(|l| l.starts_with("sbp_upstream_latency_seconds_count{")
+                && l.contains("provider=\"echo\",outcome=\"ok\"")
+                && l.ends_with(" 1")),
         "{text}"
     );
     assert!(text.contains("sbp_attached_surfaces 0"));

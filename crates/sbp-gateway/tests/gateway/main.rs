@@ -12,6 +12,7 @@ mod http_edge;
 mod http_l1;
 mod lifecycle;
 mod mcp;
+mod metrics;
 mod openai_compat;
 mod openapi;
 mod roaming;

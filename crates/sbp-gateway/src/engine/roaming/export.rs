@@ -2,8 +2,6 @@
 //! (its messages canonicalised in parallel pieces), a signed roaming token naming the export, and
 //! inspection of such a token.
 
-use std::sync::atomic::Ordering::Relaxed;
-
 use chrono::{Duration, Utc};
 use sbp_protocol::bundle::{self, Envelope, EnvelopeSession, EnvelopeSnapshot, MessageOut};
 use sbp_protocol::token::{self, RoamingClaims};
@@ -152,7 +150,7 @@ impl Roaming {
                 },
             )
             .await?;
-        self.inner.metrics.exports.fetch_add(1, Relaxed);
+        self.inner.metrics.exports.inc();
         Ok(Exported {
             export: record_of(export),
             roaming_token,

@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::{DateTime, Utc};
 use sbp_protocol::bundle::{
@@ -411,8 +410,8 @@ impl Roaming {
                 now,
             })
             .await?;
-        self.inner.metrics.imports.fetch_add(1, Relaxed);
-        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.imports.inc();
+        self.inner.metrics.sessions_created.inc();
         Ok(Imported {
             session,
             session_token,

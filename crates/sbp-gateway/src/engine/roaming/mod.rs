@@ -12,7 +12,6 @@ mod redeem;
 pub use redeem::{REDEEM_RETRY_WINDOW, Redeemed};
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_protocol::bundle::{CidError, KNOWN_MEMORY_SCHEMAS, MEMORY_SCHEMA_KV};
@@ -332,8 +331,8 @@ impl Roaming {
                 ),
                 other => other.into(),
             })?;
-        self.inner.metrics.handoffs.fetch_add(1, Relaxed);
-        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.handoffs.inc();
+        self.inner.metrics.sessions_created.inc();
         let source = self.inner.sessions.get(source.id).await?;
         let mut export = record_of(export);
         export.imported_at = Some(now);
@@ -429,8 +428,8 @@ impl Roaming {
                 now,
             })
             .await?;
-        self.inner.metrics.forks.fetch_add(1, Relaxed);
-        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.forks.inc();
+        self.inner.metrics.sessions_created.inc();
         Ok(Forked {
             fork_id,
             origin: origin.clone(),

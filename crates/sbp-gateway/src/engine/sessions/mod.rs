@@ -8,7 +8,6 @@ mod tokens;
 pub use lifecycle::{DEFAULT_PAGE, ListRequest, MAX_PAGE, SessionPage};
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_bus::TurnDone;
@@ -25,7 +24,7 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, parse_uuid};
 use crate::limits::{Size, stored_bytes};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Timed as _};
 use crate::ratelimit::{Limit, Limiter};
 use tokens::TokenCache;
 
@@ -243,9 +242,10 @@ impl Sessions {
         };
         let id = new.id;
         let hash = new.token_hash.clone();
-        self.inner.store.create_session(new).await?;
+        let created = self.inner.store.create_session(new);
+        created.timed(&self.inner.metrics, "create_session").await?;
         self.inner.tokens.remember(id, &hash);
-        self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+        self.inner.metrics.sessions_created.inc();
         let session = self
             .inner
             .store
@@ -435,6 +435,7 @@ impl Sessions {
                 idempotency_claim: key.as_ref().map(|(_, f)| f.clone()),
                 now,
             })
+            .timed(&self.inner.metrics, "push_turn")
             .await;
         let outcome = match (outcome, &key) {
             // Another request with this key committed first: answer as its retry would.
@@ -450,8 +451,8 @@ impl Sessions {
             }
             (outcome, _) => outcome?,
         };
-        self.inner.metrics.turns_pushed.fetch_add(1, Relaxed);
-        self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
+        self.inner.metrics.turns_pushed.inc();
+        self.inner.metrics.tether_enqueued.inc();
         let seq = outcome.tether_seq.unwrap_or_default();
         let attached = self
             .inner

@@ -10,7 +10,6 @@ pub use ctp::CtpFrames;
 pub use delivery::Delivery;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_bus::{LiveChunk, TurnDone};
@@ -369,7 +368,7 @@ impl Surfaces {
         self.inner
             .metrics
             .tether_delivered
-            .fetch_add(seqs.len() as u64, Relaxed);
+            .inc_by(seqs.len() as u64);
         if d.ack_mode {
             return;
         }

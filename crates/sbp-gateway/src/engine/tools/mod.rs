@@ -10,7 +10,6 @@ pub(crate) use catalog::{Catalog, ToolTarget};
 pub use server::{NoServerTools, ServerTools};
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
@@ -253,7 +252,7 @@ impl Tools {
             tool_input: input,
             timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
         };
-        self.inner.metrics.tool_calls.fetch_add(1, Relaxed);
+        self.inner.metrics.tool_calls.inc();
         // Registered before it is sent: a fast TOOL_RESULT must find its call.
         let mut rx = self
             .inner
@@ -272,16 +271,26 @@ impl Tools {
         };
         let outcome = self.inner.calls.wait(call_id, &mut rx, deadline).await;
         let elapsed = started.elapsed();
-        self.inner.metrics.tool_call_latency.observe(elapsed);
+        let metrics = &self.inner.metrics;
+        metrics.tool_call_latency.observe(elapsed.as_secs_f64());
+        metrics.tool_outcome(
+            "surface",
+            match &outcome {
+                Ok(_) => "ok",
+                Err(ToolFailure::Timeout) => "timeout",
+                Err(ToolFailure::Disconnected) => "disconnected",
+                Err(ToolFailure::Surface(_)) => "error",
+            },
+        );
         let elapsed_ms = elapsed.as_millis() as u64;
         match &outcome {
             Ok(_) => {
                 tracing::info!(session_id = %session, %call_id, tool, elapsed_ms, "TOOL_RESULT received");
             }
             Err(e) => {
-                self.inner.metrics.tool_call_errors.fetch_add(1, Relaxed);
+                self.inner.metrics.tool_call_errors.inc();
                 if *e == ToolFailure::Timeout {
-                    self.inner.metrics.tool_call_timeouts.fetch_add(1, Relaxed);
+                    self.inner.metrics.tool_call_timeouts.inc();
                 }
                 tracing::warn!(session_id = %session, %call_id, tool, error = %e, elapsed_ms, "tool call failed");
             }
@@ -333,13 +342,16 @@ impl Tools {
                 }
             }
             ToolTarget::Server { server, tool } => {
-                self.inner.metrics.server_tool_calls.fetch_add(1, Relaxed);
-                match self
+                self.inner.metrics.server_tool_calls.inc();
+                let called = self
                     .inner
                     .server
                     .call(server, tool, arguments, timeout)
-                    .await
-                {
+                    .await;
+                let ok = matches!(called, Ok((false, _)));
+                let outcome = if ok { "ok" } else { "error" };
+                self.inner.metrics.tool_outcome("server", outcome);
+                match called {
                     Ok((false, text)) => ToolRun {
                         call_id: None,
                         content: text,

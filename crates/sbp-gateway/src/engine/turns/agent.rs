@@ -3,9 +3,6 @@
 //! the tools the model asks for and record each round, ask again; then persist the reply with its
 //! snapshots and tether entry (`finish_turn`) and only then answer and notify the surface.
 
-use std::sync::atomic::Ordering::Relaxed;
-use std::time::Instant;
-
 use chrono::Utc;
 use futures::StreamExt;
 use sbp_bus::{LiveChunk, TurnDone};
@@ -22,6 +19,7 @@ use crate::engine::connections::Attachment;
 use crate::engine::replicas::Replicas;
 use crate::engine::tools::{Catalog, ToolRun, ToolTarget};
 use crate::error::Error;
+use crate::metrics::Timed as _;
 use sbp_protocol::time::iso;
 
 /// One upstream call's outcome.
@@ -82,7 +80,7 @@ impl Turns {
                 finished
             }
             Err(err) => {
-                self.inner.metrics.turns_failed.fetch_add(1, Relaxed);
+                self.inner.metrics.turns_failed.inc();
                 let fail = FailTurn {
                     session_id: turn.session.id,
                     turn_id: turn.turn_id,
@@ -90,7 +88,8 @@ impl Turns {
                     idempotency_key: turn.idempotency_key.clone(),
                     now: Utc::now(),
                 };
-                if let Err(e) = self.inner.store.fail_turn(fail).await {
+                let failed = self.inner.store.fail_turn(fail);
+                if let Err(e) = failed.timed(&self.inner.metrics, "fail_turn").await {
                     tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
                 }
                 if turn.creates_session && self.discard(&turn).await {
@@ -154,7 +153,6 @@ impl Turns {
             turn.session.step_count + 1,
             turn.surface.clone(),
         );
-        let started = Instant::now();
         let mut transcript = turn.request.clone();
         let mut usage = UsageSum::default();
         let max_rounds = self.inner.config.max_tool_rounds;
@@ -181,13 +179,7 @@ impl Turns {
             usage.add(out.body.get("usage"));
             let calls = match gateway_calls(&out.message, &catalog) {
                 Some(calls) if round < max_rounds => calls,
-                _ => {
-                    self.inner
-                        .metrics
-                        .upstream_latency
-                        .observe(started.elapsed());
-                    return Ok(last_round(out, round, usage, &catalog, &sink));
-                }
+                _ => return Ok(last_round(out, round, usage, &catalog, &sink)),
             };
             self.tool_round(turn, round, &out, calls, &mut transcript)
                 .await?;
@@ -297,6 +289,7 @@ impl Turns {
                 snapshots: pre,
                 now: Utc::now(),
             })
+            .timed(&self.inner.metrics, "record_progress")
             .await?;
         let runs = futures::future::join_all(calls.iter().map(|c| async move {
             match &c.arguments {
@@ -342,6 +335,7 @@ impl Turns {
                 snapshots: post,
                 now,
             })
+            .timed(&self.inner.metrics, "record_progress")
             .await?;
         transcript.messages.extend(answered);
         Ok(())
@@ -411,10 +405,11 @@ impl Turns {
             idempotency_claim: None,
             now,
         };
-        let outcome = self.inner.store.finish_turn(finish).await?;
-        self.inner.metrics.turns_completed.fetch_add(1, Relaxed);
+        let finished = self.inner.store.finish_turn(finish);
+        let outcome = finished.timed(&self.inner.metrics, "finish_turn").await?;
+        self.inner.metrics.turns_completed.inc();
         if outcome.tether_seq.is_some() {
-            self.inner.metrics.tether_enqueued.fetch_add(1, Relaxed);
+            self.inner.metrics.tether_enqueued.inc();
         }
         body["sbp"]["step_count"] = json!(outcome.session.step_count);
         self.inner

@@ -10,7 +10,6 @@ mod passthrough;
 mod transcript;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use chrono::Utc;
 use sbp_llm::Provider;
@@ -36,7 +35,7 @@ use crate::auth;
 use crate::config::GatewayConfig;
 use crate::error::{Error, TurnSession, parse_uuid};
 use crate::limits::Size;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Timed as _};
 use sbp_protocol::time::iso;
 
 /// A completion request, parsed at the edge.
@@ -463,6 +462,7 @@ impl Turns {
             .inner
             .store
             .begin_turn(begin)
+            .timed(&self.inner.metrics, "begin_turn")
             .await
             .map_err(|e| match e {
                 StoreError::Conflict(kind) if kind.is_idempotency() => {
@@ -474,7 +474,7 @@ impl Turns {
                 other => other.into(),
             })?;
         if created {
-            self.inner.metrics.sessions_created.fetch_add(1, Relaxed);
+            self.inner.metrics.sessions_created.inc();
         }
         request.messages = history
             .into_iter()

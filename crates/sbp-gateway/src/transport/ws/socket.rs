@@ -5,6 +5,7 @@
 //! close arrives, so the client sees our close frame instead of a reset.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use futures::{SinkExt as _, StreamExt as _};
@@ -16,8 +17,13 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use sbp_protocol::ServerFrame;
+
 use super::wire::{Wire, WriteProgress};
 use crate::engine::connections::Backlog;
+use crate::metrics::FrameLabels;
 
 /// RFC 6455 close codes the transport itself sends (the protocol's own are in
 /// `sbp_protocol::frames`).
@@ -70,8 +76,68 @@ pub enum WriteFailed {
     Overflow,
 }
 
+/// The frames and bytes of one connection, for its access line, each frame also counted in the
+/// gateway's `sbp_ws_frames_total` by type.
+pub struct Tally {
+    frames: Family<FrameLabels, Counter>,
+    frames_in: AtomicU64,
+    frames_out: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+}
+
+/// A connection's totals: frames in, frames out, bytes in, bytes out.
+pub struct Totals {
+    pub frames_in: u64,
+    pub frames_out: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+impl Tally {
+    /// A connection's tally, counting into the gateway's `frames` family.
+    pub fn new(frames: Family<FrameLabels, Counter>) -> Arc<Self> {
+        Arc::new(Self {
+            frames,
+            frames_in: AtomicU64::new(0),
+            frames_out: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+        })
+    }
+
+    /// A frame of `kind` received, `bytes` long.
+    pub fn received(&self, kind: &'static str, bytes: usize) {
+        self.count("in", kind);
+        self.frames_in.fetch_add(1, Relaxed);
+        self.bytes_in.fetch_add(bytes as u64, Relaxed);
+    }
+
+    fn sent(&self, kind: &'static str, bytes: usize) {
+        self.count("out", kind);
+        self.frames_out.fetch_add(1, Relaxed);
+        self.bytes_out.fetch_add(bytes as u64, Relaxed);
+    }
+
+    fn count(&self, direction: &'static str, r#type: &'static str) {
+        self.frames
+            .get_or_create(&FrameLabels { direction, r#type })
+            .inc();
+    }
+
+    pub fn totals(&self) -> Totals {
+        Totals {
+            frames_in: self.frames_in.load(Relaxed),
+            frames_out: self.frames_out.load(Relaxed),
+            bytes_in: self.bytes_in.load(Relaxed),
+            bytes_out: self.bytes_out.load(Relaxed),
+        }
+    }
+}
+
 pub struct Socket {
     ws: Stream,
+    tally: Arc<Tally>,
     write_timeout: Duration,
     progress: WriteProgress,
     /// Once attached: the connection's queued turn traffic, whose overflow abandons a write.
@@ -82,10 +148,11 @@ pub struct Socket {
 }
 
 impl Socket {
-    pub fn new(ws: Stream, write_timeout: Duration) -> Self {
+    pub fn new(ws: Stream, write_timeout: Duration, tally: Arc<Tally>) -> Self {
         let progress = ws.get_ref().progress();
         Self {
             ws,
+            tally,
             write_timeout,
             progress,
             backlog: None,
@@ -109,7 +176,10 @@ impl Socket {
             };
             match msg {
                 Message::Text(t) => return Incoming::Text(t),
-                Message::Binary(_) => return Incoming::Binary,
+                Message::Binary(b) => {
+                    self.tally.received("BINARY", b.len());
+                    return Incoming::Binary;
+                }
                 Message::Close(_) => return Incoming::Ended(Close::Answer),
                 Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
             }
@@ -129,6 +199,20 @@ impl Socket {
             WsError::Protocol(_) => Close::Send(CLOSE_WS_PROTOCOL, "protocol violation"),
             _ => Close::Gone,
         }
+    }
+
+    /// A frame of `kind` received, `bytes` long (counted by the caller, who knows its type).
+    pub fn received(&self, kind: &'static str, bytes: usize) {
+        self.tally.received(kind, bytes);
+    }
+
+    /// Writes one protocol frame, counted once written (see [`Socket::send`]).
+    pub async fn send_frame(&mut self, frame: &ServerFrame) -> Result<(), WriteFailed> {
+        let text = frame.to_json();
+        let bytes = text.len();
+        self.send(text).await?;
+        self.tally.sent(frame.type_name(), bytes);
+        Ok(())
     }
 
     /// Writes one text frame. It fails with `Timeout` only when no byte could be written for the
