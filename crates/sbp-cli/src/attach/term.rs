@@ -478,16 +478,8 @@ mod tests {
         t.chunk("c1", "ld**\n\n- a\n");
         t.tool_called("clock", &json!({}));
         t.chunk("c1", "- b");
-        t.complete(&TurnComplete {
-            chunk_id: "c1".into(),
-            seq: Some(2),
-            model_used: None,
-        });
-        t.complete(&TurnComplete {
-            chunk_id: "c2".into(),
-            seq: Some(3),
-            model_used: None,
-        });
+        t.complete(&TurnComplete::new("c1".into(), Some(2), None));
+        t.complete(&TurnComplete::new("c2".into(), Some(3), None));
         assert_eq!(
             text(t),
             "assistant › Hello world\n⚙ tool clock({})\nassistant › • a\n  • b\n  ✓ turn complete · seq 2\n\

@@ -19,8 +19,8 @@ use sbp_protocol::rest::{
     Export, ExportInfo, ExportList, ExportRequest, ForkInfo, ForkRequest, HandoffInfo,
     HandoffRequest, Health, ImportInfo, ImportRequest, Lineage, Memory, MemoryPut, MessagePage,
     MessagesQuery, NewSession, PushTurn, PushedTurn, SessionCreated, SessionDeleted, SessionInfo,
-    SessionList, SessionsQuery, SetStatus,
-    Snapshot, SnapshotList, StatusChanged, ToolCallOutcome, ToolCallRequest,
+    SessionList, SessionsQuery, SetStatus, Snapshot, SnapshotList, StatusChanged, ToolCallOutcome,
+    ToolCallRequest,
 };
 use sbp_protocol::{ChatRequest, ErrorBody, SbpResponseMeta};
 use schemars::generate::SchemaSettings;
