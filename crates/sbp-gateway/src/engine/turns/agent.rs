@@ -3,6 +3,8 @@
 //! the tools the model asks for and record each round, ask again; then persist the reply with its
 //! snapshots and tether entry (`finish_turn`) and only then answer and notify the surface.
 
+use std::sync::atomic::Ordering::Relaxed;
+
 use chrono::Utc;
 use futures::StreamExt;
 use sbp_bus::{LiveChunk, TurnDone};
@@ -81,22 +83,25 @@ impl Turns {
             }
             Err(err) => {
                 self.inner.metrics.turns_failed.inc();
-                let fail = FailTurn {
-                    session_id: turn.session.id,
-                    turn_id: turn.turn_id,
-                    error: err.to_string(),
-                    idempotency_key: turn.idempotency_key.clone(),
-                    now: Utc::now(),
-                };
-                let failed = self.inner.store.fail_turn(fail);
-                if let Err(e) = failed.timed(&self.inner.metrics, "fail_turn").await {
-                    tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
-                }
-                if turn.creates_session && self.discard(&turn).await {
-                    // Nothing of the session remains, so its caller is not told about it (an
-                    // SDK's retries of a failing first request leave no orphan sessions).
+                // A session this turn created, that its caller has not learnt of (no streamed
+                // event carried its headers yet), is erased whole, its Idempotency-Key with it (a
+                // retry starts afresh; until then the key stays in progress): an SDK's retries of
+                // a failing first request leave no orphan sessions.
+                let untold = turn.creates_session && !turn.told.load(Relaxed);
+                if untold && self.discard(&turn).await {
                     Err(err)
                 } else {
+                    let fail = FailTurn {
+                        session_id: turn.session.id,
+                        turn_id: turn.turn_id,
+                        error: err.to_string(),
+                        idempotency_key: turn.idempotency_key.clone(),
+                        now: Utc::now(),
+                    };
+                    let failed = self.inner.store.fail_turn(fail);
+                    if let Err(e) = failed.timed(&self.inner.metrics, "fail_turn").await {
+                        tracing::error!(session_id = %turn.session.id, error = %e, "recording a failed turn failed");
+                    }
                     Err(Error::InTurn {
                         session: turn.session(),
                         cause: Box::new(err),
@@ -235,6 +240,8 @@ impl Turns {
             if !strip_loop_fields(&mut chunk, hide_tools) {
                 continue;
             }
+            // The first event carries the session's headers: from here its caller knows it.
+            turn.told.store(true, Relaxed);
             caller_gone = tx.send(SseEvent::Data(chunk)).await.is_err();
         }
         let model = asm.model.clone().unwrap_or(routed);

@@ -142,8 +142,11 @@ struct Plan {
 /// What a turn task needs, owned.
 struct Turn {
     session: SessionRecord,
-    /// This turn's request created the session: if the turn fails, nothing of it is kept.
+    /// This turn's request created the session: if the turn fails before its caller is told of
+    /// it (`told`), nothing of it is kept.
     creates_session: bool,
+    /// A streamed event (with the session's headers) went to the caller.
+    told: std::sync::atomic::AtomicBool,
     created_token: Option<String>,
     turn_id: Uuid,
     /// The upstream request: the whole transcript, the model, shaped for the surface.
@@ -498,6 +501,7 @@ impl Turns {
             idempotency_key: store_key,
             surface,
             creates_session: created,
+            told: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
