@@ -112,6 +112,8 @@ pub(crate) fn model_list(value: &Value, owner: &str) -> Vec<Value> {
 }
 
 pub(crate) fn classify(e: reqwest::Error) -> LlmError {
+    // The URL may carry credentials (`user:pass@`, `?key=`): it stays out of the message.
+    let e = e.without_url();
     if e.is_timeout() {
         LlmError::Timeout
     } else if e.is_connect() {

@@ -96,6 +96,15 @@ impl UpstreamMetrics {
     }
 }
 
+/// A model name as a log field shows it: the caller chose it, so it is cut to the label's length
+/// and logged with `?` (quoted, newlines escaped), never raw.
+fn shown(model: &str) -> &str {
+    match model.char_indices().nth(MAX_MODEL_LEN) {
+        Some((end, _)) => &model[..end],
+        None => model,
+    }
+}
+
 /// How an upstream call ended, as a label value.
 fn outcome(e: Option<&LlmError>) -> &'static str {
     match e {
@@ -177,10 +186,10 @@ impl Call {
                     LlmError::Status { status, .. } => Some(*status),
                     _ => None,
                 };
-                tracing::warn!(model = %self.model, provider = self.provider, outcome, status, latency_ms, %error, "upstream request failed");
+                tracing::warn!(model = ?shown(&self.model), provider = self.provider, outcome, status, latency_ms, %error, "upstream request failed");
             }
             Err(None) => {
-                tracing::debug!(model = %self.model, provider = self.provider, latency_ms, "upstream stream dropped before its end");
+                tracing::debug!(model = ?shown(&self.model), provider = self.provider, latency_ms, "upstream stream dropped before its end");
             }
             Ok(()) => {}
         }

@@ -69,3 +69,17 @@ pub fn layer(config: &GatewayConfig) -> Option<CorsLayer> {
             .max_age(MAX_AGE),
     )
 }
+
+/// Outside the CORS layer, which answers every `OPTIONS` as a preflight: an `OPTIONS` that is not
+/// one (no `Access-Control-Request-Method`) gets the 405 it gets without CORS, through the rate
+/// limits like any request.
+pub async fn only_preflights(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let preflight = req.headers().contains_key("access-control-request-method");
+    if req.method() == Method::OPTIONS && !preflight {
+        return super::http::method_not_allowed().await;
+    }
+    next.run(req).await
+}

@@ -91,7 +91,7 @@ pub fn router(gateway: Gateway, bound: SocketAddr) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(from_fn_with_state(limits, limits::enforce));
     if let Some(cors) = cors::layer(gateway.config()) {
-        app = app.layer(cors);
+        app = app.layer(cors).layer(from_fn(cors::only_preflights));
     }
     app.layer(from_fn_with_state(policy, policy::enforce))
         .layer(from_fn(errors::envelope))

@@ -278,3 +278,23 @@ async fn the_configured_origin_may_open_a_surface_websocket() {
         .await;
     assert_eq!(ws.recv().await["type"], "SESSION_ATTACHED");
 }
+
+#[tokio::test]
+async fn with_cors_on_an_options_that_is_no_preflight_is_still_405() {
+    let gw = with_cors().await;
+    for headers in [vec![], vec![("origin", APP)]] {
+        for path in ["/v1/sessions", "/v1/sbp/sessions/x/mcp", "/nowhere"] {
+            let resp = gw
+                .request(reqwest::Method::OPTIONS, path, &headers)
+                .send()
+                .await
+                .expect("sent");
+            assert_eq!(resp.status().as_u16(), 405, "{path} {headers:?}");
+            assert!(resp.headers().get("access-control-allow-origin").is_none());
+        }
+    }
+    // A real preflight from the configured origin is still answered.
+    let (status, h, _) = preflight(&gw, APP, "/v1/sessions").await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "access-control-allow-origin"), APP);
+}

@@ -333,10 +333,8 @@ async fn past_the_shutdown_grace_a_hung_turn_fails_and_its_key_is_retried_after_
     let (status, headers, failed) = hung.await.expect("the hung caller");
     assert_eq!(status, 503, "{failed}");
     assert_eq!(failed["error"]["code"], "SBP_UNAVAILABLE", "{failed}");
-    let session = headers["x-session-id"]
-        .to_str()
-        .expect("session id")
-        .to_owned();
+    // The session the hung turn created is not kept (issue 16): its caller is not told of it.
+    assert!(headers.get("x-session-id").is_none(), "{headers:?}");
     let cut = trickling.await.expect("the trickler");
     assert!(
         cut.as_ref().is_none_or(|r| r.status != 201),
@@ -344,7 +342,7 @@ async fn past_the_shutdown_grace_a_hung_turn_fails_and_its_key_is_retried_after_
     );
 
     // After a restart (here with the built-in model: the upstream is not the point), the same
-    // request with the same key runs again in the same session.
+    // request with the same key runs again, in the one session there is.
     let gw = TestGateway::with(Options {
         dir: Some(dir),
         ..Options::default()
@@ -352,6 +350,8 @@ async fn past_the_shutdown_grace_a_hung_turn_fails_and_its_key_is_retried_after_
     .await;
     let (status, headers, retried) = gw.chat(request, &[key]).await;
     assert_eq!(status, 200, "{retried}");
-    assert_eq!(headers["x-session-id"].to_str().expect("id"), session);
-    assert_eq!(retried["sbp"]["session_id"], session.as_str());
+    let session = headers["x-session-id"].to_str().expect("id");
+    assert_eq!(retried["sbp"]["session_id"], session);
+    let (_, listed) = gw.get("/v1/sessions", &[]).await;
+    assert_eq!(listed["data"].as_array().map(Vec::len), Some(1), "{listed}");
 }
