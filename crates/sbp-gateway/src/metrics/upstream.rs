@@ -97,12 +97,19 @@ impl UpstreamMetrics {
 }
 
 /// A model name as a log field shows it: the caller chose it, so it is cut to the label's length
-/// and logged with `?` (quoted, newlines escaped), never raw.
-fn shown(model: &str) -> &str {
-    match model.char_indices().nth(MAX_MODEL_LEN) {
-        Some((end, _)) => &model[..end],
-        None => model,
-    }
+/// and its control characters (a newline would forge a line of the text log) are escaped.
+fn shown(model: &str) -> String {
+    model
+        .chars()
+        .take(MAX_MODEL_LEN)
+        .flat_map(|c| {
+            let escaped: Vec<char> = match c.is_control() {
+                true => c.escape_default().collect(),
+                false => vec![c],
+            };
+            escaped
+        })
+        .collect()
 }
 
 /// How an upstream call ended, as a label value.
@@ -186,10 +193,10 @@ impl Call {
                     LlmError::Status { status, .. } => Some(*status),
                     _ => None,
                 };
-                tracing::warn!(model = ?shown(&self.model), provider = self.provider, outcome, status, latency_ms, %error, "upstream request failed");
+                tracing::warn!(model = %shown(&self.model), provider = self.provider, outcome, status, latency_ms, %error, "upstream request failed");
             }
             Err(None) => {
-                tracing::debug!(model = ?shown(&self.model), provider = self.provider, latency_ms, "upstream stream dropped before its end");
+                tracing::debug!(model = %shown(&self.model), provider = self.provider, latency_ms, "upstream stream dropped before its end");
             }
             Ok(()) => {}
         }
@@ -296,6 +303,13 @@ impl Provider for Observed {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_model_name_in_a_log_line_cannot_start_another_line() {
+        assert_eq!(shown("gpt-4o"), "gpt-4o");
+        assert_eq!(shown("a\nINFO forged"), "a\\nINFO forged");
+        assert_eq!(shown(&"m".repeat(500)).len(), MAX_MODEL_LEN);
+    }
 
     #[test]
     fn model_labels_are_admitted_by_an_answer_and_capped() {
