@@ -131,9 +131,7 @@ pub async fn chat_completions(
             first,
             events,
         } => {
-            let rest = futures::stream::unfold(events, |mut rx| async move {
-                rx.recv().await.map(|ev| (ev, rx))
-            });
+            let rest = tokio_stream::wrappers::ReceiverStream::new(events);
             let events = futures::stream::once(async move { first }).chain(rest);
             let mut resp = sse(events).into_response();
             if let Some(session) = &session {

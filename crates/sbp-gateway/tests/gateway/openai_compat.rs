@@ -129,15 +129,20 @@ async fn a_streamed_tool_loop_ends_with_one_finish_chunk_and_usage_last() {
 
 async fn suspended_session(gw: &TestGateway) -> (String, String) {
     let (id, token) = gw.session().await;
-    let (s, b) = gw
-        .patch(
-            &format!("/v1/sbp/sessions/{id}/status"),
-            json!({"status": "suspended"}),
-            &[("x-session-token", &token)],
-        )
-        .await;
-    assert_eq!(s, 200, "{b}");
+    suspend(gw, &id, &token).await;
     (id, token)
+}
+
+/// A gateway started with the operator key `operator-key`.
+async fn with_operator_key() -> TestGateway {
+    TestGateway::with(Options {
+        config: GatewayConfig {
+            api_keys: vec!["operator-key".into()],
+            ..crate::support::Options::default().config
+        },
+        ..Options::default()
+    })
+    .await
 }
 
 #[tokio::test]
@@ -259,14 +264,7 @@ async fn upstream_errors_reach_the_caller_in_the_upstreams_words() {
 
 #[tokio::test]
 async fn every_gateway_error_has_an_openai_type() {
-    let gw = TestGateway::with(Options {
-        config: GatewayConfig {
-            api_keys: vec!["operator-key".into()],
-            ..crate::support::Options::default().config
-        },
-        ..Options::default()
-    })
-    .await;
+    let gw = with_operator_key().await;
     let (s, _, b) = gw.chat(json!({"messages": [user("hi")]}), &[]).await;
     assert_eq!(
         (s, &b["error"]["type"]),
@@ -401,14 +399,7 @@ async fn a_session_token_sent_as_the_sdks_api_key_continues_its_session() {
 
 #[tokio::test]
 async fn with_operator_keys_a_session_token_is_not_an_operator_key() {
-    let gw = TestGateway::with(Options {
-        config: GatewayConfig {
-            api_keys: vec!["operator-key".into()],
-            ..crate::support::Options::default().config
-        },
-        ..Options::default()
-    })
-    .await;
+    let gw = with_operator_key().await;
     let key = [("authorization", "Bearer operator-key")];
     let (s, h, b) = gw.chat(json!({"messages": [user("hi")]}), &key).await;
     assert_eq!(s, 200, "{b}");

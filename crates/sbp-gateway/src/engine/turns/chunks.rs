@@ -67,18 +67,7 @@ pub fn closing_chunk(reply: &Value, tools_hidden: bool) -> Value {
             .and_then(|c| c.pointer("/message/tool_calls"))
             .and_then(Value::as_array)
     {
-        let indexed = calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut c = c.clone();
-                if let Some(call) = c.as_object_mut() {
-                    call.insert("index".into(), json!(i));
-                }
-                c
-            })
-            .collect();
-        delta.insert("tool_calls".into(), Value::Array(indexed));
+        delta.insert("tool_calls".into(), indexed(calls));
     }
     let mut chunk = chunk_head(reply);
     chunk["choices"] = json!([{"index": 0, "delta": delta, "finish_reason": finish_reason}]);
@@ -110,18 +99,7 @@ pub fn replayed_chunks(reply: &Value, include_usage: bool) -> Vec<Value> {
             if key == "tool_calls"
                 && let Some(calls) = value.as_array()
             {
-                let indexed = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        let mut c = c.clone();
-                        if let Some(call) = c.as_object_mut() {
-                            call.insert("index".into(), json!(i));
-                        }
-                        c
-                    })
-                    .collect();
-                delta.insert(key.clone(), Value::Array(indexed));
+                delta.insert(key.clone(), indexed(calls));
             } else if key != "role" {
                 delta.insert(key.clone(), value.clone());
             }
@@ -134,6 +112,21 @@ pub fn replayed_chunks(reply: &Value, include_usage: bool) -> Vec<Value> {
         chunks.push(usage_chunk(reply));
     }
     chunks
+}
+
+/// Tool calls as a chunk's delta carries them: each with its `index`.
+fn indexed(calls: &[Value]) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut c = c.clone();
+            if let Some(call) = c.as_object_mut() {
+                call.insert("index".into(), json!(i));
+            }
+            c
+        })
+        .collect()
 }
 
 fn chunk_head(reply: &Value) -> Value {
