@@ -44,6 +44,15 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
             format!("built-in offline model {}", sbp_llm::ECHO_MODEL),
         ),
     };
+    // The built-in model stays reachable beside an upstream, by its exact name: a health check,
+    // a conformance run or a demo needs no upstream credit, and `GET /v1/models` lists it.
+    let provider: Arc<dyn Provider> = match &s.llm_base_url {
+        None => provider,
+        Some(_) => Arc::new(Router::new(provider).with_route(
+            ModelMatch::exact(sbp_llm::ECHO_MODEL),
+            Arc::new(EchoProvider),
+        )),
+    };
     let (provider, upstream_label) = match &s.anthropic {
         None => (provider, upstream_label),
         Some((url, key, prefixes)) => {

@@ -758,21 +758,60 @@ async fn kill_9_after_a_tool_round_keeps_the_round_whole() {
     );
 }
 
-/// With an upstream, `GET /v1/models` lists the upstream's models, in OpenAI's shape.
+/// With an upstream and an Anthropic route, `GET /v1/models` lists the upstream's models, the
+/// route's under the names callers use, and the built-in `sbp/echo`, which still answers by
+/// itself beside the upstream.
 #[tokio::test]
-async fn models_list_the_upstreams() {
+async fn models_list_the_upstreams_the_routes_and_the_built_in() {
     let fake = FakeLlm::start().await.expect("fake upstream");
     let base = fake.base_url();
     let dir = tempfile::tempdir().expect("tempdir");
-    let gw = Sbp::start(dir.path(), &["--llm-base-url", &base]).await;
+    let gw = Sbp::start(
+        dir.path(),
+        &[
+            "--llm-base-url",
+            &base,
+            "--anthropic-base-url",
+            &base,
+            "--anthropic-api-key",
+            "test-key",
+        ],
+    )
+    .await;
     let (status, _, list) = send(gw.get("/v1/models")).await;
     assert_eq!(status, 200, "{list}");
     assert_eq!(list["object"], "list", "{list}");
-    let ids: Vec<&str> = list["data"]
+    let mut ids: Vec<&str> = list["data"]
         .as_array()
         .expect("data")
         .iter()
         .filter_map(|m| m["id"].as_str())
         .collect();
-    assert_eq!(ids, vec!["fake"], "{list}");
+    ids.sort_unstable();
+    assert_eq!(ids, vec!["anthropic/fake", "fake", "sbp/echo"], "{list}");
+    for id in ["sbp/echo", "anthropic/fake"] {
+        let (status, _, model) = send(gw.get(&format!("/v1/models/{id}"))).await;
+        assert_eq!(status, 200, "{model}");
+        assert_eq!(model["id"], id, "{model}");
+    }
+
+    let asked = fake.requests().len();
+    let (status, _, body) = send(gw.post(
+        "/v1/chat/completions",
+        &json!({"model": "sbp/echo", "messages": [msg("user", "who answers?")]}),
+    ))
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["content"], "Echo: who answers?",
+        "{body}"
+    );
+    assert_eq!(fake.requests().len(), asked, "the upstream was not asked");
+    let (status, _, body) = gw.chat(None, json!([msg("user", "and now?")])).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        fake.requests().len(),
+        asked + 1,
+        "the upstream answers the rest"
+    );
 }

@@ -16,6 +16,7 @@ use crate::{ChunkStream, Completion, LlmError, Provider};
 pub struct ModelMatch {
     prefix: String,
     strip: bool,
+    exact: bool,
 }
 
 impl ModelMatch {
@@ -24,6 +25,15 @@ impl ModelMatch {
         Self {
             prefix: prefix.into(),
             strip: false,
+            exact: false,
+        }
+    }
+
+    /// The one model named `name`, sent upstream unchanged (`sbp/echo` beside an upstream).
+    pub fn exact(name: impl Into<String>) -> Self {
+        Self {
+            exact: true,
+            ..Self::prefix(name)
         }
     }
 
@@ -36,7 +46,11 @@ impl ModelMatch {
     }
 
     pub fn matches(&self, model: &str) -> bool {
-        model.starts_with(&self.prefix)
+        if self.exact {
+            model == self.prefix
+        } else {
+            model.starts_with(&self.prefix)
+        }
     }
 
     /// The model name the provider is given for `model`, which this matches.
@@ -295,6 +309,10 @@ mod tests {
         assert_eq!(m.upstream("claude-3"), "claude-3");
         let s = ModelMatch::prefix("a/").stripping_prefix();
         assert_eq!(s.upstream("a/b"), "b");
+        let e = ModelMatch::exact("sbp/echo");
+        assert!(e.matches("sbp/echo"));
+        assert!(!e.matches("sbp/echo-2"), "an exact match is not a prefix");
+        assert_eq!(e.upstream("sbp/echo"), "sbp/echo");
     }
 
     /// Lists fixed models (or fails).

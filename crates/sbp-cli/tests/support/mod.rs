@@ -41,6 +41,9 @@ pub fn sbp_serve() -> Command {
 }
 
 /// `sbp serve --listen 127.0.0.1:0 --data-dir DIR EXTRA...`.
+///
+/// With an upstream and no `--default-model`, turns that name no model go to the fake's `fake`
+/// (`sbp/echo`, the documented default, is the built-in model even beside an upstream).
 pub fn sbp_serve_in(data_dir: &Path, extra: &[&str]) -> Command {
     let mut cmd = sbp_serve();
     cmd.arg("--listen")
@@ -48,6 +51,9 @@ pub fn sbp_serve_in(data_dir: &Path, extra: &[&str]) -> Command {
         .arg("--data-dir")
         .arg(data_dir)
         .args(extra);
+    if extra.contains(&"--llm-base-url") && !extra.contains(&"--default-model") {
+        cmd.args(["--default-model", "fake"]);
+    }
     cmd
 }
 
@@ -261,12 +267,10 @@ impl Sbp {
         self.http.get(format!("{}{path}", self.url))
     }
 
-    /// A completion; `token` continues a session. Returns (status, session token header, body).
+    /// A completion of the gateway's default model; `token` continues a session. Returns
+    /// (status, session token header, body).
     pub async fn chat(&self, token: Option<&str>, messages: Value) -> (u16, Option<String>, Value) {
-        let mut req = self.post(
-            "/v1/chat/completions",
-            &json!({"model": "sbp/echo", "messages": messages}),
-        );
+        let mut req = self.post("/v1/chat/completions", &json!({"messages": messages}));
         if let Some(t) = token {
             req = req.header("x-session-token", t);
         }

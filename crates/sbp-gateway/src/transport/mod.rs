@@ -109,7 +109,7 @@ fn session_routes(gateway: &Gateway) -> Router<Gateway> {
         .route("/openapi.json", get(openapi::serve))
         .route("/v1/chat/completions", post(http::chat_completions))
         .route("/v1/models", get(http::models))
-        .route("/v1/models/{id}", get(http::model))
+        .route("/v1/models/{*id}", get(http::model))
         .route(
             "/v1/sessions",
             post(http::create_session).get(http::list_sessions),
