@@ -220,6 +220,11 @@ pub struct ServeArgs {
     /// --max-session-messages. [default: 33554432]
     #[arg(long, env = "SBP_MAX_SESSION_BYTES")]
     pub max_session_bytes: Option<u64>,
+    /// Memory in MiB for recent sessions' transcripts, kept ready to send so a turn reads and
+    /// re-sends only what it adds; the least recently used are evicted first; 0 turns it off.
+    /// [default: 32]
+    #[arg(long, env = "SBP_HISTORY_CACHE_MIB")]
+    pub history_cache_mib: Option<usize>,
     /// Deepest nesting of objects and arrays in a request body, 8 to 128 (413 beyond).
     /// [default: 64]
     #[arg(long, env = "SBP_MAX_JSON_DEPTH")]
@@ -376,6 +381,7 @@ struct FileConfig {
     max_message_bytes: Option<usize>,
     max_session_messages: Option<u64>,
     max_session_bytes: Option<u64>,
+    history_cache_mib: Option<usize>,
     max_json_depth: Option<usize>,
     max_json_objects: Option<usize>,
     max_json_values: Option<usize>,
@@ -495,6 +501,8 @@ pub struct Settings {
     pub ws_frame_burst: u32,
     pub max_body_bytes: usize,
     pub limits: Limits,
+    /// Bytes of the history cache.
+    pub history_cache_bytes: usize,
     pub api_keys: Vec<String>,
     /// Timeouts and connection caps (TLS is added by `sbp serve` itself).
     pub edge: EdgeConfig,
@@ -911,6 +919,12 @@ impl Settings {
             ws_frame_burst,
             max_body_bytes,
             limits,
+            history_cache_bytes: args
+                .history_cache_mib
+                .or(file.history_cache_mib)
+                .unwrap_or(32)
+                .checked_mul(1 << 20)
+                .ok_or_else(|| anyhow::anyhow!("--history-cache-mib is too large"))?,
             api_keys,
             edge,
             shutdown_grace,

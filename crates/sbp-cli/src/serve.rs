@@ -128,6 +128,7 @@ pub async fn run(s: Settings) -> anyhow::Result<()> {
         ws_frame_burst: s.ws_frame_burst,
         max_body_bytes: s.max_body_bytes,
         limits: s.limits,
+        history_cache_bytes: s.history_cache_bytes,
         api_keys: s.api_keys.clone(),
         strict_sbp: s.strict_sbp,
         enable_test_hooks: s.enable_test_hooks,

@@ -44,6 +44,9 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// Bounds on request messages, JSON shape and session transcripts.
     pub limits: crate::limits::Limits,
+    /// Memory for recent sessions' transcripts, kept ready to send so a turn reads and sends on
+    /// only what it adds (least recently used evicted first); 0 reads every turn's history.
+    pub history_cache_bytes: usize,
     /// Operator API keys; when non-empty every HTTP endpoint but /healthz needs one as a Bearer token.
     pub api_keys: Vec<String>,
     /// SPEC 6.1 strict mode: a request with neither `sbp` nor a session token is passed through untracked.
@@ -181,6 +184,7 @@ impl Default for GatewayConfig {
             ws_frame_burst: 1000,
             max_body_bytes: 8 << 20,
             limits: crate::limits::Limits::default(),
+            history_cache_bytes: 32 << 20,
             api_keys: Vec::new(),
             strict_sbp: false,
             enable_test_hooks: false,

@@ -6,7 +6,11 @@
 //! stored and exported as they are, vendor fields included); [`ChatMessage`], [`ToolDecl`] and
 //! [`FunctionCall`] are views over them, the one place their keys are read.
 
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
 use serde::{Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::SbpRequestOptions;
@@ -78,7 +82,7 @@ impl ChatRequest {
         for (i, m) in messages.iter().enumerate() {
             check_message(&format!("messages[{i}]"), m)?;
         }
-        let messages = messages.into_iter().map(ChatMessage).collect();
+        let messages = messages.into_iter().map(ChatMessage::from_value).collect();
         let stream = match body.remove("stream") {
             None | Some(Value::Null) => None,
             Some(Value::Bool(b)) => Some(b),
@@ -177,51 +181,143 @@ impl ChatRequest {
 }
 
 /// One chat message, as sent (or as stored): when parsed from a request, an object that passed
-/// [`check_message`].
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct ChatMessage(Value);
+/// [`check_message`]. A message of a stored transcript may instead be a [`StoredMessage`] (its
+/// JSON as serialised once, shared with a cache): it is sent upstream as those bytes and parsed
+/// only when something reads it, so a turn does not pay for the history it merely forwards.
+#[derive(Clone)]
+pub struct ChatMessage(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Parsed(Value),
+    Stored {
+        stored: Arc<StoredMessage>,
+        /// Parsed on first read; dropped with this message, never kept by the cache.
+        parsed: OnceLock<Value>,
+    },
+}
+
+/// A message of a stored transcript as JSON text, with its role (the store's column) so the
+/// common questions need no parse.
+#[derive(Debug)]
+pub struct StoredMessage {
+    role: String,
+    json: Box<RawValue>,
+}
+
+impl StoredMessage {
+    /// Serialises a stored message body once.
+    pub fn new(role: &str, body: &Value) -> Self {
+        let json = serde_json::value::to_raw_value(body)
+            // Serialising a `Value` cannot fail (its keys are strings); keep `null` if it ever did.
+            .unwrap_or_else(|_| RawValue::NULL.to_owned());
+        Self {
+            role: role.to_owned(),
+            json,
+        }
+    }
+
+    pub fn role(&self) -> &str {
+        &self.role
+    }
+
+    /// The message's JSON text.
+    pub fn json(&self) -> &str {
+        self.json.get()
+    }
+
+    /// The message parsed again (what a stored body is: any JSON; `null` if the text were not).
+    pub fn parse(&self) -> Value {
+        serde_json::from_str(self.json.get()).unwrap_or(Value::Null)
+    }
+
+    /// The bytes this message keeps alive (for a cache's memory budget).
+    pub fn weight(&self) -> usize {
+        std::mem::size_of::<Self>() + self.role.len() + self.json.get().len()
+    }
+}
+
+impl Default for ChatMessage {
+    fn default() -> Self {
+        Self(Repr::Parsed(Value::Null))
+    }
+}
+
+impl fmt::Debug for ChatMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ChatMessage").field(self.as_value()).finish()
+    }
+}
+
+impl PartialEq for ChatMessage {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_value() == other.as_value()
+    }
+}
 
 impl Serialize for ChatMessage {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
+        match &self.0 {
+            Repr::Parsed(v) => v.serialize(s),
+            Repr::Stored { stored, .. } => stored.json.serialize(s),
+        }
     }
 }
 
 impl ChatMessage {
     /// A message as stored (any JSON; a stored body is what a client or the model once sent).
     pub fn from_value(v: Value) -> Self {
-        Self(v)
+        Self(Repr::Parsed(v))
+    }
+
+    /// A message of a stored transcript, kept as its JSON text until something reads it.
+    pub fn stored(stored: Arc<StoredMessage>) -> Self {
+        Self(Repr::Stored {
+            stored,
+            parsed: OnceLock::new(),
+        })
     }
 
     pub fn system(text: &str) -> Self {
-        Self(json!({"role": "system", "content": text}))
+        Self::from_value(json!({"role": "system", "content": text}))
     }
 
     /// The tool message answering call `call_id` with `content`.
     pub fn tool_result(call_id: &str, content: &str) -> Self {
-        Self(json!({"role": "tool", "tool_call_id": call_id, "content": content}))
+        Self::from_value(json!({"role": "tool", "tool_call_id": call_id, "content": content}))
     }
 
     pub fn as_value(&self) -> &Value {
-        &self.0
+        match &self.0 {
+            Repr::Parsed(v) => v,
+            Repr::Stored { stored, parsed } => parsed.get_or_init(|| stored.parse()),
+        }
     }
 
     pub fn into_value(self) -> Value {
-        self.0
+        match self.0 {
+            Repr::Parsed(v) => v,
+            Repr::Stored { stored, parsed } => {
+                parsed.into_inner().unwrap_or_else(|| stored.parse())
+            }
+        }
     }
 
     /// The message as a borrowed view (what its accessors read).
     pub fn view(&self) -> MessageView<'_> {
-        MessageView(&self.0)
+        MessageView(self.as_value())
     }
 
     /// A field without an accessor of its own (a vendor extension, `refusal`, ...).
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.0.get(key)
+        self.as_value().get(key)
     }
 
     pub fn role(&self) -> Option<&str> {
-        self.view().role()
+        match &self.0 {
+            Repr::Stored { stored, .. } => Some(stored.role()),
+            Repr::Parsed(_) => self.view().role(),
+        }
     }
 
     pub fn content(&self) -> Option<&Value> {
@@ -246,10 +342,23 @@ impl ChatMessage {
         self.view().has_tool_calls()
     }
 
+    /// The message as a value this one owns, for a change.
+    fn value_mut(&mut self) -> &mut Value {
+        if let Repr::Stored { .. } = &self.0 {
+            let owned = std::mem::take(self).into_value();
+            self.0 = Repr::Parsed(owned);
+        }
+        match &mut self.0 {
+            Repr::Parsed(v) => v,
+            // Made `Parsed` just above.
+            Repr::Stored { .. } => unreachable!("a stored message was made a parsed one"),
+        }
+    }
+
     /// Keeps only the calls `keep` accepts; without any left, the message has no `tool_calls`
     /// and its `content` is at least `""`. Returns how many were removed.
     pub fn retain_tool_calls(&mut self, keep: impl Fn(&FunctionCall<'_>) -> bool) -> usize {
-        let Some(msg) = self.0.as_object_mut() else {
+        let Some(msg) = self.value_mut().as_object_mut() else {
             return 0;
         };
         let Some(Value::Array(calls)) = msg.get_mut("tool_calls") else {
@@ -308,19 +417,19 @@ impl std::ops::Index<&str> for ChatMessage {
 
     /// The field `key`, `null` when absent (as indexing a `Value` does).
     fn index(&self, key: &str) -> &Value {
-        &self.0[key]
+        &self.as_value()[key]
     }
 }
 
 impl From<ChatMessage> for Value {
     fn from(m: ChatMessage) -> Self {
-        m.0
+        m.into_value()
     }
 }
 
 impl PartialEq<ChatMessage> for Value {
     fn eq(&self, other: &ChatMessage) -> bool {
-        *self == other.0
+        self == other.as_value()
     }
 }
 
@@ -461,6 +570,32 @@ mod tests {
             Value::Object(m) => ChatRequest::from_object(m),
             _ => unreachable!("tests pass objects"),
         }
+    }
+
+    /// A stored message goes upstream as the bytes it was serialised to, reads like a parsed one,
+    /// and becomes a parsed one when changed.
+    #[test]
+    fn a_stored_message_is_sent_as_its_text_and_read_alike() {
+        let body = json!({"role": "assistant", "content": null, "x_vendor": [1.5, "é"],
+                          "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b"}]});
+        let stored = Arc::new(StoredMessage::new("assistant", &body));
+        let mut m = ChatMessage::stored(stored.clone());
+        let req = ChatRequest {
+            messages: vec![m.clone(), ChatMessage::system("s")],
+            ..ChatRequest::default()
+        };
+        let sent = serde_json::to_string(&req).expect("serialises");
+        assert!(sent.contains(stored.json()), "{sent}");
+        let back: Value = serde_json::from_str(&sent).expect("json");
+        assert_eq!(back["messages"][0], body);
+        assert_eq!(m.role(), Some("assistant"));
+        assert_eq!(m.tool_call_id(), None);
+        assert_eq!(m.tool_calls().count(), 2);
+        assert_eq!(m, ChatMessage::from_value(body.clone()));
+        assert_eq!(m.retain_tool_calls(|c| c.id() == Some("a")), 1);
+        assert_eq!(m["tool_calls"].as_array().map(Vec::len), Some(1));
+        assert_eq!(stored.parse(), body, "the stored text is not changed");
+        assert_eq!(ChatMessage::stored(stored).into_value(), body);
     }
 
     #[test]

@@ -21,7 +21,10 @@ pub mod time;
 pub mod token;
 pub mod tools;
 
-pub use chat::{ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, ToolDecl};
+pub use chat::{
+    ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, StoredMessage,
+    ToolDecl,
+};
 pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, UpstreamError};
 pub use frames::{ClientFrame, FrameError, ServerFrame};

@@ -1071,3 +1071,36 @@ async fn a_session_deleted_on_one_replica_closes_its_surface_on_another() {
         .await;
     again.expect_error_close("SESSION_NOT_FOUND", 4004).await;
 }
+
+/// Turns of one session alternate between two replicas, each with its own history cache: every
+/// upstream request carries the whole transcript in order, the turns the other replica appended
+/// included (a cache is topped up from the store, never trusted past the session's count).
+#[tokio::test]
+async fn turns_alternating_between_replicas_send_the_whole_transcript() {
+    let fake = FakeLlm::start().await.expect("fake upstream");
+    let dep = Deployment::new(Some(&fake.base_url()));
+    let (a, b) = tokio::join!(dep.replica("a"), dep.replica("b"));
+    let (_, token) = new_session(&a).await;
+    let mut expected = vec![("user".to_owned(), "hello".to_owned())];
+    expected.push(("assistant".to_owned(), "echo: hello".to_owned()));
+    for i in 0..6 {
+        let (gw, other) = if i % 2 == 0 { (&b, &a) } else { (&a, &b) };
+        // Each replica also runs a turn of a session of its own, so its cache holds more than one.
+        new_session(other).await;
+        let text = format!("turn {i}");
+        let body = turn(gw, &token, &text).await;
+        let sent = fake.requests().pop().expect("the turn's upstream request");
+        let sent: Vec<(String, String)> = sent["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|m| {
+                let field = |k: &str| m[k].as_str().unwrap_or_default().to_owned();
+                (field("role"), field("content"))
+            })
+            .collect();
+        expected.push(("user".to_owned(), text.clone()));
+        assert_eq!(sent, expected, "turn {i}: the whole transcript, in order");
+        expected.push(("assistant".to_owned(), reply_text(&body)));
+    }
+}

@@ -15,6 +15,7 @@
 mod calls;
 pub(crate) mod connections;
 pub mod federation;
+mod history;
 pub(crate) mod replicas;
 mod retention;
 pub mod roaming;
@@ -35,6 +36,7 @@ use crate::metrics::{LiveGauges, Metrics, Observed};
 use calls::PendingCalls;
 use connections::Connections;
 use federation::Federation;
+use history::HistoryCache;
 use replicas::{BusLink, Replicas};
 use roaming::Roaming;
 use sessions::Sessions;
@@ -55,6 +57,7 @@ struct Inner {
     metrics: Arc<Metrics>,
     tasks: Tasks,
     connections: Arc<Connections>,
+    history: Arc<HistoryCache>,
     replicas: Replicas,
     sessions: Sessions,
     tools: Tools,
@@ -125,11 +128,13 @@ impl Gateway {
             store.clone(),
             config.clone(),
         );
+        let history = Arc::new(HistoryCache::new(config.history_cache_bytes));
         let sessions = Sessions::new(
             store.clone(),
             config.clone(),
             replicas.clone(),
             metrics.clone(),
+            history.clone(),
         );
         let tools = Tools::new(
             config.clone(),
@@ -176,6 +181,7 @@ impl Gateway {
             tools.clone(),
             metrics.clone(),
             tasks.clone(),
+            history.clone(),
         );
         if let Some(inbox) = inbox {
             replicas.start(inbox);
@@ -188,6 +194,7 @@ impl Gateway {
                 metrics,
                 tasks,
                 connections,
+                history,
                 replicas,
                 sessions,
                 tools,
@@ -290,6 +297,7 @@ impl Gateway {
             sessions_by_status,
             tether_depth: store.tether_depth_total().await?,
             attached_surfaces: self.inner.connections.count() as u64,
+            history_cache: self.inner.history.usage(),
         };
         Ok(self.metrics().render(&live))
     }

@@ -99,6 +99,9 @@ pub struct Metrics {
     pub turns_completed: Counter,
     pub turns_failed: Counter,
     pub turns_pushed: Counter,
+    /// Turns whose transcript the history cache held whole, and turns that read (some of) it.
+    pub history_cache_hits: Counter,
+    pub history_cache_misses: Counter,
     pub tether_enqueued: Counter,
     pub tether_delivered: Counter,
     pub ws_connections: Counter,
@@ -154,6 +157,8 @@ pub struct Metrics {
     sessions: Family<StatusLabel, Gauge>,
     tether_depth: Gauge,
     attached_surfaces: Gauge,
+    history_cache_sessions: Gauge,
+    history_cache_bytes: Gauge,
 }
 
 impl Default for Metrics {
@@ -203,6 +208,28 @@ impl Metrics {
         let turns_completed = counter(r, "sbp_turns", "LLM turns completed and persisted");
         let turns_failed = counter(r, "sbp_turns_failed", "LLM turns that failed upstream");
         let turns_pushed = counter(r, "sbp_turns_pushed", "Turns pushed by a backend");
+        let history_cache_hits = counter(
+            r,
+            "sbp_history_cache_hits",
+            "Turns whose session transcript the history cache held whole",
+        );
+        let history_cache_misses = counter(
+            r,
+            "sbp_history_cache_misses",
+            "Turns that read their transcript, or the part the cache lacked, from the store",
+        );
+        let history_cache_sessions = Gauge::default();
+        r.register(
+            "sbp_history_cache_sessions",
+            "Session transcripts held by the history cache",
+            history_cache_sessions.clone(),
+        );
+        let history_cache_bytes = Gauge::default();
+        r.register(
+            "sbp_history_cache_bytes",
+            "Memory the history cache's transcripts keep (its budget is --history-cache-mib)",
+            history_cache_bytes.clone(),
+        );
         let tool_calls = counter(r, "sbp_tool_calls", "TOOL_CALL frames sent to surfaces");
         let tool_call_errors = counter(
             r,
@@ -326,6 +353,8 @@ impl Metrics {
             turns_completed,
             turns_failed,
             turns_pushed,
+            history_cache_hits,
+            history_cache_misses,
             tether_enqueued,
             tether_delivered,
             ws_connections,
@@ -366,6 +395,8 @@ impl Metrics {
             sessions,
             tether_depth,
             attached_surfaces,
+            history_cache_sessions,
+            history_cache_bytes,
             registry: reg,
         }
     }
@@ -422,6 +453,10 @@ impl Metrics {
         }
         self.tether_depth.set(gauge(live.tether_depth));
         self.attached_surfaces.set(gauge(live.attached_surfaces));
+        self.history_cache_sessions
+            .set(gauge(live.history_cache.0 as u64));
+        self.history_cache_bytes
+            .set(gauge(live.history_cache.1 as u64));
         let mut out = String::with_capacity(16 << 10);
         // Writing to a String cannot fail; a collector's error would leave the text cut short,
         // which a scraper reports as a parse error rather than a wrong figure.
@@ -542,6 +577,8 @@ pub struct LiveGauges {
     pub sessions_by_status: Vec<(&'static str, u64)>,
     pub tether_depth: u64,
     pub attached_surfaces: u64,
+    /// (sessions, bytes) the history cache holds.
+    pub history_cache: (usize, usize),
 }
 
 #[cfg(test)]
@@ -553,6 +590,7 @@ mod tests {
             sessions_by_status: vec![("idle", 2)],
             tether_depth: 5,
             attached_surfaces: 1,
+            history_cache: (3, 4096),
         })
     }
 

@@ -8,6 +8,7 @@ mod bounded_input;
 mod cors;
 mod edge;
 mod federation_srv;
+mod history_cache;
 mod http_edge;
 mod http_l1;
 mod lifecycle;

@@ -19,6 +19,7 @@ use sbp_store::{
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+use super::history::HistoryCache;
 use super::replicas::Replicas;
 use crate::auth;
 use crate::config::GatewayConfig;
@@ -107,6 +108,8 @@ struct Shared {
     tokens: Arc<TokenCache>,
     replicas: Replicas,
     metrics: Arc<Metrics>,
+    /// Recent transcripts; a deleted session's is dropped with it.
+    history: Arc<HistoryCache>,
     /// Requests per session (`--rate-limit-session`), counted once the caller is authorised, so
     /// no one without the session's credentials can use up its budget.
     limiter: Option<Limiter<Uuid>>,
@@ -118,6 +121,7 @@ impl Sessions {
         config: Arc<GatewayConfig>,
         replicas: Replicas,
         metrics: Arc<Metrics>,
+        history: Arc<HistoryCache>,
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
@@ -127,6 +131,7 @@ impl Sessions {
                 tokens: Arc::new(TokenCache::default()),
                 replicas,
                 metrics,
+                history,
             }),
         }
     }

@@ -333,7 +333,8 @@ impl Turns {
                 created_at: now,
             })
             .collect();
-        self.inner
+        let progress = self
+            .inner
             .store
             .record_progress(TurnProgress {
                 session_id,
@@ -344,6 +345,12 @@ impl Turns {
             })
             .timed(&self.inner.metrics, "record_progress")
             .await?;
+        let roles = std::iter::once("assistant").chain(std::iter::repeat("tool"));
+        self.inner.history.extend(
+            session_id,
+            progress.first_message_seq,
+            roles.zip(answered.iter().map(ChatMessage::as_value)),
+        );
         transcript.messages.extend(answered);
         Ok(())
     }
@@ -390,12 +397,13 @@ impl Turns {
             created_at: now,
             chunk_id: up.chunk_id,
         });
+        let reply = up.message.into_value();
         let finish = FinishTurn {
             session_id: session.id,
             turn_id: Some(turn.turn_id),
             messages: vec![NewMessage {
                 role: "assistant".into(),
-                body: up.message.into_value(),
+                body: reply.clone(),
                 model_used: Some(up.model.clone()),
                 cost_usd: None,
                 created_at: now,
@@ -414,6 +422,11 @@ impl Turns {
         };
         let finished = self.inner.store.finish_turn(finish);
         let outcome = finished.timed(&self.inner.metrics, "finish_turn").await?;
+        self.inner.history.extend(
+            session.id,
+            outcome.first_message_seq,
+            [("assistant", &reply)],
+        );
         self.inner.metrics.turns_completed.inc();
         if outcome.tether_seq.is_some() {
             self.inner.metrics.tether_enqueued.inc();

@@ -17,8 +17,8 @@ use sbp_protocol::{
     ChatMessage, ChatRequest, SbpRequestOptions, SbpResponseMeta, SessionStatus, SnapshotKind,
 };
 use sbp_store::{
-    BeginTurn, IdempotencyRecord, IdempotencyState, MessageRecord, NewIdempotency, NewMessage,
-    NewSession, NewSnapshot, SessionRecord, Store, StoreError, Timestamp,
+    BeginTurn, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage, NewSession,
+    NewSnapshot, SessionRecord, Store, StoreError, Timestamp,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
@@ -26,6 +26,7 @@ use uuid::Uuid;
 
 use super::connections::Attachment;
 use super::federation::Federation;
+use super::history::{Cached, History, HistoryCache};
 use super::replicas::Replicas;
 use super::sessions::{Sessions, new_agent_id};
 use super::surfaces::render::shape_request;
@@ -123,7 +124,7 @@ struct Opening {
     /// The session to create with the turn, when the request starts one.
     create: Option<NewSession>,
     created_token: Option<String>,
-    history: Vec<MessageRecord>,
+    history: History,
     /// The request's messages that are new to the transcript.
     new_messages: Vec<ChatMessage>,
 }
@@ -187,6 +188,7 @@ struct Shared {
     tools: Tools,
     metrics: Arc<Metrics>,
     tasks: Tasks,
+    history: Arc<HistoryCache>,
 }
 
 impl Turns {
@@ -201,6 +203,7 @@ impl Turns {
         tools: Tools,
         metrics: Arc<Metrics>,
         tasks: Tasks,
+        history: Arc<HistoryCache>,
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
@@ -213,6 +216,7 @@ impl Turns {
                 tools,
                 metrics,
                 tasks,
+                history,
             }),
         }
     }
@@ -338,7 +342,7 @@ impl Turns {
             session_id: id,
             create: Some(create),
             created_token: Some(token),
-            history: Vec::new(),
+            history: History::default(),
             new_messages: incoming,
         })
     }
@@ -365,7 +369,7 @@ impl Turns {
         };
         // A full session is refused before its whole transcript is read.
         self.check_room(s.id, have, &[])?;
-        let history = self.inner.store.history(s.id).await?;
+        let history = self.history(s).await?;
         let new_messages = match keyed {
             Keyed::Retry { .. } => Vec::new(),
             _ => incoming.split_off(transcript::new_start(&history, &incoming)),
@@ -385,6 +389,35 @@ impl Turns {
             history,
             new_messages,
         })
+    }
+
+    /// The session's transcript: what the cache holds of it, and from the store what it lacks
+    /// (all of it, or what was appended since, here by a backend or on another replica).
+    async fn history(&self, s: &SessionRecord) -> Result<History, Error> {
+        let cache = &self.inner.history;
+        let mut history = match cache.get(s.id, s.message_count) {
+            Cached::Whole(h) => {
+                self.inner.metrics.history_cache_hits.inc();
+                return Ok(h);
+            }
+            Cached::Prefix(h) => h,
+            Cached::Nothing => History::default(),
+        };
+        self.inner.metrics.history_cache_misses.inc();
+        let records = match (history.len() as u64).checked_sub(1) {
+            None => self.inner.store.history(s.id).await?,
+            after => {
+                self.inner
+                    .store
+                    .list_messages(s.id, after, u32::MAX)
+                    .await?
+            }
+        };
+        for r in &records {
+            history.push(&r.role, &r.body);
+        }
+        cache.put(s.id, history.clone());
+        Ok(history)
     }
 
     /// The turn's first write (`begin_turn`: the session if new, the new messages, status,
@@ -479,9 +512,26 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.inc();
         }
+        // The cache learns the new messages where the store put them (a new session's are its
+        // whole transcript).
+        let stored = new_messages
+            .iter()
+            .map(|m| (m.role().unwrap_or("user"), m.as_value()));
+        let first_seq = (outcome.session.message_count).saturating_sub(new_messages.len() as u64);
+        if created {
+            let mut whole = History::default();
+            for (role, body) in stored {
+                whole.push(role, body);
+            }
+            self.inner.history.put(session_id, whole);
+        } else {
+            self.inner.history.extend(session_id, first_seq, stored);
+        }
         request.messages = history
-            .into_iter()
-            .map(|m| ChatMessage::from_value(m.body))
+            .messages()
+            .iter()
+            .cloned()
+            .map(ChatMessage::stored)
             .chain(new_messages)
             .collect();
         let surface = self.inner.replicas.locate(session_id).await;

@@ -2,11 +2,13 @@
 //! conversation, or only what is new, and never see the gateway's own tool rounds), and what a
 //! turn records as its task.
 
-use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
+use std::sync::Arc;
+
 use sbp_protocol::chat::content_text;
-use sbp_protocol::{ChatMessage, MessageView};
-use sbp_store::MessageRecord;
+use sbp_protocol::{ChatMessage, StoredMessage};
 use serde_json::Value;
+
+use crate::engine::history::History;
 
 /// Longest task label a turn records (the last user message, trimmed).
 const MAX_TASK_CHARS: usize = 200;
@@ -23,67 +25,39 @@ pub fn last_task(new: &[ChatMessage]) -> Option<String> {
 
 /// Where the new part of `incoming` starts: clients that resend the whole conversation send the
 /// stored history as a prefix; clients that send only new messages do not. System prompts already
-/// stored at the start are not stored again either.
-pub fn new_start(history: &[MessageRecord], incoming: &[ChatMessage]) -> usize {
-    let is_prefix = |stored: &[&Value]| {
-        !stored.is_empty()
+/// stored at the start are not stored again either. A stored message is parsed only to be compared
+/// with one the client sent: a client that sends only what is new costs nothing per stored message.
+pub fn new_start(history: &History, incoming: &[ChatMessage]) -> usize {
+    let is_prefix = |stored: &mut dyn ExactSizeIterator<Item = &Arc<StoredMessage>>| {
+        stored.len() > 0
             && incoming.len() >= stored.len()
             && stored
-                .iter()
                 .zip(incoming)
-                .all(|(h, m)| same_message(h, m.as_value()))
+                .all(|(h, m)| same_message(&h.parse(), m.as_value()))
     };
-    let all: Vec<&Value> = history.iter().map(|h| &h.body).collect();
-    if is_prefix(&all) {
-        return all.len();
+    if is_prefix(&mut history.messages().iter()) {
+        return history.len();
     }
     // A client never saw the gateway's own tool rounds: it resends the transcript without them.
-    let seen = client_view(history);
-    if seen.len() < all.len() && is_prefix(&seen) {
-        return seen.len();
+    let seen = history.client_len();
+    if seen < history.len() && incoming.len() >= seen {
+        let mut view = history.client_view().collect::<Vec<_>>().into_iter();
+        if is_prefix(&mut view) {
+            return seen;
+        }
     }
     let mut skip = 0;
-    for stored in history.iter().take_while(|h| h.role == "system") {
+    for stored in history
+        .messages()
+        .iter()
+        .take_while(|h| h.role() == "system")
+    {
         match incoming.get(skip) {
-            Some(m) if same_message(&stored.body, m.as_value()) => skip += 1,
+            Some(m) if same_message(&stored.parse(), m.as_value()) => skip += 1,
             _ => break,
         }
     }
     skip
-}
-
-/// The transcript as the HTTP client saw it: without the assistant messages that called only gateway
-/// tools (`surface_*`, `mcp__*`) and the tool messages answering them.
-fn client_view(history: &[MessageRecord]) -> Vec<&Value> {
-    let mut gateway_ids: Vec<&str> = Vec::new();
-    let mut seen = Vec::with_capacity(history.len());
-    for h in history {
-        // Read through the same view as a request's messages.
-        let message = MessageView(&h.body);
-        if h.role == "assistant"
-            && message.has_tool_calls()
-            && message
-                .tool_calls()
-                .all(|c| c.name().is_some_and(is_gateway_function))
-        {
-            gateway_ids.extend(message.tool_calls().filter_map(|c| c.id()));
-            continue;
-        }
-        if h.role == "tool"
-            && message
-                .tool_call_id()
-                .is_some_and(|id| gateway_ids.contains(&id))
-        {
-            continue;
-        }
-        seen.push(&h.body);
-    }
-    seen
-}
-
-/// Whether a function name is one the gateway offers (its surface and MCP-server tools).
-fn is_gateway_function(name: &str) -> bool {
-    name.starts_with(SURFACE_PREFIX) || name.starts_with(SERVER_PREFIX)
 }
 
 /// Whether two chat messages say the same thing: role, content (text compared as text), tool calls
@@ -119,16 +93,18 @@ pub fn truncate_chars(s: &str, max: usize) -> String {
 mod tests {
     use super::*;
     use chrono::Utc;
+    use sbp_store::MessageRecord;
     use serde_json::json;
 
     /// The new part of `incoming` (as values, to compare with what tests expect).
     fn new_part(history: &[MessageRecord], incoming: &[Value]) -> Vec<Value> {
+        let history = History::from_records(history);
         let incoming: Vec<ChatMessage> = incoming
             .iter()
             .cloned()
             .map(ChatMessage::from_value)
             .collect();
-        incoming[new_start(history, &incoming)..]
+        incoming[new_start(&history, &incoming)..]
             .iter()
             .map(|m| m.as_value().clone())
             .collect()

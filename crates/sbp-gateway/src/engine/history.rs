@@ -1,0 +1,325 @@
+//! Recent sessions' transcripts kept in memory as the JSON each message is sent upstream as, so a
+//! turn reads, parses and re-serialises only the messages it adds, not the whole history.
+//!
+//! Coherent without being told: transcripts only grow (a message, once stored at a position,
+//! never changes; only erasing the session removes it), and every turn reads its session's record,
+//! whose `message_count` says how many messages the store holds. An entry holding fewer is topped
+//! up with the ones after it (another replica, or a backend, appended them); one holding more, or
+//! appended out of turn, is dropped. A memory budget bounds the whole: the least recently used
+//! sessions are evicted first, and a transcript larger than the budget is not kept.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hashlink::LinkedHashMap;
+use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
+use sbp_protocol::{MessageView, StoredMessage};
+use sbp_store::MessageRecord;
+use serde_json::Value;
+use uuid::Uuid;
+
+/// A session's transcript as a turn reads it: each message serialised once, and whether the
+/// HTTP client ever saw it (the gateway's own tool rounds it did not).
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    messages: Vec<Arc<StoredMessage>>,
+    /// `hidden[i]`: message `i` is an assistant message calling only gateway tools, or a tool
+    /// message answering one of those calls.
+    hidden: Vec<bool>,
+    /// The gateway tool-call ids seen so far, for the tool messages answering them.
+    gateway_calls: Vec<String>,
+    /// The memory the messages keep alive.
+    weight: usize,
+}
+
+impl History {
+    pub fn from_records(records: &[MessageRecord]) -> Self {
+        let mut h = Self::default();
+        for r in records {
+            h.push(&r.role, &r.body);
+        }
+        h
+    }
+
+    /// Appends one message (as stored: its role column and body).
+    pub fn push(&mut self, role: &str, body: &Value) {
+        let view = MessageView(body);
+        let hidden = if role == "assistant" {
+            let gateway_only = view.has_tool_calls()
+                && view
+                    .tool_calls()
+                    .all(|c| c.name().is_some_and(is_gateway_function));
+            if gateway_only {
+                self.gateway_calls
+                    .extend(view.tool_calls().filter_map(|c| c.id().map(str::to_owned)));
+            }
+            gateway_only
+        } else {
+            role == "tool"
+                && view
+                    .tool_call_id()
+                    .is_some_and(|id| self.gateway_calls.iter().any(|g| g == id))
+        };
+        let stored = StoredMessage::new(role, body);
+        self.weight += stored.weight() + std::mem::size_of::<(Arc<StoredMessage>, bool)>();
+        self.messages.push(Arc::new(stored));
+        self.hidden.push(hidden);
+    }
+
+    pub fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    pub fn messages(&self) -> &[Arc<StoredMessage>] {
+        &self.messages
+    }
+
+    /// The messages the HTTP client saw, in order.
+    pub fn client_view(&self) -> impl Iterator<Item = &Arc<StoredMessage>> {
+        self.messages
+            .iter()
+            .zip(&self.hidden)
+            .filter(|(_, hidden)| !**hidden)
+            .map(|(m, _)| m)
+    }
+
+    /// How many messages the HTTP client saw.
+    pub fn client_len(&self) -> usize {
+        self.hidden.iter().filter(|h| !**h).count()
+    }
+
+    fn weight(&self) -> usize {
+        self.weight + self.gateway_calls.iter().map(String::len).sum::<usize>()
+    }
+}
+
+/// Whether a function name is one the gateway offers (its surface and MCP-server tools).
+pub fn is_gateway_function(name: &str) -> bool {
+    name.starts_with(SURFACE_PREFIX) || name.starts_with(SERVER_PREFIX)
+}
+
+/// What the cache holds of a session the store says has `count` messages.
+pub enum Cached {
+    /// All of them.
+    Whole(History),
+    /// The first `History::len()`; the rest are to be read from the store.
+    Prefix(History),
+    Nothing,
+}
+
+/// The transcripts, least recently used first, within `budget` bytes.
+#[derive(Debug)]
+pub struct HistoryCache {
+    budget: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    sessions: LinkedHashMap<Uuid, History>,
+    weight: usize,
+}
+
+impl HistoryCache {
+    /// A cache of at most `budget` bytes of transcript; 0 keeps nothing.
+    pub fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            inner: Mutex::default(),
+        }
+    }
+
+    /// The session's transcript as far as it is held, for a store that holds `count` messages.
+    pub fn get(&self, id: Uuid, count: u64) -> Cached {
+        let mut inner = self.lock();
+        let Some(held) = inner.sessions.to_back(&id) else {
+            return Cached::Nothing;
+        };
+        let held_count = held.len() as u64;
+        if held_count == count {
+            return Cached::Whole(held.clone());
+        }
+        if held_count < count {
+            return Cached::Prefix(held.clone());
+        }
+        // More than the store holds: not this session's transcript any more.
+        inner.remove(id);
+        Cached::Nothing
+    }
+
+    /// Keeps `history` as the session's whole transcript (a newer one replaces an older).
+    pub fn put(&self, id: Uuid, history: History) {
+        if history.weight() > self.budget {
+            self.forget(id);
+            return;
+        }
+        let mut inner = self.lock();
+        if inner
+            .sessions
+            .get(&id)
+            .is_some_and(|held| held.len() > history.len())
+        {
+            return;
+        }
+        inner.remove(id);
+        inner.weight += history.weight();
+        inner.sessions.insert(id, history);
+        inner.evict(self.budget);
+    }
+
+    /// Appends messages the store placed at `first_seq` onwards. When the entry does not end
+    /// exactly there (another writer came between), it is dropped: the next turn reads again.
+    pub fn extend<'a>(
+        &self,
+        id: Uuid,
+        first_seq: u64,
+        messages: impl IntoIterator<Item = (&'a str, &'a Value)>,
+    ) {
+        let mut inner = self.lock();
+        let Some(held) = inner.sessions.get_mut(&id) else {
+            return;
+        };
+        if held.len() as u64 != first_seq {
+            inner.remove(id);
+            return;
+        }
+        let before = held.weight();
+        for (role, body) in messages {
+            held.push(role, body);
+        }
+        let after = held.weight();
+        inner.weight = inner.weight - before + after;
+        if after > self.budget {
+            inner.remove(id);
+        }
+        inner.evict(self.budget);
+    }
+
+    /// Drops the session's transcript (it was erased, or replaced by an adoption).
+    pub fn forget(&self, id: Uuid) {
+        self.lock().remove(id);
+    }
+
+    /// (sessions held, bytes held)
+    pub fn usage(&self) -> (usize, usize) {
+        let inner = self.lock();
+        (inner.sessions.len(), inner.weight)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Inner {
+    fn remove(&mut self, id: Uuid) {
+        if let Some(h) = self.sessions.remove(&id) {
+            self.weight -= h.weight();
+        }
+    }
+
+    fn evict(&mut self, budget: usize) {
+        while self.weight > budget {
+            let Some((_, h)) = self.sessions.pop_front() else {
+                break;
+            };
+            self.weight -= h.weight();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn history(texts: &[&str]) -> History {
+        let mut h = History::default();
+        for t in texts {
+            h.push("user", &json!({"role": "user", "content": t}));
+        }
+        h
+    }
+
+    #[test]
+    fn a_whole_transcript_a_prefix_or_nothing() {
+        let cache = HistoryCache::new(1 << 20);
+        let id = Uuid::now_v7();
+        assert!(matches!(cache.get(id, 0), Cached::Nothing));
+        cache.put(id, history(&["a", "b"]));
+        assert!(matches!(cache.get(id, 2), Cached::Whole(h) if h.len() == 2));
+        assert!(matches!(cache.get(id, 5), Cached::Prefix(h) if h.len() == 2));
+        // The store holds fewer than the entry: not this transcript any more, and forgotten.
+        assert!(matches!(cache.get(id, 1), Cached::Nothing));
+        assert!(matches!(cache.get(id, 2), Cached::Nothing));
+        assert_eq!(cache.usage().1, 0);
+    }
+
+    #[test]
+    fn appends_only_where_the_entry_ends() {
+        let cache = HistoryCache::new(1 << 20);
+        let id = Uuid::now_v7();
+        cache.put(id, history(&["a"]));
+        let reply = json!({"role": "assistant", "content": "b"});
+        cache.extend(id, 1, [("assistant", &reply)]);
+        let Cached::Whole(h) = cache.get(id, 2) else {
+            panic!("appended");
+        };
+        assert_eq!(
+            h.messages()[1].json(),
+            r#"{"content":"b","role":"assistant"}"#
+        );
+        // Another writer appended at 2 and 3 meanwhile: this append at 4 drops the entry.
+        cache.extend(id, 4, [("assistant", &reply)]);
+        assert!(matches!(cache.get(id, 5), Cached::Nothing));
+    }
+
+    #[test]
+    fn evicts_the_least_recently_used_within_the_budget() {
+        let one = history(&["x".repeat(1000).as_str()]).weight();
+        let cache = HistoryCache::new(one * 2 + one / 2);
+        let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        let big = "x".repeat(1000);
+        cache.put(a, history(&[&big]));
+        cache.put(b, history(&[&big]));
+        assert!(matches!(cache.get(a, 1), Cached::Whole(_)), "a used last");
+        cache.put(c, history(&[&big]));
+        assert!(matches!(cache.get(b, 1), Cached::Nothing), "b evicted");
+        assert!(matches!(cache.get(a, 1), Cached::Whole(_)));
+        assert!(matches!(cache.get(c, 1), Cached::Whole(_)));
+        assert!(cache.usage().1 <= one * 2 + one / 2);
+        // A transcript over the whole budget is not kept.
+        let huge = "x".repeat(10_000);
+        cache.put(a, history(&[&huge]));
+        assert!(matches!(cache.get(a, 1), Cached::Nothing));
+        let none = HistoryCache::new(0);
+        none.put(a, history(&["a"]));
+        assert_eq!(none.usage(), (0, 0));
+    }
+
+    #[test]
+    fn the_gateways_tool_rounds_are_hidden_from_the_client_view() {
+        let mut h = History::default();
+        h.push("user", &json!({"role": "user", "content": "where am I?"}));
+        h.push(
+            "assistant",
+            &json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]}),
+        );
+        h.push(
+            "tool",
+            &json!({"role": "tool", "tool_call_id": "c1", "content": "{}"}),
+        );
+        h.push(
+            "assistant",
+            &json!({"role": "assistant", "content": "Tokyo"}),
+        );
+        assert_eq!(h.len(), 4);
+        assert_eq!(h.client_len(), 2);
+        let seen: Vec<&str> = h.client_view().map(|m| m.role()).collect();
+        assert_eq!(seen, ["user", "assistant"]);
+    }
+}
