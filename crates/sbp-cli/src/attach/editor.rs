@@ -31,8 +31,6 @@ const POLL: Duration = Duration::from_millis(30);
 const PRINT_BATCH: usize = 512;
 /// Lines typed that the up arrow brings back (kept in memory only: they are messages).
 const HISTORY: usize = 1000;
-/// How long [`Editor::stop`] waits for the editor to give the terminal back.
-const STOP_WAIT: Duration = Duration::from_secs(2);
 /// Clears the line the cursor is on: the prompt of an editor that stopped mid-line.
 const CLEAR_LINE: &str = "\r\x1b[2K";
 
@@ -225,15 +223,25 @@ impl Editor {
         Ok(Self { shared, done })
     }
 
-    /// Stops the editor (the line being typed is dropped) and waits until the terminal is back
-    /// to normal and every line queued for it is printed.
-    pub async fn stop(self) {
+    /// Stops the editor (the line being typed is dropped) and waits, until `deadline` at most,
+    /// for the terminal to be back to normal and every line queued for it printed.
+    ///
+    /// The editor notices the stop within one turn of its loop ([`POLL`]), unless its thread is
+    /// held up (a terminal slow to answer where the cursor is, a starved machine): past the
+    /// deadline the screen writes directly and the terminal is put back in line mode from here,
+    /// so that the program can end on time with the terminal usable.
+    pub async fn stop(self, deadline: tokio::time::Instant) {
         lock(&self.shared).stop = true;
-        if tokio::time::timeout(STOP_WAIT, self.done).await.is_err() {
+        if tokio::time::timeout_at(deadline, self.done).await.is_err() {
             tracing::warn!("the line editor did not stop in time");
-            // Write directly from now on; the editor's thread, if it ever returns, finds the
-            // queue empty.
+            // The editor's thread, if it ever returns, finds the queue empty and the screen
+            // handed back already.
             hand_back(&self.shared, false);
+            // Raw mode is crossterm's process-wide state: the mode saved when the editor entered
+            // it is restored, whichever thread asks.
+            if let Err(e) = crossterm::terminal::disable_raw_mode() {
+                tracing::warn!(error = %e, "the terminal could not be put back in line mode");
+            }
         }
     }
 }

@@ -11,7 +11,8 @@
 //!
 //! One loop owns stdout: it takes the surface's events, the lines read from stdin (by a thread, so
 //! a blocked read never holds up the runtime's shutdown), the outcomes of sent messages and the
-//! tool handler's notes, and renders them through [`term::Term`].
+//! tool handler's notes, and renders them through [`term::Term`]. Leaving (/quit, Ctrl-C, the end
+//! of input) takes [`EXIT_WAIT`] at most, whatever the gateway or the terminal does meanwhile.
 //!
 //! On a terminal (stdin and stdout both), lines are typed into a line editor ([`editor`]: history,
 //! arrow keys) and whatever arrives meanwhile is printed above the line being typed; replies are
@@ -51,6 +52,15 @@ const EXIT_INTERRUPTED: i32 = 130;
 
 /// After stdin ends, how long to wait for the output of messages already answered over HTTP.
 const EOF_GRACE: Duration = Duration::from_secs(3);
+
+/// From leaving (/quit, Ctrl-C, the end of input) to the end of the run: the line editor giving
+/// the terminal back and the gateway confirming the DETACH share this one deadline, so that
+/// neither an editor thread held up nor a gateway slow to answer keeps the program running.
+const EXIT_WAIT: Duration = Duration::from_millis(1500);
+
+/// Then, how long the runtime waits for work on its blocking pool (a read_file call): such calls
+/// are short, and the session keeps any tool call left unanswered.
+const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
 
 /// How many times the first attach is tried when the gateway answers 1013 (try again): with the
 /// backoff below, about 20 s, longer than a handover lease takes to free a session.
@@ -118,8 +128,7 @@ pub fn main(args: AttachArgs) -> i32 {
             }
         }
     });
-    // Tool calls on the blocking pool (read_file) are short; do not wait long for stragglers.
-    runtime.shutdown_timeout(Duration::from_secs(1));
+    runtime.shutdown_timeout(SHUTDOWN_WAIT);
     code
 }
 
@@ -312,23 +321,41 @@ async fn attach(
     };
 
     sender.abort();
-    // The terminal back to normal before the last lines, which are written directly.
-    if let Some(e) = line_editor {
-        e.stop().await;
-    }
+    let deadline = Instant::now() + EXIT_WAIT;
+    // The editor stops while the DETACH goes out: lines printed meanwhile go above its prompt or,
+    // once it has stopped, directly.
+    let editor_stopped = async {
+        if let Some(e) = line_editor {
+            e.stop(deadline).await;
+        }
+    };
     let code = match code {
         // A terminal close: the surface has ended already.
-        Some(code) if code != EXIT_INTERRUPTED => code,
+        Some(code) if code != EXIT_INTERRUPTED => {
+            editor_stopped.await;
+            code
+        }
         detach => {
-            surface.close().await;
-            while let Some(event) = surface.next_event().await {
-                if let Event::Disconnected(d) = &event
-                    && d.kind == DisconnectKind::Detached
-                {
-                    ui.term.status("○", Style::Dim, "detached");
-                    continue;
+            let detached = tokio::time::timeout_at(deadline, async {
+                surface.close().await;
+                while let Some(event) = surface.next_event().await {
+                    if let Event::Disconnected(d) = &event
+                        && d.kind == DisconnectKind::Detached
+                    {
+                        ui.term.status("○", Style::Dim, "detached");
+                        continue;
+                    }
+                    ui.on_event(event);
                 }
-                ui.on_event(event);
+            });
+            let (detached, ()) = tokio::join!(detached, editor_stopped);
+            if detached.is_err() {
+                // The surface's task ends with the runtime; the gateway sees the connection go.
+                ui.term.status(
+                    "○",
+                    Style::Warn,
+                    "the gateway did not confirm the detach in time: left anyway",
+                );
             }
             detach.unwrap_or(0)
         }

@@ -3,8 +3,9 @@
 //! the WebSocket, shown once), turns pushed while away shown once under their heading, local tools
 //! (built-ins, `read_file` confined to --allow-dir, a stdio MCP server's tools with their schemas)
 //! called by a backend and by the model, a gateway killed and restarted on the same port, the
-//! terminal closes (bad token, unknown session, displaced, unreachable, API key), and a session
-//! that moved to another gateway (messages follow it; a 1013 attach is tried again).
+//! terminal closes (bad token, unknown session, displaced, unreachable, API key), /quit with a
+//! gateway that does not answer (left on time), and a session that moved to another gateway
+//! (messages follow it; a 1013 attach is tried again).
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::path::{Path, PathBuf};
@@ -584,6 +585,40 @@ async fn terminal_closes_exit_non_zero() {
         half.stderr().contains("--session needs --token"),
         "{}",
         half.stderr()
+    );
+}
+
+/// Leaving does not wait on the gateway: with the gateway process stopped (SIGSTOP), so that the
+/// DETACH is never answered, /quit ends `sbp attach` with 0 within its exit deadline (1.5 s, then
+/// 0.5 s for the runtime), not after the SDK's close timeouts (5 s each), and says so.
+#[tokio::test]
+async fn quit_is_prompt_when_the_gateway_does_not_answer() {
+    // Between the deadline (2 s) and the SDK's first close timeout (5 s), with room for a loaded
+    // machine.
+    const BOUND: Duration = Duration::from_secs(4);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gw = Sbp::start(dir.path(), &[]).await;
+    let (id, token) = new_session(&gw).await;
+    let mut att = Attach::start(&gw.url, &["--session", &id, "--token", &token]);
+    att.expect("● connected").await;
+
+    gw.proc.signal("STOP");
+    let quit = Instant::now();
+    att.type_line("/quit");
+    let status = att.exit().await;
+    let took = quit.elapsed();
+    gw.proc.signal("CONT");
+    assert_eq!(status.code(), Some(0), "{}", att.stderr());
+    assert!(
+        took < BOUND,
+        "sbp attach took {took:?} to leave\nstdout:\n{}\nstderr:\n{}",
+        att.stdout(),
+        att.stderr()
+    );
+    let out = att.stdout();
+    assert!(
+        out.ends_with("○ the gateway did not confirm the detach in time: left anyway"),
+        "{out}"
     );
 }
 

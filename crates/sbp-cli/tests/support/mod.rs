@@ -152,24 +152,24 @@ impl Proc {
         self.child.wait().expect("reap the killed child")
     }
 
-    /// `kill -TERM <pid>` through the real `kill` command.
-    pub fn sigterm(&self) {
+    /// `kill -<name> <pid>` through the real `kill` command (`TERM`, `HUP`, `STOP`, `CONT`).
+    pub fn signal(&self, name: &str) {
         let status = Command::new("kill")
-            .arg("-TERM")
+            .arg(format!("-{name}"))
             .arg(self.pid().to_string())
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -TERM failed: {status}");
+        assert!(status.success(), "kill -{name} failed: {status}");
     }
 
-    /// `kill -HUP <pid>` through the real `kill` command.
+    /// `kill -TERM <pid>`.
+    pub fn sigterm(&self) {
+        self.signal("TERM");
+    }
+
+    /// `kill -HUP <pid>`.
     pub fn sighup(&self) {
-        let status = Command::new("kill")
-            .arg("-HUP")
-            .arg(self.pid().to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -HUP failed: {status}");
+        self.signal("HUP");
     }
 
     /// Waits for the process to exit on its own, polling until `within` runs out.
