@@ -3,10 +3,12 @@
 //!
 //! Coherent without being told: transcripts only grow (a message, once stored at a position,
 //! never changes; only erasing the session removes it), and every turn reads its session's record,
-//! whose `message_count` says how many messages the store holds. An entry holding fewer is topped
-//! up with the ones after it (another replica, or a backend, appended them); one holding more, or
-//! appended out of turn, is dropped. A memory budget bounds the whole: the least recently used
-//! sessions are evicted first, and a transcript larger than the budget is not kept.
+//! whose `message_count` and `message_bytes` say how many messages the store holds and how long
+//! their JSON is. An entry holding fewer is topped up with the ones after it (another replica, or
+//! a backend, appended them); one that does not fit the record (more messages, or the same number
+//! with other bytes: a transcript adopted again under its id), or appended out of turn, is
+//! dropped. A memory budget bounds the whole: the least recently used sessions are evicted first,
+//! and a transcript larger than the budget is not kept.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -29,6 +31,8 @@ pub struct History {
     gateway_calls: Vec<String>,
     /// The memory the messages keep alive.
     weight: usize,
+    /// The messages' JSON text in bytes: what the store counts as the session's `message_bytes`.
+    bytes: u64,
 }
 
 impl History {
@@ -61,6 +65,7 @@ impl History {
         };
         let stored = StoredMessage::new(role, body);
         self.weight += stored.weight() + std::mem::size_of::<(Arc<StoredMessage>, bool)>();
+        self.bytes += stored.json().len() as u64;
         self.messages.push(Arc::new(stored));
         self.hidden.push(hidden);
     }
@@ -101,12 +106,14 @@ pub fn is_gateway_function(name: &str) -> bool {
     name.starts_with(SURFACE_PREFIX) || name.starts_with(SERVER_PREFIX)
 }
 
-/// What the cache holds of a session the store says has `count` messages.
+/// What the cache holds of a session the store says has `count` messages: shared with the cache,
+/// not copied (a turn appends through [`HistoryCache::extend`], which copies only if another turn
+/// still holds the same transcript).
 pub enum Cached {
     /// All of them.
-    Whole(History),
+    Whole(Arc<History>),
     /// The first `History::len()`; the rest are to be read from the store.
-    Prefix(History),
+    Prefix(Arc<History>),
     Nothing,
 }
 
@@ -117,10 +124,15 @@ pub struct HistoryCache {
     inner: Mutex<Inner>,
 }
 
+/// How many erased sessions are remembered, so that a turn which read a transcript just before
+/// its session was erased does not put it back.
+const ERASED_REMEMBERED: usize = 1024;
+
 #[derive(Debug, Default)]
 struct Inner {
-    sessions: LinkedHashMap<Uuid, History>,
+    sessions: LinkedHashMap<Uuid, Arc<History>>,
     weight: usize,
+    erased: LinkedHashMap<Uuid, ()>,
 }
 
 impl HistoryCache {
@@ -132,35 +144,37 @@ impl HistoryCache {
         }
     }
 
-    /// The session's transcript as far as it is held, for a store that holds `count` messages.
-    pub fn get(&self, id: Uuid, count: u64) -> Cached {
+    /// The session's transcript as far as it is held, for a store that holds `count` messages
+    /// of `bytes` bytes of JSON.
+    pub fn get(&self, id: Uuid, count: u64, bytes: u64) -> Cached {
         let mut inner = self.lock();
         let Some(held) = inner.sessions.to_back(&id) else {
             return Cached::Nothing;
         };
         let held_count = held.len() as u64;
-        if held_count == count {
+        if held_count == count && held.bytes == bytes {
             return Cached::Whole(held.clone());
         }
-        if held_count < count {
+        if held_count < count && held.bytes < bytes {
             return Cached::Prefix(held.clone());
         }
-        // More than the store holds: not this session's transcript any more.
+        // Not what the store holds: not this session's transcript any more.
         inner.remove(id);
         Cached::Nothing
     }
 
     /// Keeps `history` as the session's whole transcript (a newer one replaces an older).
-    pub fn put(&self, id: Uuid, history: History) {
+    pub fn put(&self, id: Uuid, history: Arc<History>) {
         if history.weight() > self.budget {
             self.forget(id);
             return;
         }
         let mut inner = self.lock();
-        if inner
-            .sessions
-            .get(&id)
-            .is_some_and(|held| held.len() > history.len())
+        if inner.erased.contains_key(&id)
+            || inner
+                .sessions
+                .get(&id)
+                .is_some_and(|held| held.len() > history.len())
         {
             return;
         }
@@ -187,6 +201,7 @@ impl HistoryCache {
             return;
         }
         let before = held.weight();
+        let held = Arc::make_mut(held);
         for (role, body) in messages {
             held.push(role, body);
         }
@@ -198,7 +213,18 @@ impl HistoryCache {
         inner.evict(self.budget);
     }
 
-    /// Drops the session's transcript (it was erased, or replaced by an adoption).
+    /// Drops an erased session's transcript, and keeps it from being put back by a turn that
+    /// read it before the erasure.
+    pub fn erased(&self, id: Uuid) {
+        let mut inner = self.lock();
+        inner.remove(id);
+        inner.erased.replace(id, ());
+        if inner.erased.len() > ERASED_REMEMBERED {
+            inner.erased.pop_front();
+        }
+    }
+
+    /// Drops the session's transcript.
     pub fn forget(&self, id: Uuid) {
         self.lock().remove(id);
     }
@@ -248,13 +274,18 @@ mod tests {
     fn a_whole_transcript_a_prefix_or_nothing() {
         let cache = HistoryCache::new(1 << 20);
         let id = Uuid::now_v7();
-        assert!(matches!(cache.get(id, 0), Cached::Nothing));
-        cache.put(id, history(&["a", "b"]));
-        assert!(matches!(cache.get(id, 2), Cached::Whole(h) if h.len() == 2));
-        assert!(matches!(cache.get(id, 5), Cached::Prefix(h) if h.len() == 2));
+        assert!(matches!(cache.get(id, 0, 0), Cached::Nothing));
+        let h = history(&["a", "b"]);
+        let bytes = h.bytes;
+        cache.put(id, Arc::new(h));
+        assert!(matches!(cache.get(id, 2, bytes), Cached::Whole(h) if h.len() == 2));
+        assert!(matches!(cache.get(id, 5, bytes + 90), Cached::Prefix(h) if h.len() == 2));
+        // As many messages, other bytes: the transcript was replaced under its id.
+        assert!(matches!(cache.get(id, 2, bytes + 1), Cached::Nothing));
+        cache.put(id, Arc::new(history(&["a", "b"])));
         // The store holds fewer than the entry: not this transcript any more, and forgotten.
-        assert!(matches!(cache.get(id, 1), Cached::Nothing));
-        assert!(matches!(cache.get(id, 2), Cached::Nothing));
+        assert!(matches!(cache.get(id, 1, bytes), Cached::Nothing));
+        assert!(matches!(cache.get(id, 2, bytes), Cached::Nothing));
         assert_eq!(cache.usage().1, 0);
     }
 
@@ -262,10 +293,11 @@ mod tests {
     fn appends_only_where_the_entry_ends() {
         let cache = HistoryCache::new(1 << 20);
         let id = Uuid::now_v7();
-        cache.put(id, history(&["a"]));
+        cache.put(id, Arc::new(history(&["a"])));
         let reply = json!({"role": "assistant", "content": "b"});
         cache.extend(id, 1, [("assistant", &reply)]);
-        let Cached::Whole(h) = cache.get(id, 2) else {
+        let whole = history(&["a"]).bytes + reply.to_string().len() as u64;
+        let Cached::Whole(h) = cache.get(id, 2, whole) else {
             panic!("appended");
         };
         assert_eq!(
@@ -274,29 +306,48 @@ mod tests {
         );
         // Another writer appended at 2 and 3 meanwhile: this append at 4 drops the entry.
         cache.extend(id, 4, [("assistant", &reply)]);
-        assert!(matches!(cache.get(id, 5), Cached::Nothing));
+        assert!(matches!(cache.get(id, 5, whole * 3), Cached::Nothing));
+    }
+
+    #[test]
+    fn an_erased_session_is_not_put_back() {
+        let cache = HistoryCache::new(1 << 20);
+        let id = Uuid::now_v7();
+        let h = Arc::new(history(&["secret"]));
+        cache.put(id, h.clone());
+        cache.erased(id);
+        // A turn that read the transcript before the erasure puts it back: refused.
+        cache.put(id, h.clone());
+        assert!(matches!(cache.get(id, 1, h.bytes), Cached::Nothing));
+        assert_eq!(cache.usage(), (0, 0));
     }
 
     #[test]
     fn evicts_the_least_recently_used_within_the_budget() {
-        let one = history(&["x".repeat(1000).as_str()]).weight();
-        let cache = HistoryCache::new(one * 2 + one / 2);
-        let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
         let big = "x".repeat(1000);
-        cache.put(a, history(&[&big]));
-        cache.put(b, history(&[&big]));
-        assert!(matches!(cache.get(a, 1), Cached::Whole(_)), "a used last");
-        cache.put(c, history(&[&big]));
-        assert!(matches!(cache.get(b, 1), Cached::Nothing), "b evicted");
-        assert!(matches!(cache.get(a, 1), Cached::Whole(_)));
-        assert!(matches!(cache.get(c, 1), Cached::Whole(_)));
-        assert!(cache.usage().1 <= one * 2 + one / 2);
+        let one = history(&[&big]);
+        let (w, b) = (one.weight(), one.bytes);
+        let cache = HistoryCache::new(w * 2 + w / 2);
+        let (a, bb, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        cache.put(a, Arc::new(history(&[&big])));
+        cache.put(bb, Arc::new(history(&[&big])));
+        assert!(
+            matches!(cache.get(a, 1, b), Cached::Whole(_)),
+            "a used last"
+        );
+        cache.put(c, Arc::new(history(&[&big])));
+        assert!(matches!(cache.get(bb, 1, b), Cached::Nothing), "b evicted");
+        assert!(matches!(cache.get(a, 1, b), Cached::Whole(_)));
+        assert!(matches!(cache.get(c, 1, b), Cached::Whole(_)));
+        assert!(cache.usage().1 <= w * 2 + w / 2);
         // A transcript over the whole budget is not kept.
         let huge = "x".repeat(10_000);
-        cache.put(a, history(&[&huge]));
-        assert!(matches!(cache.get(a, 1), Cached::Nothing));
+        let over = history(&[&huge]);
+        let over_bytes = over.bytes;
+        cache.put(a, Arc::new(over));
+        assert!(matches!(cache.get(a, 1, over_bytes), Cached::Nothing));
         let none = HistoryCache::new(0);
-        none.put(a, history(&["a"]));
+        none.put(a, Arc::new(history(&["a"])));
         assert_eq!(none.usage(), (0, 0));
     }
 

@@ -139,7 +139,7 @@ impl Sessions {
             Error::Unavailable("the replica bus is unreachable; try again".into())
         })?;
         self.inner.tokens.forget(id);
-        self.inner.history.forget(id);
+        self.inner.history.erased(id);
         match erased {
             Ok(()) => {
                 tracing::info!(session_id = %id, "session deleted");

@@ -57,15 +57,17 @@ impl Turns {
     /// Runs the upstream call and persists the outcome. With `events`, streams SSE to the caller.
     pub(super) async fn run_turn(
         &self,
-        turn: Turn,
+        mut turn: Turn,
         events: Option<mpsc::Sender<SseEvent>>,
     ) -> Result<Value, Error> {
+        // The loop owns the request (it may be the whole transcript: moved, not copied).
+        let request = std::mem::take(&mut turn.request);
         // Past the shutdown grace the turn is given up where it stands (a hung upstream, a tool
         // call nobody answers): every write it made so far is a whole unit, and failing it below
         // releases its idempotency key, so a retry runs it again.
         let aborting = self.inner.tasks.aborting();
         let upstream = tokio::select! {
-            done = self.call_upstream(&turn, events.as_ref()) => done,
+            done = self.call_upstream(&turn, request, events.as_ref()) => done,
             _ = aborting.cancelled() => Err(Error::Unavailable(
                 "the gateway shut down before this turn finished; retry it".into(),
             )),
@@ -150,6 +152,7 @@ impl Turns {
     async fn call_upstream(
         &self,
         turn: &Turn,
+        request: ChatRequest,
         events: Option<&mpsc::Sender<SseEvent>>,
     ) -> Result<Upstream, Error> {
         let mut sink = LiveSink::new(
@@ -158,7 +161,7 @@ impl Turns {
             turn.session.step_count + 1,
             turn.surface.clone(),
         );
-        let mut transcript = turn.request.clone();
+        let mut transcript = request;
         let mut usage = UsageSum::default();
         let max_rounds = self.inner.config.max_tool_rounds;
         let mut round = 0;
@@ -168,11 +171,17 @@ impl Turns {
                 0 => turn.surface.clone(),
                 _ => self.inner.replicas.locate(turn.session.id).await,
             };
-            let catalog = self.inner.tools.catalog(surface.as_ref(), &turn.request);
+            // The transcript's tools are the caller's: the catalog's are added to each round's copy.
+            let catalog = self.inner.tools.catalog(surface.as_ref(), &transcript);
             if round > 0 {
                 sink.new_round();
             }
-            let mut request = transcript.clone();
+            // Without gateway tools on offer this round is the last: it takes the transcript.
+            let mut request = if catalog.is_empty() {
+                std::mem::take(&mut transcript)
+            } else {
+                transcript.clone()
+            };
             catalog.offer(&mut request);
             if round >= max_rounds && !catalog.is_empty() {
                 // Out of rounds: the model must answer now.

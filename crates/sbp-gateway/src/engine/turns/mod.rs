@@ -124,7 +124,7 @@ struct Opening {
     /// The session to create with the turn, when the request starts one.
     create: Option<NewSession>,
     created_token: Option<String>,
-    history: History,
+    history: Arc<History>,
     /// The request's messages that are new to the transcript.
     new_messages: Vec<ChatMessage>,
 }
@@ -150,7 +150,8 @@ struct Turn {
     told: std::sync::atomic::AtomicBool,
     created_token: Option<String>,
     turn_id: Uuid,
-    /// The upstream request: the whole transcript, the model, shaped for the surface.
+    /// The upstream request: the whole transcript, the model, shaped for the surface (taken by
+    /// the agent loop when the turn runs).
     request: ChatRequest,
     model: String,
     client_stream: bool,
@@ -342,7 +343,7 @@ impl Turns {
             session_id: id,
             create: Some(create),
             created_token: Some(token),
-            history: History::default(),
+            history: Arc::default(),
             new_messages: incoming,
         })
     }
@@ -393,14 +394,14 @@ impl Turns {
 
     /// The session's transcript: what the cache holds of it, and from the store what it lacks
     /// (all of it, or what was appended since, here by a backend or on another replica).
-    async fn history(&self, s: &SessionRecord) -> Result<History, Error> {
+    async fn history(&self, s: &SessionRecord) -> Result<Arc<History>, Error> {
         let cache = &self.inner.history;
-        let mut history = match cache.get(s.id, s.message_count) {
+        let mut history = match cache.get(s.id, s.message_count, s.message_bytes) {
             Cached::Whole(h) => {
                 self.inner.metrics.history_cache_hits.inc();
                 return Ok(h);
             }
-            Cached::Prefix(h) => h,
+            Cached::Prefix(h) => Arc::unwrap_or_clone(h),
             Cached::Nothing => History::default(),
         };
         self.inner.metrics.history_cache_misses.inc();
@@ -416,8 +417,30 @@ impl Turns {
         for r in &records {
             history.push(&r.role, &r.body);
         }
+        let history = Arc::new(history);
         cache.put(s.id, history.clone());
         Ok(history)
+    }
+
+    /// The messages at `from..to` of the transcript, read after they were missed; none (as before
+    /// the cache) if the store cannot say, since the turn is under way.
+    async fn missed(&self, session: Uuid, from: u64, to: u64) -> Vec<ChatMessage> {
+        let limit = u32::try_from(to - from).unwrap_or(u32::MAX);
+        match self
+            .inner
+            .store
+            .list_messages(session, from.checked_sub(1), limit)
+            .await
+        {
+            Ok(records) => records
+                .into_iter()
+                .map(|m| ChatMessage::from_value(m.body))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "reading messages appended during a turn's start failed; the upstream is sent the transcript as read");
+                Vec::new()
+            }
+        }
     }
 
     /// The turn's first write (`begin_turn`: the session if new, the new messages, status,
@@ -512,28 +535,41 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.inc();
         }
-        // The cache learns the new messages where the store put them (a new session's are its
-        // whole transcript).
-        let stored = new_messages
-            .iter()
-            .map(|m| (m.role().unwrap_or("user"), m.as_value()));
-        let first_seq = (outcome.session.message_count).saturating_sub(new_messages.len() as u64);
-        if created {
-            let mut whole = History::default();
-            for (role, body) in stored {
-                whole.push(role, body);
-            }
-            self.inner.history.put(session_id, whole);
-        } else {
-            self.inner.history.extend(session_id, first_seq, stored);
-        }
         request.messages = history
             .messages()
             .iter()
             .cloned()
             .map(ChatMessage::stored)
-            .chain(new_messages)
             .collect();
+        let read = history.len() as u64;
+        // Let go of the cache's transcript before appending to it, so it is not copied.
+        drop(history);
+        let first_seq = outcome
+            .session
+            .message_count
+            .saturating_sub(new_messages.len() as u64);
+        if first_seq > read {
+            // Another writer (a backend's push, another replica) appended between the read of
+            // the transcript and this write: the model gets those messages too, where they are.
+            request
+                .messages
+                .extend(self.missed(session_id, read, first_seq).await);
+        }
+        // The cache learns the new messages where the store put them (a new session's are its
+        // whole transcript).
+        let stored = new_messages
+            .iter()
+            .map(|m| (m.role().unwrap_or("user"), m.as_value()));
+        if created {
+            let mut whole = History::default();
+            for (role, body) in stored {
+                whole.push(role, body);
+            }
+            self.inner.history.put(session_id, Arc::new(whole));
+        } else {
+            self.inner.history.extend(session_id, first_seq, stored);
+        }
+        request.messages.extend(new_messages);
         let surface = self.inner.replicas.locate(session_id).await;
         if let Some(att) = &surface {
             shape_request(&att.surface, &mut request);
