@@ -5,11 +5,12 @@ use std::net::SocketAddr;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode, Uri};
+use http::{HeaderMap, HeaderValue, StatusCode, Uri};
 
 use crate::http::{HttpConn, SESSION_ID, SESSION_TOKEN, uri};
 
-const MODEL: &str = "bench-model";
+/// The model every completion asks for (a peer gateway's route is configured for it).
+pub const MODEL: &str = "bench-model";
 
 /// Where a worker's completions go.
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +53,18 @@ impl Client {
             sent: 0,
             session: SessionState::default(),
         })
+    }
+
+    /// [`Client::connect`], sending `headers` with every request.
+    pub async fn connect_with(
+        addr: SocketAddr,
+        worker: usize,
+        target: Target,
+        headers: &HeaderMap,
+    ) -> anyhow::Result<Self> {
+        let mut c = Self::connect(addr, worker, target).await?;
+        c.conn.set_extra_headers(headers.clone());
+        Ok(c)
     }
 
     /// For a stateful worker: the first completion, which creates its session. Fails if it fails.

@@ -21,6 +21,8 @@ pub struct HttpConn {
     addr: SocketAddr,
     host: HeaderValue,
     sender: SendRequest<Full<Bytes>>,
+    /// Sent with every request (a peer gateway's routing headers).
+    extra: HeaderMap,
 }
 
 /// A fully read response.
@@ -65,12 +67,24 @@ impl HttpConn {
         // The connection task ends when `sender` is dropped or the peer closes.
         tokio::spawn(conn);
         let host = HeaderValue::from_str(&addr.to_string())?;
-        Ok(Self { addr, host, sender })
+        Ok(Self {
+            addr,
+            host,
+            sender,
+            extra: HeaderMap::new(),
+        })
+    }
+
+    /// Sends `headers` with every request from now on (also after a reconnect).
+    pub fn set_extra_headers(&mut self, headers: HeaderMap) {
+        self.extra = headers;
     }
 
     /// Replaces a broken connection with a fresh one to the same address.
     pub async fn reconnect(&mut self) -> anyhow::Result<()> {
+        let extra = std::mem::take(&mut self.extra);
         *self = Self::connect(self.addr).await?;
+        self.extra = extra;
         Ok(())
     }
 
@@ -106,6 +120,9 @@ impl HttpConn {
         headers.insert(CONTENT_TYPE, JSON);
         if let Some(t) = token {
             headers.insert(SESSION_TOKEN, t.clone());
+        }
+        for (name, value) in &self.extra {
+            headers.insert(name, value.clone());
         }
         self.sender.ready().await.context("connection closed")?;
         let resp = self.sender.send_request(req).await?;

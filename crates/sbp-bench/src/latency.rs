@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use http::HeaderMap;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -42,6 +43,11 @@ pub struct Phase {
     /// Gateway CPU time per completion in this phase, in milliseconds.
     pub gateway_cpu_ms_per_completion: f64,
     pub cpu: CpuUse,
+    /// Stateful: sessions whose stored step_count equals the turns their worker saw answered 200,
+    /// checked at the end (a session with failed turns is not checkable).
+    pub sessions_verified: u64,
+    /// Stateful: sessions whose stored step_count differs (a turn answered but not counted).
+    pub sessions_mismatched: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,12 +79,14 @@ pub async fn run(env: &Env, label: &str, p: &Params) -> anyhow::Result<Report> {
 
 async fn measure(stack: &Stack, p: &Params, load_before: [f64; 3]) -> anyhow::Result<Report> {
     let pids = [("gateway", stack.gateway.pid), ("fake", stack.fake.pid)];
-    let direct = open_loop(stack.fake.addr, Target::Direct, p, &pids).await?;
+    let snapshot = || CpuSnapshot::take(&pids);
+    let none = HeaderMap::new();
+    let direct = open_loop(stack.fake.addr, Target::Direct, &none, p, snapshot).await?;
     let rss = RssSampler::start(stack.gateway.pid);
     let target = Target::Stateful {
         turns_per_session: p.turns_per_session,
     };
-    let gateway = open_loop(stack.gateway.addr, target, p, &pids).await?;
+    let gateway = open_loop(stack.gateway.addr, target, &none, p, snapshot).await?;
     let peak = rss.finish();
     let diff = |a: f64, b: f64| ((a - b) * 1000.0).round() / 1000.0;
     Ok(Report {
@@ -113,13 +121,21 @@ struct WorkerResult {
     errors: u64,
     dropped: u64,
     first_error: Option<String>,
+    /// Kept for the end-of-run check of its session.
+    client: Client,
 }
 
-async fn open_loop(
+/// `p.rate` requests a second, scheduled round-robin over `p.connections` workers (each on its
+/// own keep-alive connection, stateful ones with a session made beforehand) for
+/// `p.warmup + p.duration`; latency counts from each request's scheduled time. `snapshot` takes
+/// the CPU snapshot at the measured window's start (its process named `gateway` is charged per
+/// completion). At the end each stateful worker checks its session's stored step count.
+pub async fn open_loop(
     addr: std::net::SocketAddr,
     target: Target,
+    headers: &HeaderMap,
     p: &Params,
-    pids: &[(&str, u32)],
+    snapshot: impl Fn() -> CpuSnapshot,
 ) -> anyhow::Result<Phase> {
     let warm = (p.rate * p.warmup.as_secs_f64()).round() as u64;
     let measured = (p.rate * p.duration.as_secs_f64()).round() as u64;
@@ -131,7 +147,7 @@ async fn open_loop(
     let give_up_after = schedule_len + p.duration.max(Duration::from_secs(10));
     let give_up = std::sync::Arc::new(std::sync::OnceLock::<Instant>::new());
     for worker in 0..p.connections {
-        let mut client = Client::connect(addr, worker, target).await?;
+        let mut client = Client::connect_with(addr, worker, target, headers).await?;
         if matches!(target, Target::Stateful { .. }) {
             client.start_session().await?;
         }
@@ -147,6 +163,7 @@ async fn open_loop(
                 errors: 0,
                 dropped: 0,
                 first_error: None,
+                client,
             };
             while let Some(ticket) = rx.recv().await {
                 let sent = Instant::now();
@@ -154,7 +171,7 @@ async fn open_loop(
                     r.dropped += u64::from(ticket.measured);
                     continue;
                 }
-                let outcome = client.complete().await;
+                let outcome = r.client.complete().await;
                 let done = Instant::now();
                 if !ticket.measured {
                     continue;
@@ -198,7 +215,7 @@ async fn open_loop(
         }
     });
     tokio::time::sleep_until(measure_from.into()).await;
-    let cpu0 = CpuSnapshot::take(pids);
+    let cpu0 = snapshot();
     dispatcher.await?;
     let mut latency = Latencies::new();
     let mut service = Latencies::new();
@@ -207,6 +224,7 @@ async fn open_loop(
     let mut errors = 0;
     let mut dropped = 0;
     let mut first_error = None;
+    let mut clients = Vec::with_capacity(tasks.len());
     for t in tasks {
         let mut r = t.await?;
         latency.merge(&r.latency);
@@ -218,9 +236,19 @@ async fn open_loop(
         if first_error.is_none() {
             first_error = r.first_error.take();
         }
+        clients.push(r.client);
     }
+    // The CPU window closes when the last answer is in, before the session checks.
     let cpu = cpu0.since();
     let elapsed = measure_from.elapsed().as_secs_f64();
+    let (mut verified, mut mismatched) = (0, 0);
+    for mut client in clients {
+        match client.verify_session().await? {
+            Some(true) => verified += 1,
+            Some(false) => mismatched += 1,
+            None => {}
+        }
+    }
     Ok(Phase {
         scheduled: measured,
         ok,
@@ -236,5 +264,7 @@ async fn open_loop(
             ok + errors,
         ),
         cpu,
+        sessions_verified: verified,
+        sessions_mismatched: mismatched,
     })
 }

@@ -1,7 +1,8 @@
 //! `sbp-bench`: starts the fake upstream and the gateway from their release binaries, drives them
 //! (throughput, added latency at a fixed rate, tether drain, idle surfaces, roaming, the L5
 //! TOOL_CALL round trip, also across two replicas, attach + detach cycles through the client SDK),
-//! prints a summary and writes `bench-out/results.json`. See BENCHMARKS.md.
+//! prints a summary and writes `bench-out/results.json`; `peers` measures sbp beside the floor
+//! and other gateways (`bench-out/peers.json`). See BENCHMARKS.md.
 
 mod attach;
 mod bus;
@@ -9,6 +10,7 @@ mod client;
 mod http;
 mod idle;
 mod latency;
+mod peers;
 mod procs;
 mod roaming;
 mod stats;
@@ -62,6 +64,12 @@ enum Command {
     /// --duration (or --iterations cycles per lane), once per --attach-variants; then checks that
     /// every attached session ended suspended and no surface is left.
     Attach,
+    /// sbp beside the floor and the gateways users compare it with, one after another under the
+    /// same load on one fake upstream: `direct`, `nginx`, `sbp-plain`, `sbp-durable` (and
+    /// `sbp-durable-pg`), `litellm`, `portkey`. Closed loop (--connections, --duration 10,
+    /// --warmup 2), or with --rate, open loop at that rate. Peers not installed are skipped
+    /// (scripts/bench-peers-deps.sh installs them). Not part of `all`.
+    Peers(peers::PeersArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -77,9 +85,9 @@ struct Opts {
     /// Concurrent keep-alive connections of the HTTP scenarios.
     #[arg(long, global = true, default_value_t = 64)]
     connections: usize,
-    /// Measured seconds of the throughput and latency runs.
-    #[arg(long, global = true, default_value_t = 15.0)]
-    duration: f64,
+    /// Measured seconds of the throughput, latency and peers runs. [default: 15; peers: 10]
+    #[arg(long, global = true)]
+    duration: Option<f64>,
     /// Session shapes of the throughput scenario: `growing` (one session per connection for the
     /// whole run), `rotating` (a new session every --turns-per-session turns), `direct` (no
     /// gateway: plain completions straight to the fake upstream, for calibration).
@@ -97,9 +105,10 @@ struct Opts {
     /// Turns per session in the rotating throughput run and the latency run.
     #[arg(long, global = true, default_value_t = 20)]
     turns_per_session: u32,
-    /// Requests per second of the open-loop latency run.
-    #[arg(long, global = true, default_value_t = 1000.0)]
-    rate: f64,
+    /// Requests per second of the open-loop latency run [default: 1000]; given to `peers`, it
+    /// runs every target open loop at this rate instead of closed loop.
+    #[arg(long, global = true)]
+    rate: Option<f64>,
     /// Turns pushed to the tether before the drain.
     #[arg(long, global = true, default_value_t = 20_000)]
     tether_turns: u64,
@@ -146,10 +155,11 @@ struct Opts {
     )]
     sync: Vec<Sync>,
     /// Run the gateway on PostgreSQL instead of SQLite: a base URL such as
-    /// `postgres://postgres@127.0.0.1:5432/test`. Each gateway start gets a fresh schema
+    /// `postgres://postgres@127.0.0.1:5432/test` (`--database-url` is the same). `peers` runs its
+    /// `sbp-durable-pg` target there, with the rest on SQLite. Each gateway start gets a fresh schema
     /// (`sbp_bench_<pid>_<n>`, passed as the URL's `search_path`), dropped when it stops; --sync
     /// then does not apply (PostgreSQL's own `synchronous_commit` decides durability).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, alias = "database-url")]
     database: Option<String>,
     /// The toolcall scenario across two replicas: a Redis URL such as `redis://127.0.0.1:6379`.
     /// Starts a second gateway (replica B) on the same PostgreSQL schema (needs --database) and
@@ -200,7 +210,10 @@ fn secs(v: f64, name: &str) -> anyhow::Result<Duration> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let o = &cli.opts;
-    if o.connections == 0 || o.rate <= 0.0 || o.turns_per_session == 0 || o.duration <= 0.0 {
+    let peers = matches!(cli.command, Command::Peers(_));
+    let duration_s = o.duration.unwrap_or(if peers { 10.0 } else { 15.0 });
+    let rate = o.rate.unwrap_or(1000.0);
+    if o.connections == 0 || rate <= 0.0 || o.turns_per_session == 0 || duration_s <= 0.0 {
         anyhow::bail!("--connections, --rate, --turns-per-session and --duration must be positive");
     }
     if o.bus.is_some() {
@@ -213,7 +226,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             anyhow::bail!("--bus applies to the toolcall scenario only");
         }
     }
-    let duration = secs(o.duration, "duration")?;
+    let duration = secs(duration_s, "duration")?;
     let warmup = secs(o.warmup, "warmup")?;
     let bin_dir = match &o.bin_dir {
         Some(d) => d.clone(),
@@ -250,6 +263,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         load_at_start[1],
         load_at_start[2]
     );
+    if let Command::Peers(args) = &cli.command {
+        let settings = peers::Settings {
+            connections: o.connections,
+            warmup,
+            duration,
+            rate: o.rate,
+            database: o.database.clone(),
+            out: o.out.clone(),
+            machine,
+            load_at_start,
+        };
+        return peers::run(&env, args, &settings).await;
+    }
 
     let started = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -260,10 +286,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         load_at_start,
         params: json!({
             "connections": o.connections,
-            "duration_s": o.duration,
+            "duration_s": duration_s,
             "warmup_s": o.warmup,
             "turns_per_session": o.turns_per_session,
-            "rate": o.rate,
+            "rate": rate,
             "tether_turns": o.tether_turns,
             "surfaces": o.surfaces,
             "iterations": o.iterations,
@@ -316,7 +342,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 println!(
                     "\n== {label}: {} connections, {:.0} s",
-                    o.connections, o.duration
+                    o.connections, duration_s
                 );
                 let p = throughput::Params {
                     connections: o.connections,
@@ -340,10 +366,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let label = format!("latency-{}", env.storage(primary));
         println!(
             "\n== {label}: open loop at {:.0} req/s over {} connections, {:.0} s",
-            o.rate, o.connections, o.duration
+            rate, o.connections, duration_s
         );
         let p = latency::Params {
-            rate: o.rate,
+            rate,
             warmup,
             duration,
             connections: o.connections,

@@ -40,13 +40,17 @@ impl Env {
     }
 }
 
-/// A started child process that prints `... listening on http://ADDR...` on stdout.
+/// A started child process that prints `... listening on http://ADDR...` on stdout, or (a peer
+/// gateway) one told where to listen, in a process group of its own.
 pub struct Service {
     pub name: String,
     pub pid: u32,
     pub addr: SocketAddr,
     pub log: PathBuf,
     child: Child,
+    /// Its process group is its own (pgid = pid) and is killed whole: a master's workers, a
+    /// launcher's runtime. Cleared once killed.
+    group: bool,
 }
 
 impl Service {
@@ -60,11 +64,48 @@ impl Service {
             addr,
             log,
             child,
+            group: false,
         })
     }
 
-    /// Kills the process (SIGKILL) and reaps it.
+    /// Starts `cmd`, which listens on `addr` (chosen by the caller) without saying so, with
+    /// stdout and stderr to `log`, as the leader of a new process group so that stopping it stops
+    /// the processes it starts too. Whether it answers yet is for the caller to check.
+    pub fn spawn_group(
+        name: &str,
+        mut cmd: Command,
+        log: PathBuf,
+        addr: SocketAddr,
+    ) -> anyhow::Result<Self> {
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .kill_on_drop(true);
+        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        let pid = child
+            .id()
+            .with_context(|| format!("{name} exited at once"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            pid,
+            addr,
+            log,
+            child,
+            group: true,
+        })
+    }
+
+    /// Kills the process (SIGKILL; with its group, every member) and reaps it.
     pub async fn stop(mut self) -> anyhow::Result<()> {
+        if self.group {
+            self.group = false;
+            // Even when the leader has exited: its workers may live on.
+            kill_group(self.pid);
+        }
         if self.child.try_wait()?.is_none() {
             self.child
                 .start_kill()
@@ -86,6 +127,25 @@ impl Service {
         }
         Ok(())
     }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        // kill_on_drop reaches the leader only; an error path or Ctrl-C must not leave its
+        // workers listening.
+        if self.group {
+            kill_group(self.pid);
+        }
+    }
+}
+
+/// SIGKILL to every process of the group whose leader is `pid` (a group this bench made).
+fn kill_group(pid: u32) {
+    // `kill` the command: sending a signal from Rust takes `unsafe` or another dependency.
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pid}")])
+        .stderr(std::process::Stdio::null())
+        .status();
 }
 
 /// SQLite durability of the gateway under test.
@@ -253,6 +313,7 @@ impl Stack {
             sync,
             schema.as_ref(),
             joins("bench-a"),
+            &[],
         );
         let gateway = match a.await {
             Ok(g) => g,
@@ -277,6 +338,7 @@ impl Stack {
                 sync,
                 schema.as_ref(),
                 joins("bench-b"),
+                &[],
             );
             Ok::<_, anyhow::Error>(Some((b.await?, data)))
         };
@@ -387,7 +449,7 @@ impl Stack {
 }
 
 /// Starts `sbp serve` on `fake`, storing in `data` (SQLite) or `schema` (PostgreSQL); with `joins`,
-/// as a replica on the bus.
+/// as a replica on the bus; `extra` are further `sbp serve` arguments.
 #[allow(clippy::too_many_arguments)]
 async fn spawn_gateway(
     env: &Env,
@@ -398,6 +460,7 @@ async fn spawn_gateway(
     sync: Sync,
     schema: Option<&Schema>,
     joins: Option<Joins<'_>>,
+    extra: &[&str],
 ) -> anyhow::Result<Service> {
     let mut cmd = Command::new(binary(env, "sbp")?);
     cmd.arg("serve")
@@ -429,6 +492,7 @@ async fn spawn_gateway(
     if let Some(key) = &env.encryption_key {
         cmd.arg("--encryption-key").arg(key);
     }
+    cmd.args(extra);
     if let Some(schema) = schema {
         cmd.arg("--database").arg(schema.url());
     }
@@ -442,6 +506,64 @@ async fn spawn_gateway(
             .env("SBP_JWT_SECRET", j.secret);
     }
     Service::spawn(name, cmd, env.log_dir.join(log)).await
+}
+
+/// One `sbp serve` in front of an upstream started elsewhere (the peers comparison runs every
+/// gateway on the same fake upstream), with its fresh data directory and, on PostgreSQL, its
+/// fresh schema.
+pub struct Gateway {
+    pub service: Service,
+    /// Deleted (with the database) on drop.
+    _data: tempfile::TempDir,
+    schema: Option<Schema>,
+}
+
+impl Gateway {
+    /// Starts `sbp serve` on `fake`, on SQLite with `sync`, or on PostgreSQL in a fresh schema of
+    /// `database`, with `extra` arguments; its log is `{label}-gateway.log`.
+    pub async fn start(
+        env: &Env,
+        label: &str,
+        fake: &Service,
+        sync: Sync,
+        database: Option<&str>,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let data = data_dir(env)?;
+        let schema = match database {
+            Some(base) => Some(Schema::create(base).await?),
+            None => None,
+        };
+        let log = format!("{label}-gateway.log");
+        // A failed start drops the schema (on drop) and the data directory.
+        let service = spawn_gateway(
+            env,
+            "gateway",
+            &log,
+            fake,
+            data.path(),
+            sync,
+            schema.as_ref(),
+            None,
+            extra,
+        )
+        .await?;
+        Ok(Self {
+            service,
+            _data: data,
+            schema,
+        })
+    }
+
+    /// Kills the gateway, then drops its schema.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let a = self.service.stop().await;
+        let b = match self.schema {
+            Some(s) => s.drop_now().await,
+            None => Ok(()),
+        };
+        a.and(b)
+    }
 }
 
 /// A fresh data directory for one gateway.
@@ -496,6 +618,21 @@ pub fn mem(pid: u32) -> anyhow::Result<Mem> {
     })
 }
 
+/// Resident memory of a process tree: the sum over its members (the sum of their peaks is an
+/// upper bound of the tree's peak), and how many processes it has.
+pub fn tree_mem(root: u32) -> anyhow::Result<(Mem, usize)> {
+    let pids = tree_pids(root);
+    let mut sum = mem(root)?;
+    for pid in pids.iter().filter(|p| **p != root) {
+        // A member that exited since the listing no longer holds memory.
+        if let Ok(m) = mem(*pid) {
+            sum.rss_kib += m.rss_kib;
+            sum.hwm_kib += m.hwm_kib;
+        }
+    }
+    Ok((sum, pids.len()))
+}
+
 /// Samples a process's VmRSS every 50 ms in the background and keeps the largest value seen.
 pub struct RssSampler {
     peak: Arc<AtomicU64>,
@@ -533,6 +670,8 @@ impl RssSampler {
 pub struct CpuSnapshot {
     at: Instant,
     procs: Vec<(String, u32, u64)>,
+    /// Process trees, each counted whole under its root's name.
+    trees: Vec<(String, u32, u64)>,
     threads: Vec<BTreeMap<String, u64>>,
     /// Ticks of every process named `postgres` (server, backends, WAL writer, checkpointer...).
     postgres: BTreeMap<u32, u64>,
@@ -570,16 +709,89 @@ fn clock_ticks() -> f64 {
     100.0
 }
 
-/// utime + stime, in ticks, from a /proc/.../stat line.
-fn stat_ticks(text: &str) -> Option<(String, u64)> {
+/// What the bench reads from a /proc/.../stat line.
+#[derive(Debug, PartialEq, Eq)]
+struct Stat {
+    comm: String,
+    ppid: u32,
+    /// utime + stime, in ticks.
+    ticks: u64,
+    /// cutime + cstime: the ticks of children it has reaped, in ticks.
+    reaped_ticks: u64,
+}
+
+fn parse_stat(text: &str) -> Option<Stat> {
     let open = text.find('(')?;
     let close = text.rfind(')')?;
     let comm = text.get(open + 1..close)?.to_owned();
     let fields: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
-    // Fields after the comm start at field 3 (state); utime and stime are fields 14 and 15.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((comm, utime + stime))
+    // Fields after the comm start at field 3 (state): ppid is field 4, utime, stime, cutime and
+    // cstime are fields 14 to 17.
+    let num = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some(Stat {
+        comm,
+        ppid: u32::try_from(num(1)?).ok()?,
+        ticks: num(11)? + num(12)?,
+        reaped_ticks: num(13).unwrap_or(0) + num(14).unwrap_or(0),
+    })
+}
+
+/// utime + stime, in ticks, from a /proc/.../stat line.
+fn stat_ticks(text: &str) -> Option<(String, u64)> {
+    parse_stat(text).map(|s| (s.comm, s.ticks))
+}
+
+/// Every process's stat, by pid.
+fn all_stats() -> BTreeMap<u32, Stat> {
+    let mut out = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        if let Some(stat) = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|t| parse_stat(&t))
+        {
+            out.insert(pid, stat);
+        }
+    }
+    out
+}
+
+/// `root` and its descendants, from a table of stats.
+fn descendants(root: u32, stats: &BTreeMap<u32, Stat>) -> Vec<u32> {
+    let mut tree = vec![root];
+    let mut i = 0;
+    while let Some(&pid) = tree.get(i) {
+        tree.extend(
+            stats
+                .iter()
+                .filter(|(_, s)| s.ppid == pid)
+                .map(|(child, _)| *child),
+        );
+        i += 1;
+    }
+    tree.retain(|pid| stats.contains_key(pid));
+    tree
+}
+
+/// `root` and its descendants now (a master and its workers, a launcher and its runtime).
+pub fn tree_pids(root: u32) -> Vec<u32> {
+    descendants(root, &all_stats())
+}
+
+/// CPU ticks of a process tree: each live member's own and its reaped children's, so a worker
+/// that exits (and is reaped) during a run still counts.
+fn tree_ticks(root: u32) -> u64 {
+    let stats = all_stats();
+    descendants(root, &stats)
+        .iter()
+        .filter_map(|pid| stats.get(pid))
+        .map(|s| s.ticks + s.reaped_ticks)
+        .sum()
 }
 
 fn proc_ticks(pid: u32) -> u64 {
@@ -609,23 +821,11 @@ fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
 
 /// Ticks of each process whose name is `name`.
 fn ticks_by_name(name: &str) -> BTreeMap<u32, u64> {
-    let mut out = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
-            continue;
-        };
-        if let Some((_, t)) = std::fs::read_to_string(entry.path().join("stat"))
-            .ok()
-            .and_then(|t| stat_ticks(&t))
-            .filter(|(comm, _)| comm == name)
-        {
-            out.insert(pid, t);
-        }
-    }
-    out
+    all_stats()
+        .into_iter()
+        .filter(|(_, s)| s.comm == name)
+        .map(|(pid, s)| (pid, s.ticks))
+        .collect()
 }
 
 /// (busy, steal, total) ticks of all cores.
@@ -649,12 +849,23 @@ fn machine_ticks() -> (u64, u64, u64) {
 impl CpuSnapshot {
     /// Takes a snapshot of the named processes (the bench itself is always included as "bench").
     pub fn take(procs: &[(&str, u32)]) -> Self {
+        Self::take_with_trees(procs, &[])
+    }
+
+    /// [`CpuSnapshot::take`], and of the named process trees (a root and its descendants, counted
+    /// as one; no per-thread figures).
+    pub fn take_with_trees(procs: &[(&str, u32)], trees: &[(&str, u32)]) -> Self {
+        let trees = trees
+            .iter()
+            .map(|(n, pid)| ((*n).to_owned(), *pid, tree_ticks(*pid)))
+            .collect();
         let mut all: Vec<(String, u32)> =
             procs.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect();
         all.push(("bench".to_owned(), std::process::id()));
         let (machine_busy, machine_steal, machine_total) = machine_ticks();
         Self {
             at: Instant::now(),
+            trees,
             threads: all.iter().map(|(_, pid)| thread_ticks(*pid)).collect(),
             postgres: ticks_by_name("postgres"),
             procs: all
@@ -691,6 +902,12 @@ impl CpuSnapshot {
                 }
             }
             thread_pct.insert(name.clone(), per);
+        }
+        for (name, root, before) in &self.trees {
+            process_pct.insert(
+                name.clone(),
+                round1(pct(tree_ticks(*root).saturating_sub(*before))),
+            );
         }
         // All PostgreSQL processes as one (a backend that started during the interval counts whole),
         // when the machine runs one: with `--database` it does the storage work.
@@ -791,5 +1008,44 @@ mod tests {
         assert_eq!(stat_ticks(line), Some(("tokio-runtime-w".into(), 281)));
         let odd = "7 (a) b) R 1 2 3 4 5 6 7 8 9 10 1 2 0";
         assert_eq!(stat_ticks(odd), Some(("a) b".into(), 3)));
+    }
+
+    #[test]
+    fn stat_lines_give_parent_and_reaped_ticks() {
+        let line = "123 (nginx) S 77 2 3 4 5 6 7 8 9 10 250 31 40 2 20 0 1 0";
+        let s = parse_stat(line).expect("parses");
+        assert_eq!((s.ppid, s.ticks, s.reaped_ticks), (77, 281, 42));
+    }
+
+    #[test]
+    fn a_tree_is_its_root_and_every_descendant() {
+        let stat = |ppid| Stat {
+            comm: String::new(),
+            ppid,
+            ticks: 0,
+            reaped_ticks: 0,
+        };
+        let stats: BTreeMap<u32, Stat> = [
+            (1, stat(0)),
+            (10, stat(1)),
+            (11, stat(10)),
+            (12, stat(11)),
+            (13, stat(10)),
+            (20, stat(1)),
+        ]
+        .into_iter()
+        .collect();
+        let mut tree = descendants(10, &stats);
+        tree.sort_unstable();
+        assert_eq!(tree, vec![10, 11, 12, 13]);
+        assert_eq!(descendants(99, &stats), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn this_process_is_a_tree_of_itself() {
+        let me = std::process::id();
+        assert!(tree_pids(me).contains(&me));
+        let (m, n) = tree_mem(me).expect("own /proc entry");
+        assert!(n >= 1 && m.hwm_kib > 0, "{m:?}");
     }
 }
