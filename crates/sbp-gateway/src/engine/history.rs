@@ -27,25 +27,31 @@ pub struct History {
     /// `hidden[i]`: message `i` is an assistant message calling only gateway tools, or a tool
     /// message answering one of those calls.
     hidden: Vec<bool>,
+    /// How many messages are not hidden (asked every turn: counted as they come).
+    shown: usize,
     /// The gateway tool-call ids seen so far, for the tool messages answering them.
     gateway_calls: Vec<String>,
-    /// The memory the messages keep alive.
+    /// The memory the messages and the gateway call ids keep alive.
     weight: usize,
     /// The messages' JSON text in bytes: what the store counts as the session's `message_bytes`.
     bytes: u64,
 }
 
 impl History {
-    pub fn from_records(records: &[MessageRecord]) -> Self {
-        let mut h = Self::default();
-        for r in records {
-            h.push(&r.role, &r.body);
+    /// Appends messages as stored: (role column, body), in transcript order.
+    pub fn extend<'a>(&mut self, messages: impl IntoIterator<Item = (&'a str, &'a Value)>) {
+        for (role, body) in messages {
+            self.push(role, body);
         }
-        h
+    }
+
+    /// Appends stored records, in transcript order.
+    pub fn extend_records(&mut self, records: &[MessageRecord]) {
+        self.extend(records.iter().map(|r| (r.role.as_str(), &r.body)));
     }
 
     /// Appends one message (as stored: its role column and body).
-    pub fn push(&mut self, role: &str, body: &Value) {
+    fn push(&mut self, role: &str, body: &Value) {
         let view = MessageView(body);
         let hidden = if role == "assistant" {
             let gateway_only = view.has_tool_calls()
@@ -53,8 +59,10 @@ impl History {
                     .tool_calls()
                     .all(|c| c.name().is_some_and(is_gateway_function));
             if gateway_only {
-                self.gateway_calls
-                    .extend(view.tool_calls().filter_map(|c| c.id().map(str::to_owned)));
+                for id in view.tool_calls().filter_map(|c| c.id()) {
+                    self.weight += id.len();
+                    self.gateway_calls.push(id.to_owned());
+                }
             }
             gateway_only
         } else {
@@ -68,6 +76,7 @@ impl History {
         self.bytes += stored.json().len() as u64;
         self.messages.push(Arc::new(stored));
         self.hidden.push(hidden);
+        self.shown += usize::from(!hidden);
     }
 
     pub fn len(&self) -> usize {
@@ -93,16 +102,16 @@ impl History {
 
     /// How many messages the HTTP client saw.
     pub fn client_len(&self) -> usize {
-        self.hidden.iter().filter(|h| !**h).count()
+        self.shown
     }
 
     fn weight(&self) -> usize {
-        self.weight + self.gateway_calls.iter().map(String::len).sum::<usize>()
+        self.weight
     }
 }
 
 /// Whether a function name is one the gateway offers (its surface and MCP-server tools).
-pub fn is_gateway_function(name: &str) -> bool {
+fn is_gateway_function(name: &str) -> bool {
     name.starts_with(SURFACE_PREFIX) || name.starts_with(SERVER_PREFIX)
 }
 
@@ -165,11 +174,11 @@ impl HistoryCache {
 
     /// Keeps `history` as the session's whole transcript (a newer one replaces an older).
     pub fn put(&self, id: Uuid, history: Arc<History>) {
+        let mut inner = self.lock();
         if history.weight() > self.budget {
-            self.forget(id);
+            inner.remove(id);
             return;
         }
-        let mut inner = self.lock();
         if inner.erased.contains_key(&id)
             || inner
                 .sessions
@@ -202,9 +211,7 @@ impl HistoryCache {
         }
         let before = held.weight();
         let held = Arc::make_mut(held);
-        for (role, body) in messages {
-            held.push(role, body);
-        }
+        held.extend(messages);
         let after = held.weight();
         inner.weight = inner.weight - before + after;
         if after > self.budget {
@@ -222,11 +229,6 @@ impl HistoryCache {
         if inner.erased.len() > ERASED_REMEMBERED {
             inner.erased.pop_front();
         }
-    }
-
-    /// Drops the session's transcript.
-    pub fn forget(&self, id: Uuid) {
-        self.lock().remove(id);
     }
 
     /// (sessions held, bytes held)
@@ -263,10 +265,12 @@ mod tests {
     use serde_json::json;
 
     fn history(texts: &[&str]) -> History {
+        let bodies: Vec<Value> = texts
+            .iter()
+            .map(|t| json!({"role": "user", "content": t}))
+            .collect();
         let mut h = History::default();
-        for t in texts {
-            h.push("user", &json!({"role": "user", "content": t}));
-        }
+        h.extend(bodies.iter().map(|b| ("user", b)));
         h
     }
 

@@ -331,12 +331,16 @@ impl Turns {
                        "ok": run.error.is_none(), "error": run.error}),
             ));
         }
-        let messages = answered
-            .iter()
+        // The round's messages as stored (and cached): the assistant's call, then its results.
+        let stored = || {
+            let roles = std::iter::once("assistant").chain(std::iter::repeat("tool"));
+            roles.zip(answered.iter().map(ChatMessage::as_value))
+        };
+        let messages = stored()
             .enumerate()
-            .map(|(i, m)| NewMessage {
-                role: if i == 0 { "assistant" } else { "tool" }.into(),
-                body: m.as_value().clone(),
+            .map(|(i, (role, body))| NewMessage {
+                role: role.into(),
+                body: body.clone(),
                 model_used: (i == 0).then(|| out.model.clone()),
                 cost_usd: None,
                 created_at: now,
@@ -354,12 +358,9 @@ impl Turns {
             })
             .timed(&self.inner.metrics, "record_progress")
             .await?;
-        let roles = std::iter::once("assistant").chain(std::iter::repeat("tool"));
-        self.inner.history.extend(
-            session_id,
-            progress.first_message_seq,
-            roles.zip(answered.iter().map(ChatMessage::as_value)),
-        );
+        self.inner
+            .history
+            .extend(session_id, progress.first_message_seq, stored());
         transcript.messages.extend(answered);
         Ok(())
     }

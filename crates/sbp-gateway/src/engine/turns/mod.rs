@@ -414,9 +414,7 @@ impl Turns {
                     .await?
             }
         };
-        for r in &records {
-            history.push(&r.role, &r.body);
-        }
+        history.extend_records(&records);
         let history = Arc::new(history);
         cache.put(s.id, history.clone());
         Ok(history)
@@ -491,11 +489,10 @@ impl Turns {
             session_id,
             turn_id,
             create,
-            new_messages: new_messages
-                .iter()
-                .map(|m| NewMessage {
-                    role: m.role().unwrap_or("user").to_owned(),
-                    body: m.as_value().clone(),
+            new_messages: stored(&new_messages)
+                .map(|(role, body)| NewMessage {
+                    role: role.to_owned(),
+                    body: body.clone(),
                     model_used: None,
                     cost_usd: None,
                     created_at: now,
@@ -557,17 +554,14 @@ impl Turns {
         }
         // The cache learns the new messages where the store put them (a new session's are its
         // whole transcript).
-        let stored = new_messages
-            .iter()
-            .map(|m| (m.role().unwrap_or("user"), m.as_value()));
         if created {
             let mut whole = History::default();
-            for (role, body) in stored {
-                whole.push(role, body);
-            }
+            whole.extend(stored(&new_messages));
             self.inner.history.put(session_id, Arc::new(whole));
         } else {
-            self.inner.history.extend(session_id, first_seq, stored);
+            self.inner
+                .history
+                .extend(session_id, first_seq, stored(&new_messages));
         }
         request.messages.extend(new_messages);
         let surface = self.inner.replicas.locate(session_id).await;
@@ -791,6 +785,14 @@ impl Turns {
 /// caller that made a request can replay its response (or retry it in its session). Without a
 /// session token the scope is shared by every anonymous (or every operator) caller: a request that
 /// creates a session has no other identity, so its key must be unguessable (a UUID).
+/// A request's new messages as the store keeps them: (role column, body); a message without a
+/// role is the user's.
+fn stored(messages: &[ChatMessage]) -> impl Iterator<Item = (&str, &Value)> {
+    messages
+        .iter()
+        .map(|m| (m.role().unwrap_or("user"), m.as_value()))
+}
+
 fn scoped_idempotency_key(key: &str, token: Option<&str>, operator: bool) -> String {
     let scope = match (token, operator) {
         (Some(t), _) => format!("token:{}", auth::hash_token(t)),

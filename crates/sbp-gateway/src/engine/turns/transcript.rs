@@ -28,23 +28,13 @@ pub fn last_task(new: &[ChatMessage]) -> Option<String> {
 /// stored at the start are not stored again either. A stored message is parsed only to be compared
 /// with one the client sent: a client that sends only what is new costs nothing per stored message.
 pub fn new_start(history: &History, incoming: &[ChatMessage]) -> usize {
-    let is_prefix = |stored: &mut dyn ExactSizeIterator<Item = &Arc<StoredMessage>>| {
-        stored.len() > 0
-            && incoming.len() >= stored.len()
-            && stored
-                .zip(incoming)
-                .all(|(h, m)| same_message(&h.parse(), m.as_value()))
-    };
-    if is_prefix(&mut history.messages().iter()) {
+    if is_prefix(history.messages(), history.len(), incoming) {
         return history.len();
     }
     // A client never saw the gateway's own tool rounds: it resends the transcript without them.
     let seen = history.client_len();
-    if seen < history.len() && incoming.len() >= seen {
-        let mut view = history.client_view().collect::<Vec<_>>().into_iter();
-        if is_prefix(&mut view) {
-            return seen;
-        }
+    if seen < history.len() && is_prefix(history.client_view(), seen, incoming) {
+        return seen;
     }
     let mut skip = 0;
     for stored in history
@@ -58,6 +48,20 @@ pub fn new_start(history: &History, incoming: &[ChatMessage]) -> usize {
         }
     }
     skip
+}
+
+/// Whether `incoming` starts with the `len` messages of `stored` (none: no).
+fn is_prefix<'a>(
+    stored: impl IntoIterator<Item = &'a Arc<StoredMessage>>,
+    len: usize,
+    incoming: &[ChatMessage],
+) -> bool {
+    len > 0
+        && incoming.len() >= len
+        && stored
+            .into_iter()
+            .zip(incoming)
+            .all(|(h, m)| same_message(&h.parse(), m.as_value()))
 }
 
 /// Whether two chat messages say the same thing: role, content (text compared as text), tool calls
@@ -98,7 +102,11 @@ mod tests {
 
     /// The new part of `incoming` (as values, to compare with what tests expect).
     fn new_part(history: &[MessageRecord], incoming: &[Value]) -> Vec<Value> {
-        let history = History::from_records(history);
+        let history = {
+            let mut h = History::default();
+            h.extend_records(history);
+            h
+        };
         let incoming: Vec<ChatMessage> = incoming
             .iter()
             .cloned()
