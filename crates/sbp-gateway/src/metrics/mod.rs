@@ -175,6 +175,13 @@ fn counter(reg: &mut Registry, name: &str, help: &str) -> Counter {
     c
 }
 
+/// Registers a gauge and returns its handle.
+fn gauge(reg: &mut Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::default();
+    reg.register(name, help, g.clone());
+    g
+}
+
 /// The closed label sets whose series exist from the start (at 0), so a dashboard's `rate()`
 /// sees them before the first event.
 const TOOL_OUTCOMES: [(&str, &str); 6] = [
@@ -192,18 +199,12 @@ impl Metrics {
         let r = &mut reg;
         let sessions = Family::<StatusLabel, Gauge>::default();
         r.register("sbp_sessions", "Sessions by status", sessions.clone());
-        let attached_surfaces = Gauge::default();
-        r.register(
+        let attached_surfaces = gauge(
+            r,
             "sbp_attached_surfaces",
             "Surfaces attached over WebSocket",
-            attached_surfaces.clone(),
         );
-        let tether_depth = Gauge::default();
-        r.register(
-            "sbp_tether_depth",
-            "Turns waiting in the Tether",
-            tether_depth.clone(),
-        );
+        let tether_depth = gauge(r, "sbp_tether_depth", "Turns waiting in the Tether");
         let sessions_created = counter(r, "sbp_sessions_created", "Sessions created");
         let turns_completed = counter(r, "sbp_turns", "LLM turns completed and persisted");
         let turns_failed = counter(r, "sbp_turns_failed", "LLM turns that failed upstream");
@@ -218,17 +219,15 @@ impl Metrics {
             "sbp_history_cache_misses",
             "Turns that read their transcript, or the part the cache lacked, from the store",
         );
-        let history_cache_sessions = Gauge::default();
-        r.register(
+        let history_cache_sessions = gauge(
+            r,
             "sbp_history_cache_sessions",
             "Session transcripts held by the history cache",
-            history_cache_sessions.clone(),
         );
-        let history_cache_bytes = Gauge::default();
-        r.register(
+        let history_cache_bytes = gauge(
+            r,
             "sbp_history_cache_bytes",
             "Memory the history cache's transcripts keep (its budget is --history-cache-mib)",
-            history_cache_bytes.clone(),
         );
         let tool_calls = counter(r, "sbp_tool_calls", "TOOL_CALL frames sent to surfaces");
         let tool_call_errors = counter(
@@ -262,11 +261,10 @@ impl Metrics {
             "Tethered turns delivered to a surface",
         );
         let ws_connections = counter(r, "sbp_ws_connections", "WebSocket connections accepted");
-        let ws_open = Gauge::default();
-        r.register(
+        let ws_open = gauge(
+            r,
             "sbp_ws_connections_open",
             "WebSocket connections open now",
-            ws_open.clone(),
         );
         let ws_frames = Family::<FrameLabels, Counter>::default();
         r.register(
@@ -445,18 +443,18 @@ impl Metrics {
 
     /// The Prometheus text (format 0.0.4), with the gauges read at scrape time set first.
     pub fn render(&self, live: &LiveGauges) -> String {
-        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let level = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         for (status, n) in &live.sessions_by_status {
             self.sessions
                 .get_or_create(&StatusLabel { status })
-                .set(gauge(*n));
+                .set(level(*n));
         }
-        self.tether_depth.set(gauge(live.tether_depth));
-        self.attached_surfaces.set(gauge(live.attached_surfaces));
+        self.tether_depth.set(level(live.tether_depth));
+        self.attached_surfaces.set(level(live.attached_surfaces));
         self.history_cache_sessions
-            .set(gauge(live.history_cache.0 as u64));
+            .set(level(live.history_cache.0 as u64));
         self.history_cache_bytes
-            .set(gauge(live.history_cache.1 as u64));
+            .set(level(live.history_cache.1 as u64));
         let mut out = String::with_capacity(16 << 10);
         // Writing to a String cannot fail; a collector's error would leave the text cut short,
         // which a scraper reports as a parse error rather than a wrong figure.
