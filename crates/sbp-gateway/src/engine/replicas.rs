@@ -290,50 +290,46 @@ impl Replicas {
     /// Displaces the session's surface wherever it is attached (the session left this
     /// deployment: it moved to another gateway).
     pub async fn displace(&self, session: Uuid) {
-        let Some(att) = self.locate(session).await else {
-            return;
-        };
-        match (att.replica(), &self.inner.bus) {
-            (Some(replica), Some(bus)) => {
-                bus.send(
-                    &replica,
-                    BusMsg::Displace {
-                        session,
-                        conn: att.conn_id,
-                    },
-                );
-            }
-            _ => {
-                self.inner.connections.displace(session, att.conn_id);
-            }
-        }
+        let displaced = |session, conn| BusMsg::Displace { session, conn };
+        self.end_surface(session, displaced, Connections::displace)
+            .await;
     }
 
     /// Closes the session's surface wherever it is attached, and forgets it on the bus: the
     /// session was deleted (the closing connection, no longer current, releases nothing).
     pub async fn close_deleted(&self, session: Uuid) {
-        let Some(att) = self.locate(session).await else {
+        let deleted = |session, conn| BusMsg::Deleted { session, conn };
+        let Some(att) = self
+            .end_surface(session, deleted, Connections::deleted)
+            .await
+        else {
             return;
         };
-        match (att.replica(), &self.inner.bus) {
-            (Some(replica), Some(bus)) => {
-                bus.send(
-                    &replica,
-                    BusMsg::Deleted {
-                        session,
-                        conn: att.conn_id,
-                    },
-                );
-            }
-            _ => {
-                self.inner.connections.deleted(session, att.conn_id);
-            }
-        }
         if let Some(bus) = &self.inner.bus
             && let Err(e) = bus.release(session, att.conn_id).await
         {
             tracing::warn!(session_id = %session, error = %e, "forgetting a deleted session's surface on the bus failed");
         }
+    }
+
+    /// Ends the session's surface wherever it is attached: `remote` is the message for the
+    /// replica holding it, `local` ends it in this process. Returns the attachment it ended.
+    async fn end_surface(
+        &self,
+        session: Uuid,
+        remote: impl FnOnce(Uuid, u64) -> BusMsg,
+        local: impl FnOnce(&Connections, Uuid, u64) -> bool,
+    ) -> Option<Attachment> {
+        let att = self.locate(session).await?;
+        match (att.replica(), &self.inner.bus) {
+            (Some(replica), Some(bus)) => {
+                bus.send(&replica, remote(session, att.conn_id));
+            }
+            _ => {
+                local(&self.inner.connections, session, att.conn_id);
+            }
+        }
+        Some(att)
     }
 
     /// Withdraws a claim whose attach failed (the claim may have been applied before the error):
