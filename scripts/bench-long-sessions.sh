@@ -5,7 +5,8 @@
 # SECS seconds measured (default 10). Needs the release build:
 #   cargo build --release -p sbp-cli -p sbp-fake-llm
 #   scripts/bench-long-sessions.sh 2 1000 10000
-# The environment reaches the gateway (e.g. SBP_HISTORY_CACHE_MIB=0 to compare without the cache).
+# RATE=N paces all workers to N turns/s together (compare lengths at one turn rate). The
+# environment reaches the gateway (e.g. SBP_HISTORY_CACHE_MIB=0 to compare without the cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}

@@ -1,11 +1,15 @@
 """Gateway CPU per durable turn for sessions preloaded with N messages (BENCHMARKS.md, "Turn cost
 and session length"): each worker creates its session with one request carrying N-1 messages,
 then continues it with one new user message per turn (X-Session-Token) on a keep-alive connection.
-Usage: python3 long_sessions.py GATEWAY_PID HOST:PORT N [workers] [seconds] (scripts/bench-long-sessions.sh runs it)"""
+With RATE set (turns per second, all workers together), each worker paces its turns so that
+sessions of every length are measured at the same turn rate (the store's group commit then
+batches alike). Usage: python3 long_sessions.py GATEWAY_PID HOST:PORT N [workers] [seconds]
+(scripts/bench-long-sessions.sh runs it)"""
 import http.client, json, os, sys, threading, time
 pid, addr, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 workers = int(sys.argv[4]) if len(sys.argv) > 4 else 16
 secs = float(sys.argv[5]) if len(sys.argv) > 5 else 10
+rate = float(os.environ.get("RATE", "0"))
 host, port = addr.split(":")
 def cpu():
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -32,7 +36,13 @@ def work(i):
     token = r.getheader("x-session-token")
     start_evt.wait()
     k = 0
+    t0 = time.time()
     while time.time() < stop:
+        if rate > 0:
+            # Worker i's turn k is due at t0 + (k + i / workers) * workers / rate.
+            due = t0 + (k + i / workers) * workers / rate
+            if due > time.time():
+                time.sleep(due - time.time())
         post(c, {"model": "bench-model", "messages": [{"role": "user", "content": f"worker {i} turn {k}"}]}, token)
         k += 1
         counts[i] += 1

@@ -3,7 +3,8 @@
 
 import assert from 'node:assert/strict';
 import {
-  GATEWAY, api, completedReply, createSession, occurrences, scenario, sendMessage, shot, until,
+  GATEWAY, api, completedReply, createSession, eventually, occurrences, scenario, sendMessage, shot,
+  until,
 } from './lib.mjs';
 
 await scenario('chat', async ({ newPage }) => {
@@ -36,6 +37,10 @@ await scenario('chat', async ({ newPage }) => {
   assert.equal(await occurrences(page, reply), 1);
   // The page ACKed what it showed, so the gateway's tether is empty.
   await until(page, 'the ACK', (seq) => window.__sbpStats.acked >= seq, done.seq);
+  await eventually('the gateway applied the ACK', async () => {
+    const v = await api('GET', `/v1/sessions/${session.id}`, undefined, { 'x-session-token': session.token });
+    return v.status === 200 && v.json.tether_turns_pending === 0;
+  });
   await until(page, 'the HTTP send settled', () => document.querySelector('#log .msg-user')?.dataset.state === 'sent');
   await shot(page, '2-streamed-reply');
   // The same conversation on a phone-sized screen.

@@ -77,6 +77,11 @@ await scenario('cut', async ({ newPage }) => {
       .every((m) => m.dataset.state === 'sent' || m.dataset.restored === 'true'));
     const stored = await api('GET', `/v1/sessions/${session.id}/messages?limit=1000`, undefined, auth);
     assert.deepEqual(stored.json.messages.map((m) => m.role), ['user', 'assistant', 'user', 'assistant'], stored.text);
+    // The page ACKed the reply it finished live; the gateway applied it before the page closes.
+    await eventually('the tether is empty', async () => {
+      const v = await api('GET', `/v1/sessions/${session.id}`, undefined, auth);
+      return v.status === 200 && v.json.tether_turns_pending === 0;
+    });
     await shot(page, '3-completed-on-the-new-connection');
     return { session_id: session.id, session_token: session.token, stats };
   } finally {

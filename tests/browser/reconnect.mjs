@@ -67,8 +67,14 @@ await scenario('reconnect', async ({ newPage }) => {
     assert.equal(await occurrences(page, 'Echo: before the cut'), 1);
     // The session goes on through the proxy.
     await sendMessage(page, 'after the reload');
-    await completedReply(page, 'Echo: after the reload');
+    const last = await completedReply(page, 'Echo: after the reload');
     assert.equal(await occurrences(page, PUSHED), 1);
+    // The page ACKs the live reply too, and the gateway has applied it before the page closes.
+    await until(page, 'the ACK of the last reply', (seq) => window.__sbpStats.acked >= seq, last.seq);
+    await eventually('the tether is empty again', async () => {
+      const v = await api('GET', `/v1/sessions/${session.id}`, undefined, auth);
+      return v.status === 200 && v.json.tether_turns_pending === 0;
+    });
     await shot(page, '3-after-reload');
     return { session_id: session.id, session_token: session.token, pushed_seq: pushed.json.seq };
   } finally {

@@ -257,6 +257,13 @@ pub struct ServeArgs {
     /// for no limit (behind a reverse proxy every client has the proxy's address). [default: 1000]
     #[arg(long, env = "SBP_MAX_CONNECTIONS_PER_IP")]
     pub max_connections_per_ip: Option<usize>,
+    /// Bytes of request bodies the gateway holds in memory at once (a body counts its declared
+    /// Content-Length, or --max-body-bytes without one, once 64 KiB of it has arrived). A body
+    /// over 64 KiB waits for its share within --body-timeout, then is answered 503; smaller ones
+    /// never wait. Bounds the memory that many large requests at once can take.
+    /// [default: 8388608]
+    #[arg(long, env = "SBP_MAX_INFLIGHT_BODY_BYTES")]
+    pub max_inflight_body_bytes: Option<usize>,
     /// Serve HTTPS and WSS with this PEM certificate chain (with --tls-key). Reloaded when the
     /// file changes and on SIGHUP. [default: plain HTTP]
     #[arg(long, env = "SBP_TLS_CERT")]
@@ -391,6 +398,7 @@ struct FileConfig {
     keep_alive_timeout: Option<f64>,
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
+    max_inflight_body_bytes: Option<usize>,
     shutdown_grace: Option<f64>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -697,6 +705,9 @@ impl Settings {
             keep_alive_timeout: args.keep_alive_timeout.or(file.keep_alive_timeout),
             max_connections: args.max_connections.or(file.max_connections),
             max_connections_per_ip: args.max_connections_per_ip.or(file.max_connections_per_ip),
+            max_inflight_body_bytes: args
+                .max_inflight_body_bytes
+                .or(file.max_inflight_body_bytes),
             tls_cert: args.tls_cert.or(file.tls_cert),
             tls_key: args.tls_key.or(file.tls_key),
             tls_reload_interval: args.tls_reload_interval.or(file.tls_reload_interval),
@@ -1017,6 +1028,7 @@ struct EdgeArgs {
     keep_alive_timeout: Option<f64>,
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
+    max_inflight_body_bytes: Option<usize>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_reload_interval: Option<f64>,
@@ -1028,6 +1040,12 @@ fn parse_edge(a: EdgeArgs) -> anyhow::Result<EdgeConfig> {
     let max_connections = a.max_connections.unwrap_or(defaults.max_connections);
     if max_connections == 0 {
         bail!("--max-connections must be at least 1");
+    }
+    let max_inflight_body_bytes = a
+        .max_inflight_body_bytes
+        .unwrap_or(defaults.max_inflight_body_bytes);
+    if max_inflight_body_bytes < 1024 {
+        bail!("--max-inflight-body-bytes must be at least 1024");
     }
     Ok(EdgeConfig {
         header_read_timeout: seconds(
@@ -1049,6 +1067,7 @@ fn parse_edge(a: EdgeArgs) -> anyhow::Result<EdgeConfig> {
         max_connections_per_ip: a
             .max_connections_per_ip
             .unwrap_or(defaults.max_connections_per_ip),
+        max_inflight_body_bytes,
         tls: match (a.tls_cert, a.tls_key) {
             (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
             (None, None) => None,
@@ -1479,7 +1498,7 @@ mod tests {
         std::fs::write(
             &file,
             "header_read_timeout = 2.5\nmax_connections = 50\nmax_connections_per_ip = 0\n\
-             shutdown_grace = 5\n",
+             shutdown_grace = 5\nmax_inflight_body_bytes = 4194304\n",
         )
         .expect("write");
         let s = Settings::resolve(ServeArgs {
@@ -1493,6 +1512,8 @@ mod tests {
         assert_eq!(s.edge.keep_alive_timeout, Duration::from_secs(7));
         assert_eq!(s.edge.max_connections, 60, "the flag wins over the file");
         assert_eq!(s.edge.max_connections_per_ip, 0);
+        assert_eq!(s.edge.max_inflight_body_bytes, 4 << 20);
+        assert_eq!(d.edge.max_inflight_body_bytes, 8 << 20);
         assert_eq!(s.shutdown_grace, Duration::from_secs(5));
         assert!(s.edge.tls.is_none());
         let s = Settings::resolve(ServeArgs {
@@ -1510,6 +1531,10 @@ mod tests {
             },
             ServeArgs {
                 max_connections: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_inflight_body_bytes: Some(1000),
                 ..Default::default()
             },
             ServeArgs {

@@ -8,9 +8,16 @@ mod conformance;
 mod demo;
 mod federation;
 mod keys;
+mod log_writer;
 mod serve;
 
 use clap::{Parser, Subcommand};
+
+/// mimalloc instead of the C library's allocator: a turn allocates and frees many small buffers
+/// across threads (request and response bodies, JSON values, tasks), where glibc's malloc spent
+/// 15 % of a proxied request's CPU (BENCHMARKS.md, issue 17).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(
@@ -55,7 +62,8 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let settings = config::Settings::resolve(*args)?;
-            init_logging(&settings.log_format);
+            // Writes what is still queued when `main` returns (also after a panic unwinds).
+            let _log = init_serve_logging(&settings.log_format)?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -105,8 +113,15 @@ fn exit_with(code: i32) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn init_logging(format: &str) {
-    init_logging_with(format, "info");
+/// The gateway's logs: lines are formatted on the thread that logs them and written to stderr by
+/// a thread of their own, so a request's access line costs no write system call on a runtime
+/// worker (7 µs of a proxied request's CPU, BENCHMARKS.md). Never lossy ([`log_writer`]): when
+/// that thread falls 16 MiB of lines behind, logging waits, as a direct write would; dropping the
+/// guard writes every queued line.
+fn init_serve_logging(format: &str) -> anyhow::Result<log_writer::Guard> {
+    let (writer, guard) = log_writer::stderr()?;
+    init_logging_to(format, "info", writer);
+    Ok(guard)
 }
 
 /// Logs to stderr, coloured only when stderr is a terminal (and `NO_COLOR` is unset), so a log
@@ -114,6 +129,13 @@ fn init_logging(format: &str) {
 /// unless it names `rmcp`, the MCP library stays at `warn`: it logs every request it serves at
 /// `info`, which the access log already covers.
 fn init_logging_with(format: &str, default_level: &str) {
+    init_logging_to(format, default_level, std::io::stderr);
+}
+
+fn init_logging_to<W>(format: &str, default_level: &str, writer: W)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     use tracing_subscriber::EnvFilter;
     let directives = std::env::var("SBP_LOG")
         .ok()
@@ -131,7 +153,7 @@ fn init_logging_with(format: &str, default_level: &str) {
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(ansi);
     if format == "json" {
         builder.json().init();

@@ -5,8 +5,14 @@
 //!
 //! Pure apart from ids and the `created` clock, so the HTTP layer only has to wait and write.
 
+use std::borrow::Cow;
+use std::fmt;
+use std::marker::PhantomData;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::directives::{self, ToolDirective};
@@ -101,7 +107,7 @@ pub struct ToolCall {
 }
 
 /// What the fake reads from a request, whichever API it came in on.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Request<'a> {
     pub dialect: Dialect,
     pub model: &'a str,
@@ -116,6 +122,11 @@ pub struct Request<'a> {
 
 /// Reads an OpenAI chat-completions request. `Err` is a message for a 400 answer.
 pub fn plan(body: &Value) -> Result<Script, String> {
+    decide(read(body)?)
+}
+
+/// What [`plan`] reads from a parsed OpenAI request.
+fn read(body: &Value) -> Result<Request<'_>, String> {
     let model = body
         .get("model")
         .and_then(Value::as_str)
@@ -134,7 +145,7 @@ pub fn plan(body: &Value) -> Result<Script, String> {
         .last()
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
         .map(|m| content_text(m.get("content")));
-    decide(Request {
+    Ok(Request {
         dialect: Dialect::OpenAi,
         model,
         stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
@@ -149,6 +160,171 @@ pub fn plan(body: &Value) -> Result<Script, String> {
             .map(|m| words(&content_text(m.get("content"))))
             .sum(),
     })
+}
+
+/// [`plan`] straight from the body's bytes, without building a tree of the whole conversation:
+/// a long conversation costs a scan, not an allocation per message (benchmarks replay growing
+/// sessions, and the fake's CPU is not what they measure). `None` when the body is not the
+/// plain shape read here (not JSON, a field of another type, a duplicate key, a value the tree
+/// cannot hold): the caller then reads it as a [`Value`], which also words the 400.
+pub fn plan_bytes(body: &[u8]) -> Option<Result<Script, String>> {
+    // Serde skips the fields read here without the checks the tree makes of every value.
+    serde_json::from_slice::<Checked>(body).ok()?;
+    let Object(wire) = serde_json::from_slice::<Object<WireRequest<'_>>>(body).ok()?;
+    Some(decide(wire.request()?))
+}
+
+/// Any JSON value, dropped once it has passed the checks a [`Value`] makes when it is built
+/// (numbers in range, strings of valid UTF-8 without a lone surrogate).
+struct Checked;
+
+impl<'de> Deserialize<'de> for Checked {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Checked)
+    }
+}
+
+impl<'de> Visitor<'de> for Checked {
+    type Value = Checked;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_unit<E>(self) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Checked, A::Error> {
+        while seq.next_element::<Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Checked, A::Error> {
+        while map.next_entry::<Checked, Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+}
+
+/// A `T` read only from a JSON object: serde also reads a struct from an array of its fields
+/// in order, where the tree finds no field at all.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<T>(PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for Fields<T> {
+            type Value = T;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(MapAccessDeserializer::new(map))
+            }
+        }
+
+        d.deserialize_map(Fields(PhantomData)).map(Object)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct WireRequest<'a> {
+    #[serde(borrow)]
+    model: Cow<'a, str>,
+    #[serde(borrow)]
+    messages: Vec<Object<WireMessage<'a>>>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<Object<WireStreamOptions>>,
+}
+
+#[derive(serde::Deserialize)]
+struct WireStreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(serde::Deserialize)]
+struct WireMessage<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+impl<'a> WireRequest<'a> {
+    /// The same [`Request`] as [`read`] gives for this body.
+    fn request(&'a self) -> Option<Request<'a>> {
+        let text = |m: &WireMessage<'_>| raw_text(m.content);
+        let role = |m: &WireMessage<'_>, want: &str| m.role.as_deref() == Some(want);
+        let messages = || self.messages.iter().map(|m| &m.0);
+        let prompt = match messages().rev().find(|m| role(m, "user")) {
+            Some(m) => text(m)?,
+            None => String::new(),
+        };
+        let tool_result = match messages().next_back().filter(|m| role(m, "tool")) {
+            Some(m) => Some(text(m)?),
+            None => None,
+        };
+        let mut prompt_tokens = 0;
+        for m in messages() {
+            prompt_tokens += match m.content.map(RawValue::get) {
+                Some(raw) if raw.starts_with('"') => {
+                    words(&serde_json::from_str::<Cow<'_, str>>(raw).ok()?)
+                }
+                _ => words(&text(m)?),
+            };
+        }
+        Some(Request {
+            dialect: Dialect::OpenAi,
+            model: &self.model,
+            stream: self.stream.unwrap_or(false),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.0.include_usage)
+                .unwrap_or(false),
+            prompt,
+            tool_result,
+            prompt_tokens,
+        })
+    }
+}
+
+/// [`content_text`] of a raw `content`; `None` only if it is not JSON (it was checked when the
+/// body was read, so never in practice).
+fn raw_text(content: Option<&RawValue>) -> Option<String> {
+    match content {
+        None => Some(String::new()),
+        Some(raw) => {
+            let value: Value = serde_json::from_str(raw.get()).ok()?;
+            Some(content_text(Some(&value)))
+        }
+    }
 }
 
 /// Decides the answer from what the request says, the same way for every API: the model name
@@ -458,6 +634,68 @@ fn split_even(text: &str, n: usize) -> Vec<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_are_read_as_the_tree_reads_them() {
+        let bodies = [
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi there"}]}),
+            json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [
+                {"role": "system", "content": "be  brief"},
+                {"role": "user", "content": "caf\u{e9} \"quoted\"\n[[fake:reply=ok]]"},
+                {"role": "assistant", "content": null, "tool_calls": []},
+                {"content": "no role here"},
+                {"role": "user", "content": [{"type": "text", "text": "part one"},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "part two"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42 degrees"},
+            ]}),
+            json!({"model": "m", "stream": false, "messages": [{"role": "assistant", "content": 7}]}),
+            json!({"model": "m", "messages": []}),
+        ];
+        for body in bodies {
+            let bytes = serde_json::to_vec(&body).expect("encodes");
+            let Object(wire) =
+                serde_json::from_slice::<Object<WireRequest<'_>>>(&bytes).expect("the plain shape");
+            assert_eq!(
+                wire.request(),
+                Some(read(&body).expect("readable")),
+                "{body}"
+            );
+            assert!(plan_bytes(&bytes).is_some_and(|s| s.is_ok()), "{body}");
+        }
+    }
+
+    #[test]
+    fn bytes_of_another_shape_are_left_to_the_tree() {
+        for bytes in [
+            &b"not json"[..],
+            br#"{"model": 3, "messages": []}"#,
+            br#"{"model": "m", "messages": {}}"#,
+            br#"{"model": "m", "messages": [], "stream": "yes"}"#,
+            br#"{"model": "m", "messages": ["hello"]}"#,
+            br#"{"model": "m", "model": "n", "messages": []}"#,
+            // Serde reads a struct from an array of its fields too; the tree reads no field of one.
+            br#"["m", [{"role": "user", "content": "hi"}]]"#,
+            br#"{"model": "m", "messages": [["user", "hi"]]}"#,
+            br#"{"model": "m", "messages": [], "stream_options": [true]}"#,
+            // What the tree cannot hold, even in a field the fake does not read, is its 400.
+            br#"{"model": "m", "messages": [], "temperature": 1e400}"#,
+            br#"{"model": "m", "messages": [], "user": "\ud800"}"#,
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi", "name": "\udc00"}]}"#,
+            b"{\"model\": \"m\", \"messages\": [], \"user\": \"\xff\"}",
+        ] {
+            assert!(
+                plan_bytes(bytes).is_none(),
+                "{}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+        // A directive error is an answer (a 400), not a fallback.
+        let bad =
+            br#"{"model": "m", "messages": [{"role": "user", "content": "[[fake:error=abc]]"}]}"#;
+        assert!(plan_bytes(bad).is_some_and(|s| s.is_err()));
+    }
 
     #[test]
     fn words_keep_their_spaces() {

@@ -83,6 +83,12 @@ async fn messages(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
 
 /// One request on either API: only reading the request and the shape of the bodies differ.
 async fn answer(app: App, headers: HeaderMap, body: Bytes, dialect: Dialect) -> Response {
+    if dialect == Dialect::OpenAi && !app.state.options().record {
+        // Nothing to record: read the bytes without a tree of the whole conversation.
+        if let Some(script) = script::plan_bytes(&body) {
+            return perform(app, script, dialect).await;
+        }
+    }
     let body: Value = match serde_json::from_slice(&body) {
         Ok(body) => body,
         Err(e) => {
@@ -94,6 +100,11 @@ async fn answer(app: App, headers: HeaderMap, body: Bytes, dialect: Dialect) -> 
         Dialect::Anthropic => anthropic::plan(&body, &headers),
     };
     app.state.record(body, &headers);
+    perform(app, script, dialect).await
+}
+
+/// Waits, fails or answers as `script` says.
+async fn perform(app: App, script: Result<Script, String>, dialect: Dialect) -> Response {
     let script = match script {
         Ok(script) => script,
         Err(message) => return invalid_request(dialect, &message),

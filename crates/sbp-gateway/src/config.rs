@@ -113,6 +113,11 @@ pub struct EdgeConfig {
     pub max_connections: usize,
     /// Connections one client IP may hold at once (WebSocket surfaces included); 0: no limit.
     pub max_connections_per_ip: usize,
+    /// Bytes of request bodies held in memory at once: a body counts its declared length (the
+    /// body limit when it declares none), taken once 64 KiB of it has arrived; one that finds no
+    /// room waits within its `body_timeout`, then is answered 503. One body larger than this
+    /// takes all of it.
+    pub max_inflight_body_bytes: usize,
     /// Serve HTTPS and WSS with this certificate chain and key (PEM files), reloaded when the
     /// files change.
     pub tls: Option<TlsFiles>,
@@ -128,6 +133,7 @@ impl Default for EdgeConfig {
             keep_alive_timeout: Duration::from_secs(60),
             max_connections: 10_000,
             max_connections_per_ip: 1_000,
+            max_inflight_body_bytes: 8 << 20,
             tls: None,
             tls_reload_interval: Duration::from_secs(10),
         }

@@ -70,8 +70,15 @@ impl Call {
 }
 
 impl EchoProvider {
-    fn reply(body: &ChatRequest) -> Reply {
-        let messages = body.messages.as_slice();
+    /// The reply and its usage, from the request's messages read once (its prior parsed).
+    fn answer(body: &ChatRequest) -> (Reply, Value) {
+        let messages = body.all_messages();
+        let reply = Self::reply(body, &messages);
+        let usage = usage(&messages, &reply_words(&reply));
+        (reply, usage)
+    }
+
+    fn reply(body: &ChatRequest, messages: &[ChatMessage]) -> Reply {
         if let Some(text) = tool_results(messages) {
             return Reply::Text(bounded(body, text));
         }
@@ -302,9 +309,8 @@ fn directive(s: &str) -> Option<(String, String, usize)> {
         .then(|| (name, args, pos + ']'.len_utf8()))
 }
 
-fn usage(body: &ChatRequest, reply: &str) -> Value {
-    let prompt_words: usize = body
-        .messages
+fn usage(messages: &[ChatMessage], reply: &str) -> Value {
+    let prompt_words: usize = messages
         .iter()
         .filter_map(ChatMessage::text)
         .map(|t| t.split_whitespace().count())
@@ -336,7 +342,7 @@ impl Provider for EchoProvider {
     }
 
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
-        let reply = Self::reply(&body);
+        let (reply, usage) = Self::answer(&body);
         let (message, finish) = match &reply {
             Reply::Text(text) => (json!({"role": "assistant", "content": text}), "stop"),
             Reply::Calls(calls) => (
@@ -351,7 +357,7 @@ impl Provider for EchoProvider {
             "created": chrono::Utc::now().timestamp(),
             "model": ECHO_MODEL,
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": usage(&body, &reply_words(&reply)),
+            "usage": usage,
         });
         Completion::from_body(response, ECHO_MODEL)
     }
@@ -366,8 +372,7 @@ impl Provider for EchoProvider {
     }
 
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
-        let reply = Self::reply(&body);
-        let usage = usage(&body, &reply_words(&reply));
+        let (reply, usage) = Self::answer(&body);
         let id = Self::id();
         let created = chrono::Utc::now().timestamp();
         let chunk = move |delta: Value, finish: Value| {

@@ -35,15 +35,27 @@ impl OpenAiProvider {
         Ok(Self { endpoint, opts })
     }
 
-    /// The request as sent upstream: without the SBP namespace, streamed or not as asked.
-    fn request(&self, mut body: ChatRequest, stream: bool) -> reqwest::RequestBuilder {
+    /// The request as sent upstream: without the SBP namespace, streamed or not as asked. The
+    /// body is built by `ChatRequest::to_json` (the stored transcript copied as kept).
+    fn request(
+        &self,
+        mut body: ChatRequest,
+        stream: bool,
+    ) -> Result<reqwest::RequestBuilder, LlmError> {
         body.sbp = None;
         body.stream = Some(stream);
-        let mut req = self.endpoint.post().json(&body);
+        let json = body
+            .to_json()
+            .map_err(|e| LlmError::Protocol(format!("request not serialisable: {e}")))?;
+        let mut req = self
+            .endpoint
+            .post()
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(json);
         if let Some(key) = &self.opts.api_key {
             req = req.bearer_auth(key);
         }
-        req
+        Ok(req)
     }
 }
 
@@ -60,13 +72,13 @@ impl Provider for OpenAiProvider {
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let requested = body.model.clone().unwrap_or_default();
         let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
-        let resp = transport::send(self.request(body, false), self.opts.request_timeout).await?;
+        let resp = transport::send(self.request(body, false)?, self.opts.request_timeout).await?;
         let value = transport::read_json(resp, deadline).await?;
         Completion::from_body(value, &requested)
     }
 
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
-        let resp = transport::send(self.request(body, true), self.opts.request_timeout).await?;
+        let resp = transport::send(self.request(body, true)?, self.opts.request_timeout).await?;
         Ok(transport::sse_chunks(
             resp,
             self.opts.stream_idle_timeout,

@@ -7,36 +7,79 @@
 //! [`FunctionCall`] are views over them, the one place their keys are read.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
 
+use serde::ser::{Error as _, SerializeMap, SerializeSeq};
 use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::SbpRequestOptions;
+use crate::prior::Prior;
 use crate::schema::{InvalidField, check_message};
 
 /// A `POST /v1/chat/completions` body.
 #[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatRequest {
     /// Absent: the gateway's default model.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The stored transcript, sent ahead of `messages` (a request parsed from a client has none).
+    #[cfg_attr(feature = "openapi", schemars(skip))]
+    pub prior: Prior,
     pub messages: Vec<ChatMessage>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<ToolDecl>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<Value>,
     /// What the caller asked for; providers set their own when they call the upstream.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
     /// The SBP namespace (SPEC 6.1). The gateway takes it out before anything goes upstream.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub sbp: Option<SbpRequestOptions>,
     /// Every other field (`max_tokens`, `temperature`, `stream_options`, vendor extensions ...).
-    #[serde(flatten)]
+    #[cfg_attr(feature = "openapi", schemars(flatten))]
     pub rest: Map<String, Value>,
+}
+
+/// The request as JSON: `model`, `messages` (the prior's, then its own), then the other fields.
+impl Serialize for ChatRequest {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(None)?;
+        if let Some(model) = &self.model {
+            map.serialize_entry("model", model)?;
+        }
+        map.serialize_entry("messages", &AllMessages(self))?;
+        self.serialize_fields(&mut map)?;
+        map.end()
+    }
+}
+
+/// The prior's messages and the request's own, as one JSON array.
+struct AllMessages<'a>(&'a ChatRequest);
+
+impl Serialize for AllMessages<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.0.message_count()))?;
+        for m in self.0.prior.iter() {
+            let raw: &RawValue = serde_json::from_str(m.json()).map_err(S::Error::custom)?;
+            seq.serialize_element(raw)?;
+        }
+        for m in &self.0.messages {
+            seq.serialize_element(m)?;
+        }
+        seq.end()
+    }
+}
+
+/// Every field but `model` and `messages`.
+struct OtherFields<'a>(&'a ChatRequest);
+
+impl Serialize for OtherFields<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(None)?;
+        if let Some(model) = &self.0.model {
+            map.serialize_entry("model", model)?;
+        }
+        self.0.serialize_fields(&mut map)?;
+        map.end()
+    }
 }
 
 /// Why a request body is not a chat-completions request: the field (OpenAI's `param`, e.g.
@@ -101,6 +144,7 @@ impl ChatRequest {
         let tool_choice = body.remove("tool_choice").filter(|v| !v.is_null());
         Ok(Self {
             model,
+            prior: Prior::default(),
             messages,
             tools,
             tool_choice,
@@ -108,6 +152,71 @@ impl ChatRequest {
             sbp,
             rest: body,
         })
+    }
+
+    fn serialize_fields<M: SerializeMap>(&self, map: &mut M) -> Result<(), M::Error> {
+        if let Some(tools) = &self.tools {
+            map.serialize_entry("tools", tools)?;
+        }
+        if let Some(choice) = &self.tool_choice {
+            map.serialize_entry("tool_choice", choice)?;
+        }
+        if let Some(stream) = self.stream {
+            map.serialize_entry("stream", &stream)?;
+        }
+        if let Some(sbp) = &self.sbp {
+            map.serialize_entry("sbp", sbp)?;
+        }
+        for (k, v) in &self.rest {
+            map.serialize_entry(k, v)?;
+        }
+        Ok(())
+    }
+
+    /// The request as the JSON body sent upstream, built without work per stored message: the
+    /// prior's text is copied as it is kept, in one buffer sized for it.
+    pub fn to_json(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let fields = serde_json::to_vec(&OtherFields(self))?;
+        let mut own = Vec::new();
+        for m in &self.messages {
+            own.push(b',');
+            serde_json::to_writer(&mut own, m)?;
+        }
+        let mut out = Vec::with_capacity(self.prior.json_len() + own.len() + fields.len() + 16);
+        out.extend_from_slice(b"{\"messages\":[");
+        self.prior.write_json(&mut out);
+        // `own` starts with a comma, needed only after a prior message.
+        let skip = usize::from(self.prior.is_empty() && !own.is_empty());
+        out.extend_from_slice(&own[skip..]);
+        out.push(b']');
+        // `fields` is `{...}`: its entries follow the messages.
+        if fields.len() > 2 {
+            out.push(b',');
+            out.extend_from_slice(&fields[1..]);
+        } else {
+            out.push(b'}');
+        }
+        Ok(out)
+    }
+
+    /// How many messages the request sends (the prior's and its own).
+    pub fn message_count(&self) -> usize {
+        self.prior.len() + self.messages.len()
+    }
+
+    /// Every message the request sends, in order: the prior's parsed (work per stored message,
+    /// for the providers that read each one) and its own.
+    pub fn all_messages(&self) -> std::borrow::Cow<'_, [ChatMessage]> {
+        if self.prior.is_empty() {
+            return std::borrow::Cow::Borrowed(&self.messages);
+        }
+        let mut all: Vec<ChatMessage> = self
+            .prior
+            .iter()
+            .map(|m| ChatMessage::from_value(m.parse()))
+            .collect();
+        all.extend(self.messages.iter().cloned());
+        std::borrow::Cow::Owned(all)
     }
 
     /// Whether the caller asked for server-sent events.
@@ -156,12 +265,22 @@ impl ChatRequest {
 
     /// A system message after the leading system messages.
     pub fn insert_system_note(&mut self, note: &str) {
+        let note = ChatMessage::system(note);
+        let lead = self
+            .prior
+            .stored()
+            .take_while(|m| m.role() == "system")
+            .count();
+        if lead < self.prior.stored_count() {
+            self.prior.insert(lead, "system", note.as_value());
+            return;
+        }
         let at = self
             .messages
             .iter()
             .take_while(|m| m.role() == Some("system"))
             .count();
-        self.messages.insert(at, ChatMessage::system(note));
+        self.messages.insert(at, note);
     }
 
     /// Asks a streaming upstream for its usage chunk (the turn stores it; the caller gets it as it
@@ -181,101 +300,26 @@ impl ChatRequest {
 }
 
 /// One chat message, as sent (or as stored): when parsed from a request, an object that passed
-/// [`check_message`]. A message of a stored transcript may instead be a [`StoredMessage`] (its
-/// JSON as serialised once, shared with a cache): it is sent upstream as those bytes and parsed
-/// only when something reads it, so a turn does not pay for the history it merely forwards.
-#[derive(Clone)]
-pub struct ChatMessage(Repr);
-
-#[derive(Clone)]
-enum Repr {
-    Parsed(Value),
-    Stored {
-        stored: Arc<StoredMessage>,
-        /// Parsed on first read; dropped with this message, never kept by the cache.
-        parsed: OnceLock<Value>,
-    },
-}
-
-/// A message of a stored transcript as JSON text, with its role (the store's column) so the
-/// common questions need no parse.
-#[derive(Debug)]
-pub struct StoredMessage {
-    role: String,
-    json: Box<RawValue>,
-}
-
-impl StoredMessage {
-    /// Serialises a stored message body once.
-    pub fn new(role: &str, body: &Value) -> Self {
-        let json = serde_json::value::to_raw_value(body)
-            // Serialising a `Value` cannot fail (its keys are strings); keep `null` if it ever did.
-            .unwrap_or_else(|_| RawValue::NULL.to_owned());
-        Self {
-            role: role.to_owned(),
-            json,
-        }
-    }
-
-    pub fn role(&self) -> &str {
-        &self.role
-    }
-
-    /// The message's JSON text.
-    pub fn json(&self) -> &str {
-        self.json.get()
-    }
-
-    /// The message parsed again (what a stored body is: any JSON; `null` if the text were not).
-    pub fn parse(&self) -> Value {
-        serde_json::from_str(self.json.get()).unwrap_or(Value::Null)
-    }
-
-    /// The bytes this message keeps alive (for a cache's memory budget).
-    pub fn weight(&self) -> usize {
-        std::mem::size_of::<Self>() + self.role.len() + self.json.get().len()
-    }
-}
-
-impl Default for ChatMessage {
-    fn default() -> Self {
-        Self(Repr::Parsed(Value::Null))
-    }
-}
+/// [`check_message`]. Messages of a stored transcript travel in a request's [`Prior`] instead.
+#[derive(Clone, Default, PartialEq)]
+pub struct ChatMessage(Value);
 
 impl fmt::Debug for ChatMessage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("ChatMessage").field(self.as_value()).finish()
-    }
-}
-
-impl PartialEq for ChatMessage {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_value() == other.as_value()
+        f.debug_tuple("ChatMessage").field(&self.0).finish()
     }
 }
 
 impl Serialize for ChatMessage {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match &self.0 {
-            Repr::Parsed(v) => v.serialize(s),
-            Repr::Stored { stored, .. } => stored.json.serialize(s),
-        }
+        self.0.serialize(s)
     }
 }
 
 impl ChatMessage {
     /// A message as stored (any JSON; a stored body is what a client or the model once sent).
     pub fn from_value(v: Value) -> Self {
-        Self(Repr::Parsed(v))
-    }
-
-    /// A message of a stored transcript, kept as its JSON text until something reads it.
-    pub fn stored(stored: Arc<StoredMessage>) -> Self {
-        Self(Repr::Stored {
-            stored,
-            parsed: OnceLock::new(),
-        })
+        Self(v)
     }
 
     pub fn system(text: &str) -> Self {
@@ -288,19 +332,11 @@ impl ChatMessage {
     }
 
     pub fn as_value(&self) -> &Value {
-        match &self.0 {
-            Repr::Parsed(v) => v,
-            Repr::Stored { stored, parsed } => parsed.get_or_init(|| stored.parse()),
-        }
+        &self.0
     }
 
     pub fn into_value(self) -> Value {
-        match self.0 {
-            Repr::Parsed(v) => v,
-            Repr::Stored { stored, parsed } => {
-                parsed.into_inner().unwrap_or_else(|| stored.parse())
-            }
-        }
+        self.0
     }
 
     /// The message as a borrowed view (what its accessors read).
@@ -314,10 +350,7 @@ impl ChatMessage {
     }
 
     pub fn role(&self) -> Option<&str> {
-        match &self.0 {
-            Repr::Stored { stored, .. } => Some(stored.role()),
-            Repr::Parsed(_) => self.view().role(),
-        }
+        self.view().role()
     }
 
     pub fn content(&self) -> Option<&Value> {
@@ -342,23 +375,10 @@ impl ChatMessage {
         self.view().has_tool_calls()
     }
 
-    /// The message as a value this one owns, for a change.
-    fn value_mut(&mut self) -> &mut Value {
-        if let Repr::Stored { .. } = &self.0 {
-            let owned = std::mem::take(self).into_value();
-            self.0 = Repr::Parsed(owned);
-        }
-        match &mut self.0 {
-            Repr::Parsed(v) => v,
-            // Made `Parsed` just above.
-            Repr::Stored { .. } => unreachable!("a stored message was made a parsed one"),
-        }
-    }
-
     /// Keeps only the calls `keep` accepts; without any left, the message has no `tool_calls`
     /// and its `content` is at least `""`. Returns how many were removed.
     pub fn retain_tool_calls(&mut self, keep: impl Fn(&FunctionCall<'_>) -> bool) -> usize {
-        let Some(msg) = self.value_mut().as_object_mut() else {
+        let Some(msg) = self.0.as_object_mut() else {
             return 0;
         };
         let Some(Value::Array(calls)) = msg.get_mut("tool_calls") else {
@@ -572,30 +592,135 @@ mod tests {
         }
     }
 
-    /// A stored message goes upstream as the bytes it was serialised to, reads like a parsed one,
-    /// and becomes a parsed one when changed.
+    /// A request with a stored transcript goes upstream as the same JSON whichever way it is
+    /// written: the prior's messages first, a system note after the leading system messages.
     #[test]
-    fn a_stored_message_is_sent_as_its_text_and_read_alike() {
-        let body = json!({"role": "assistant", "content": null, "x_vendor": [1.5, "é"],
-                          "tool_calls": [{"id": "a", "function": {"name": "f"}}, {"id": "b"}]});
-        let stored = Arc::new(StoredMessage::new("assistant", &body));
-        let mut m = ChatMessage::stored(stored.clone());
-        let req = ChatRequest {
-            messages: vec![m.clone(), ChatMessage::system("s")],
-            ..ChatRequest::default()
-        };
-        let sent = serde_json::to_string(&req).expect("serialises");
-        assert!(sent.contains(stored.json()), "{sent}");
-        let back: Value = serde_json::from_str(&sent).expect("json");
-        assert_eq!(back["messages"][0], body);
-        assert_eq!(m.role(), Some("assistant"));
-        assert_eq!(m.tool_call_id(), None);
-        assert_eq!(m.tool_calls().count(), 2);
-        assert_eq!(m, ChatMessage::from_value(body.clone()));
-        assert_eq!(m.retain_tool_calls(|c| c.id() == Some("a")), 1);
-        assert_eq!(m["tool_calls"].as_array().map(Vec::len), Some(1));
-        assert_eq!(stored.parse(), body, "the stored text is not changed");
-        assert_eq!(ChatMessage::stored(stored).into_value(), body);
+    fn a_prior_is_sent_ahead_of_the_own_messages() {
+        let stored = [
+            json!({"role": "system", "content": "be brief"}),
+            json!({"role": "assistant", "content": null, "x_vendor": [1.5, "é"],
+                   "tool_calls": [{"id": "a", "function": {"name": "f"}}]}),
+            json!({"role": "tool", "tool_call_id": "a", "content": "ok"}),
+        ];
+        let mut req = parse(json!({"model": "m", "max_tokens": 5,
+                                   "messages": [{"role": "user", "content": "hi"}]}))
+        .expect("valid");
+        for m in &stored {
+            req.prior.push(m["role"].as_str().unwrap_or_default(), m);
+        }
+        req.insert_system_note("note");
+        let fast: Value = serde_json::from_slice(&req.to_json().expect("json")).expect("parses");
+        let slow = serde_json::to_value(&req).expect("serialises");
+        assert_eq!(fast, slow);
+        let roles: Vec<_> = fast["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| m["role"].as_str().unwrap_or_default())
+            .collect();
+        assert_eq!(roles, ["system", "system", "assistant", "tool", "user"]);
+        assert_eq!(fast["messages"][1]["content"], "note");
+        assert_eq!(fast["messages"][2], stored[1], "vendor fields kept");
+        assert_eq!(fast["max_tokens"], 5);
+        assert_eq!(fast["model"], "m");
+        assert_eq!(req.message_count(), 5);
+        let all = req.all_messages();
+        assert_eq!(all.len(), 5);
+        assert_eq!(all[2].as_value(), &stored[1]);
+        assert_eq!(all[4].text().as_deref(), Some("hi"));
+        // Without own messages, and without other fields.
+        let mut bare = ChatRequest::default();
+        bare.prior
+            .push("user", &json!({"role": "user", "content": "x"}));
+        let body: Value = serde_json::from_slice(&bare.to_json().expect("json")).expect("parses");
+        assert_eq!(
+            body,
+            json!({"messages": [{"role": "user", "content": "x"}]})
+        );
+    }
+
+    /// Every arrangement of prior and own messages, with and without other fields, is written
+    /// by `to_json` as valid JSON equal to what `Serialize` writes and to the request with the
+    /// whole transcript in `messages` (how it was sent before the prior): no comma too many or
+    /// missing, nothing lost, the note where `insert_system_note` put it.
+    #[test]
+    fn to_json_equals_the_whole_transcript_sent_as_messages() {
+        let stored = [
+            json!({"role": "system", "content": "s \"q\" é 😀 \u{1}"}),
+            json!({"role": "user", "content": "u1"}),
+            json!({"role": "assistant", "content": "a1", "x": [1.5, null, {"k": "]"}]}),
+        ];
+        let own = [
+            json!({"role": "system", "content": "own system"}),
+            json!({"role": "user", "content": "u2"}),
+        ];
+        let fields = [
+            json!({}),
+            json!({"model": "m"}),
+            json!({"model": "m", "max_tokens": 5, "temperature": 0.5, "stream": false,
+                   "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+                   "stream_options": {"include_usage": true}, "x_vendor": {"a": [1, 2]}}),
+        ];
+        for prior_len in [0, 1, 3] {
+            for own_len in [0, 1, 2] {
+                for note in [false, true] {
+                    for extra in &fields {
+                        let mut body = extra.as_object().cloned().unwrap_or_default();
+                        body.insert("messages".into(), json!([{"role": "user", "content": "x"}]));
+                        let mut req = ChatRequest::from_object(body).expect("valid");
+                        req.messages = own[..own_len]
+                            .iter()
+                            .cloned()
+                            .map(ChatMessage::from_value)
+                            .collect();
+                        for m in &stored[..prior_len] {
+                            req.prior.push(m["role"].as_str().unwrap_or_default(), m);
+                        }
+                        if note {
+                            req.insert_system_note("note");
+                        }
+                        let case =
+                            format!("prior {prior_len}, own {own_len}, note {note}, {extra}");
+                        let bytes = req.to_json().expect("json");
+                        let fast: Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                            panic!("{case}: {e}: {}", String::from_utf8_lossy(&bytes))
+                        });
+                        assert_eq!(
+                            fast,
+                            serde_json::to_value(&req).expect("serialises"),
+                            "{case}"
+                        );
+                        let text = serde_json::to_string(&req).expect("serialises");
+                        assert_eq!(
+                            text.len(),
+                            bytes.len(),
+                            "{case}: the same text, keys reordered"
+                        );
+                        // The whole transcript as messages, as before the prior existed.
+                        let mut whole: Vec<Value> = stored[..prior_len].to_vec();
+                        whole.extend(own[..own_len].iter().cloned());
+                        if note {
+                            let lead = whole.iter().take_while(|m| m["role"] == "system").count();
+                            whole.insert(lead, json!({"role": "system", "content": "note"}));
+                        }
+                        let mut want = extra.clone();
+                        want["messages"] = Value::Array(whole);
+                        assert_eq!(fast, want, "{case}");
+                        assert_eq!(
+                            req.message_count(),
+                            want["messages"].as_array().map_or(0, Vec::len),
+                            "{case}"
+                        );
+                        let all: Vec<Value> = req
+                            .all_messages()
+                            .iter()
+                            .map(|m| m.as_value().clone())
+                            .collect();
+                        assert_eq!(Value::Array(all), want["messages"], "{case}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

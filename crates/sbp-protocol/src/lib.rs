@@ -14,6 +14,7 @@ pub mod frames;
 pub mod id;
 pub mod json_shape;
 pub mod lifecycle;
+pub mod prior;
 pub mod rest;
 pub mod schema;
 pub mod surface;
@@ -21,14 +22,12 @@ pub mod time;
 pub mod token;
 pub mod tools;
 
-pub use chat::{
-    ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, StoredMessage,
-    ToolDecl,
-};
+pub use chat::{ChatMessage, ChatRequest, FunctionCall, InvalidChatRequest, MessageView, ToolDecl};
 pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, UpstreamError};
 pub use frames::{ClientFrame, FrameError, ServerFrame};
 pub use lifecycle::{SessionStatus, SnapshotKind};
+pub use prior::{Prior, PriorMessage};
 pub use surface::{SurfaceContext, ToolSchema};
 pub use tools::{ToolFailure, ToolOutcome};
 

@@ -1,10 +1,15 @@
 //! Encodings both SQL backends share: JSON columns, message bodies as stored, counters, and the
 //! stored names of turn and idempotency states.
 
+use chrono::SubsecRound;
 use serde_json::Value;
+use uuid::Uuid;
 
 use crate::seal::{Column, Sealer};
-use crate::{IdempotencyState, NewMessage, StoreError, StoreResult, TurnState};
+use crate::{
+    IdempotencyState, NewMessage, NewSnapshot, SnapshotRecord, StoreError, StoreResult, Timestamp,
+    TurnState,
+};
 
 pub(crate) fn json(v: &Value) -> Result<String, StoreError> {
     serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("encode json: {e}")))
@@ -33,6 +38,34 @@ pub(crate) fn encode_bodies(
     let bytes =
         i64::try_from(bytes).map_err(|_| StoreError::Backend("messages too large".to_owned()))?;
     Ok((bodies, bytes))
+}
+
+/// A timestamp as both SQL backends keep it: to the microsecond (SQLite's fixed-width text,
+/// PostgreSQL's `timestamptz`), the finer part dropped. Written as this, it reads back equal.
+pub(crate) fn stored_time(t: Timestamp) -> Timestamp {
+    t.trunc_subsecs(6)
+}
+
+/// The record of a snapshot just written with these counts: equal to what a read of its row
+/// returns, given `stored_text` (what the backend makes of a text column) and a `created_at`
+/// written as [`stored_time`], so a write need not read the row back.
+pub(crate) fn written_snapshot(
+    session_id: Uuid,
+    (step_count, message_count): (u64, u64),
+    snap: NewSnapshot,
+    stored_text: fn(String) -> String,
+) -> SnapshotRecord {
+    SnapshotRecord {
+        id: snap.id,
+        session_id,
+        kind: snap.kind,
+        step_count,
+        message_count,
+        model: snap.model.map(stored_text),
+        current_task: snap.current_task.map(stored_text),
+        created_at: stored_time(snap.created_at),
+        state: snap.state,
+    }
 }
 
 pub(crate) fn int(v: u64) -> Result<i64, StoreError> {

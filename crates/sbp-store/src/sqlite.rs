@@ -144,6 +144,19 @@ impl ReadPool {
             idle.push(conn);
         }
     }
+
+    /// Runs `work` on a pooled connection, on this thread; the caller holds a permit. A panic in
+    /// `work` drops the connection (`take` opens another when one is missing).
+    fn run<T>(
+        &self,
+        seal: &Sealer,
+        work: impl FnOnce(&Connection, &Sealer) -> StoreResult<T>,
+    ) -> StoreResult<T> {
+        let conn = self.take()?;
+        let result = work(&conn, seal);
+        self.give_back(conn);
+        result
+    }
 }
 
 fn configure(conn: &Connection) -> StoreResult<()> {
@@ -477,13 +490,28 @@ impl SqliteStore {
             .map_err(|_| StoreError::Backend("sqlite read pool closed".to_owned()))?;
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let conn = pool.take()?;
-            let result = work(&conn, &seal);
-            pool.give_back(conn);
-            result
+            pool.run(&seal, work)
         })
         .await
         .map_err(|e| StoreError::Backend(format!("sqlite read task failed: {e}")))?
+    }
+
+    /// A read of one row by its key (a b-tree descent over pages the OS caches), run on the
+    /// calling thread when a pooled connection is free at once, else queued like [`Self::read`].
+    /// Handing a read this small to the blocking pool and back cost more than the read: two
+    /// thread wake-ups and switches, 15 % of a durable turn's gateway CPU (BENCHMARKS.md). A read
+    /// never waits on the writer (WAL: readers see the last commit), so the thread is held for
+    /// the descent alone.
+    async fn read_point<T, F>(&self, work: F) -> StoreResult<T>
+    where
+        F: FnOnce(&Connection, &Sealer) -> StoreResult<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let pool = &self.inner.readers;
+        let Ok(_permit) = pool.permits.try_acquire() else {
+            return self.read(work).await;
+        };
+        pool.run(&self.inner.seal, work)
     }
 }
 
@@ -495,12 +523,13 @@ impl SessionStore for SqliteStore {
     }
 
     async fn get_session(&self, id: Uuid) -> StoreResult<Option<SessionRecord>> {
-        self.read(move |c, s| ops::get_session(c, s, id)).await
+        self.read_point(move |c, s| ops::get_session(c, s, id))
+            .await
     }
 
     async fn find_session_by_token(&self, token_hash: &str) -> StoreResult<Option<SessionRecord>> {
         let token_hash = token_hash.to_owned();
-        self.read(move |c, s| ops::find_session_by_token(c, s, &token_hash))
+        self.read_point(move |c, s| ops::find_session_by_token(c, s, &token_hash))
             .await
     }
 
@@ -661,16 +690,15 @@ impl TetherStore for SqliteStore {
 #[async_trait]
 impl TurnStore for SqliteStore {
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome> {
-        self.write(move |c, s| ops::begin_turn(c, s, &begin)).await
+        self.write(move |c, s| ops::begin_turn(c, s, begin)).await
     }
 
     async fn finish_turn(&self, finish: FinishTurn) -> StoreResult<FinishTurnOutcome> {
-        self.write(move |c, s| ops::finish_turn(c, s, &finish))
-            .await
+        self.write(move |c, s| ops::finish_turn(c, s, finish)).await
     }
 
     async fn record_progress(&self, progress: TurnProgress) -> StoreResult<TurnProgressOutcome> {
-        self.write(move |c, s| ops::record_progress(c, s, &progress))
+        self.write(move |c, s| ops::record_progress(c, s, progress))
             .await
     }
 
@@ -699,7 +727,8 @@ impl TurnStore for SqliteStore {
     }
 
     async fn get_turn(&self, turn_id: Uuid) -> StoreResult<Option<TurnRecord>> {
-        self.read(move |c, s| ops::get_turn(c, s, turn_id)).await
+        self.read_point(move |c, s| ops::get_turn(c, s, turn_id))
+            .await
     }
 }
 
@@ -707,7 +736,7 @@ impl TurnStore for SqliteStore {
 impl IdempotencyStore for SqliteStore {
     async fn get_idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
         let key = key.to_owned();
-        self.read(move |c, s| ops::get_idempotency(c, s, &key))
+        self.read_point(move |c, s| ops::get_idempotency(c, s, &key))
             .await
     }
 }

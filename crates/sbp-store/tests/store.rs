@@ -24,6 +24,7 @@ macro_rules! for_each_case {
             begin_turn_is_atomic,
             finish_turn_counts_and_snapshots,
             progress_of_a_running_turn,
+            written_snapshots_read_back_equal,
             message_bytes_follow_the_transcript,
             checkpoints_every_n,
             tether_seq_never_reused,
@@ -206,7 +207,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 9);
+        assert_eq!(version, 10);
     }
 }
 
@@ -1304,7 +1305,6 @@ pub(crate) mod sealing {
     /// refuses to seal anything more under it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqlite_stale_gateway_during_a_reseal_loses_nothing() {
-        use sbp_store::SessionStore;
         use sbp_store::seal::Kept;
         let dir = tempfile::tempdir().expect("temp dir");
         let old: Arc<dyn Store> =
@@ -1348,11 +1348,28 @@ pub(crate) mod sealing {
         };
         // The reseal starts once the stale gateway is writing.
         first_rx.await.expect("the stale gateway wrote");
-        let done = new.reseal().await.expect("reseal");
+        let done = new.reseal().await;
         let _ = stop_tx.send(());
         let written = writer.await.expect("writer");
-        eprintln!("written {} kept {:?}", written.len(), done.kept);
         assert!(!written.is_empty());
+        let done = match done {
+            Ok(done) => done,
+            // The stale gateway kept writing through the final checkpoint, so the WAL may still
+            // hold earlier bytes: the reseal says so and asks to be run again with the gateways
+            // stopped. Run again, that one must finish and forget key 1 (or find it forgotten).
+            Err(StoreError::Backend(m)) if m.contains("holds the database open") => {
+                drop(old);
+                let again = new
+                    .reseal()
+                    .await
+                    .expect("again, with the stale gateway stopped");
+                assert_eq!(again.kept, None, "{again:?}");
+                drop(new);
+                return reopen_under_key_2_alone(dir.path(), &written).await;
+            }
+            Err(e) => panic!("reseal: {e:?}"),
+        };
+        eprintln!("written {} kept {:?}", written.len(), done.kept);
         match (done.kept, done.forgotten) {
             (None, Some(1)) => {
                 // Forgotten: the stale gateway can no longer write under key 1.
@@ -1373,10 +1390,14 @@ pub(crate) mod sealing {
             other => panic!("{other:?} {done:?}"),
         }
         drop(new);
-        let only_new = open_sqlite(dir.path(), sealer(2, &[]))
-            .await
-            .expect("key 2 alone");
-        for id in &written {
+        reopen_under_key_2_alone(dir.path(), &written).await;
+    }
+
+    /// Opens the database with key 2 alone (key 1 forgotten) and reads every session written.
+    async fn reopen_under_key_2_alone(dir: &Path, written: &[uuid::Uuid]) {
+        use sbp_store::SessionStore;
+        let only_new = open_sqlite(dir, sealer(2, &[])).await.expect("key 2 alone");
+        for id in written {
             only_new
                 .get_session(*id)
                 .await

@@ -1,13 +1,13 @@
 //! What an operator reads on stderr: with `--log-format json` one JSON access line per request
 //! and per WebSocket connection (route template, status, latency, bytes, session and request
 //! ids), never a token that travelled in the path; a WARN line for an upstream failure; the MCP
-//! library's per-request INFO lines held back; and no colour escapes when stderr is not a
-//! terminal.
+//! library's per-request INFO lines held back; no colour escapes when stderr is not a
+//! terminal; and no line lost at exit when whatever reads stderr falls behind.
 
 use sbp_fake_llm::FakeLlm;
 use serde_json::{Value, json};
 
-use crate::support::{Sbp, WAIT, eventually, msg, send};
+use crate::support::{Sbp, WAIT, client, eventually, msg, sbp_serve_in, send, url_in_banner};
 
 /// The JSON lines of `stderr`; every line must be one.
 fn json_lines(stderr: &str) -> Vec<Value> {
@@ -223,5 +223,72 @@ async fn text_logs_on_a_pipe_carry_no_colour() {
         !gw.proc.stderr().contains('\u{1b}'),
         "no escape sequences on a pipe:\n{}",
         gw.proc.stderr()
+    );
+}
+
+/// Whatever reads the gateway's stderr (a log collector) stalls while the gateway has more lines
+/// than the pipe holds, and the gateway is told to stop meanwhile: it finishes writing every line
+/// before it exits, as it did when it wrote each line itself, instead of exiting with lines still
+/// queued (which are then lost).
+#[tokio::test]
+async fn a_stalled_stderr_loses_no_line_at_exit() {
+    use std::io::{BufRead as _, Read as _};
+    /// Access lines of about 150 bytes: several times a 64 KiB pipe.
+    const REQUESTS: usize = 2000;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = sbp_serve_in(dir.path(), &[]).spawn().expect("spawn sbp");
+    let stdout = child.stdout.take().expect("stdout piped");
+    // Held open and not read until the gateway has been asked to stop.
+    let mut stderr = child.stderr.take().expect("stderr piped");
+    let banner = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("startup line");
+        line
+    })
+    .await
+    .expect("reader");
+    let url = url_in_banner(&banner);
+    let http = client();
+    for _ in 0..REQUESTS {
+        let status = tokio::time::timeout(WAIT, http.get(format!("{url}/healthz")).send())
+            .await
+            .expect("answered while stderr is stalled")
+            .expect("request")
+            .status();
+        assert_eq!(status, 200);
+    }
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    // The stall outlasts any grace a log writer might allow itself at exit.
+    let stalled_until = tokio::time::Instant::now() + std::time::Duration::from_secs(3);
+    while tokio::time::Instant::now() < stalled_until {
+        if child.try_wait().expect("try_wait").is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let log = tokio::task::spawn_blocking(move || {
+        let mut text = String::new();
+        stderr.read_to_string(&mut text).expect("stderr");
+        text
+    })
+    .await
+    .expect("reader");
+    let status = child.wait().expect("exit");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("sbp::access") && l.contains("/healthz"))
+        .count();
+    assert_eq!(lines, REQUESTS, "access lines written before exit");
+    assert!(
+        log.trim_end().ends_with("gateway stopped"),
+        "the last line is written too:\n{}",
+        &log[log.len().saturating_sub(600)..]
     );
 }

@@ -222,6 +222,15 @@ pub struct Sbp {
     pub http: reqwest::Client,
 }
 
+/// The `http(s)://` URL the gateway's startup line names.
+pub fn url_in_banner(banner: &str) -> String {
+    banner
+        .split_whitespace()
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
+        .unwrap_or_else(|| panic!("no http(s):// URL in the startup line: {banner}"))
+        .to_owned()
+}
+
 impl Sbp {
     /// Runs `sbp serve --listen 127.0.0.1:0 --data-dir DIR EXTRA...` and waits for its banner.
     pub async fn start(data_dir: &Path, extra: &[&str]) -> Self {
@@ -236,11 +245,7 @@ impl Sbp {
             let (_, err) = proc.output();
             panic!("sbp exited ({status}) before printing its address; stderr:\n{err}");
         };
-        let url = banner
-            .split_whitespace()
-            .find(|w| w.starts_with("http://") || w.starts_with("https://"))
-            .unwrap_or_else(|| panic!("no http(s):// URL in the startup line: {banner}"))
-            .to_owned();
+        let url = url_in_banner(&banner);
         let (tls, rest) = match url.strip_prefix("https://") {
             Some(rest) => (true, rest),
             None => (false, &url["http://".len()..]),

@@ -8,7 +8,8 @@
 //!
 //! - `conn.rs`: one connection's phase and deadline, and the socket wrapper that feeds it.
 //! - `limits.rs`: admission under the caps.
-//! - `requests.rs`: each request on its way to the router (early 413, body deadline, health-only).
+//! - `requests.rs`: each request on its way to the router (early 413, body budget, body deadline,
+//!   health-only).
 //! - `tls.rs`: HTTPS and WSS with a certificate reloaded when its files change or on SIGHUP.
 
 mod conn;
@@ -76,7 +77,10 @@ pub async fn serve(
         let (tcp, peer) = tokio::select! {
             _ = &mut shutdown => break,
             _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
+            accepted = async {
+                edge.limits.room_to_evict().await;
+                listener.accept().await
+            } => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     accept_errors.handle(e).await;
@@ -106,6 +110,7 @@ struct Edge {
     timeouts: Timeouts,
     max_body: usize,
     body_timeout: Duration,
+    bodies: Arc<requests::BodyBudget>,
     conns: TaskTracker,
     /// Asks connections to finish their requests and close.
     graceful: CancellationToken,
@@ -144,6 +149,7 @@ impl Edge {
             },
             max_body: gateway.config().max_body_bytes,
             body_timeout: cfg.body_timeout,
+            bodies: requests::BodyBudget::new(cfg.max_inflight_body_bytes),
             conns: TaskTracker::new(),
             graceful: CancellationToken::new(),
             kill: CancellationToken::new(),
@@ -228,6 +234,7 @@ impl Edge {
             conn: conn.clone(),
             max_body: self.max_body,
             body_timeout: self.body_timeout,
+            bodies: self.bodies.clone(),
         };
         let served = self
             .builder

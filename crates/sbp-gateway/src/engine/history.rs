@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hashlink::LinkedHashMap;
 use sbp_llm::tool_names::{SERVER_PREFIX, SURFACE_PREFIX};
-use sbp_protocol::{MessageView, StoredMessage};
+use sbp_protocol::{MessageView, Prior, PriorMessage};
 use sbp_store::MessageRecord;
 use serde_json::Value;
 use uuid::Uuid;
@@ -23,7 +23,8 @@ use uuid::Uuid;
 /// HTTP client ever saw it (the gateway's own tool rounds it did not).
 #[derive(Debug, Clone, Default)]
 pub struct History {
-    messages: Vec<Arc<StoredMessage>>,
+    /// The messages, in the chunks a request sends them from.
+    messages: Prior,
     /// `hidden[i]`: message `i` is an assistant message calling only gateway tools, or a tool
     /// message answering one of those calls.
     hidden: Vec<bool>,
@@ -31,10 +32,8 @@ pub struct History {
     shown: usize,
     /// The gateway tool-call ids seen so far, for the tool messages answering them.
     gateway_calls: Vec<String>,
-    /// The memory the messages and the gateway call ids keep alive.
+    /// The memory the gateway call ids keep alive.
     weight: usize,
-    /// The messages' JSON text in bytes: what the store counts as the session's `message_bytes`.
-    bytes: u64,
 }
 
 impl History {
@@ -71,30 +70,31 @@ impl History {
                     .tool_call_id()
                     .is_some_and(|id| self.gateway_calls.iter().any(|g| g == id))
         };
-        let stored = StoredMessage::new(role, body);
-        self.weight += stored.weight() + std::mem::size_of::<(Arc<StoredMessage>, bool)>();
-        self.bytes += stored.json().len() as u64;
-        self.messages.push(Arc::new(stored));
+        self.messages.push(role, body);
         self.hidden.push(hidden);
         self.shown += usize::from(!hidden);
     }
 
     pub fn len(&self) -> usize {
-        self.messages.len()
+        self.messages.stored_count()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.messages.is_empty()
+        self.len() == 0
     }
 
-    pub fn messages(&self) -> &[Arc<StoredMessage>] {
+    /// The messages, as a request sends them ahead of its own (a clone shares their chunks).
+    pub fn prior(&self) -> &Prior {
         &self.messages
     }
 
+    pub fn messages(&self) -> impl Iterator<Item = PriorMessage<'_>> {
+        self.messages.stored()
+    }
+
     /// The messages the HTTP client saw, in order.
-    pub fn client_view(&self) -> impl Iterator<Item = &Arc<StoredMessage>> {
-        self.messages
-            .iter()
+    pub fn client_view(&self) -> impl Iterator<Item = PriorMessage<'_>> {
+        self.messages()
             .zip(&self.hidden)
             .filter(|(_, hidden)| !**hidden)
             .map(|(m, _)| m)
@@ -105,8 +105,14 @@ impl History {
         self.shown
     }
 
+    /// The memory the transcript keeps alive: its chunks, the hidden flags, the gateway call ids.
     fn weight(&self) -> usize {
-        self.weight
+        self.messages.weight() + self.hidden.capacity() + self.weight
+    }
+
+    /// The messages' JSON text in bytes: what the store counts as the session's `message_bytes`.
+    fn bytes(&self) -> u64 {
+        self.messages.stored_bytes() as u64
     }
 }
 
@@ -161,10 +167,10 @@ impl HistoryCache {
             return Cached::Nothing;
         };
         let held_count = held.len() as u64;
-        if held_count == count && held.bytes == bytes {
+        if held_count == count && held.bytes() == bytes {
             return Cached::Whole(held.clone());
         }
-        if held_count < count && held.bytes < bytes {
+        if held_count < count && held.bytes() < bytes {
             return Cached::Prefix(held.clone());
         }
         // Not what the store holds: not this session's transcript any more.
@@ -195,29 +201,27 @@ impl HistoryCache {
 
     /// Appends messages the store placed at `first_seq` onwards. When the entry does not end
     /// exactly there (another writer came between), it is dropped: the next turn reads again.
+    /// The append runs outside the lock: while a request still holds the transcript's chunks it
+    /// copies the last of them, and now and then merges chunks up to the whole transcript, which
+    /// would hold every other session's turns meanwhile. The entry is out of the cache during the
+    /// append (a read of it then goes to the store) and goes back as [`Self::put`] allows.
     pub fn extend<'a>(
         &self,
         id: Uuid,
         first_seq: u64,
         messages: impl IntoIterator<Item = (&'a str, &'a Value)>,
     ) {
-        let mut inner = self.lock();
-        let Some(held) = inner.sessions.get_mut(&id) else {
-            return;
+        let mut held = {
+            let Some(held) = self.lock().remove(id) else {
+                return;
+            };
+            if held.len() as u64 != first_seq {
+                return;
+            }
+            held
         };
-        if held.len() as u64 != first_seq {
-            inner.remove(id);
-            return;
-        }
-        let before = held.weight();
-        let held = Arc::make_mut(held);
-        held.extend(messages);
-        let after = held.weight();
-        inner.weight = inner.weight - before + after;
-        if after > self.budget {
-            inner.remove(id);
-        }
-        inner.evict(self.budget);
+        Arc::make_mut(&mut held).extend(messages);
+        self.put(id, held);
     }
 
     /// Drops an erased session's transcript, and keeps it from being put back by a turn that
@@ -243,10 +247,10 @@ impl HistoryCache {
 }
 
 impl Inner {
-    fn remove(&mut self, id: Uuid) {
-        if let Some(h) = self.sessions.remove(&id) {
-            self.weight -= h.weight();
-        }
+    fn remove(&mut self, id: Uuid) -> Option<Arc<History>> {
+        let h = self.sessions.remove(&id)?;
+        self.weight -= h.weight();
+        Some(h)
     }
 
     fn evict(&mut self, budget: usize) {
@@ -280,7 +284,7 @@ mod tests {
         let id = Uuid::now_v7();
         assert!(matches!(cache.get(id, 0, 0), Cached::Nothing));
         let h = history(&["a", "b"]);
-        let bytes = h.bytes;
+        let bytes = h.bytes();
         cache.put(id, Arc::new(h));
         assert!(matches!(cache.get(id, 2, bytes), Cached::Whole(h) if h.len() == 2));
         assert!(matches!(cache.get(id, 5, bytes + 90), Cached::Prefix(h) if h.len() == 2));
@@ -300,17 +304,41 @@ mod tests {
         cache.put(id, Arc::new(history(&["a"])));
         let reply = json!({"role": "assistant", "content": "b"});
         cache.extend(id, 1, [("assistant", &reply)]);
-        let whole = history(&["a"]).bytes + reply.to_string().len() as u64;
+        let whole = history(&["a"]).bytes() + reply.to_string().len() as u64;
         let Cached::Whole(h) = cache.get(id, 2, whole) else {
             panic!("appended");
         };
         assert_eq!(
-            h.messages()[1].json(),
-            r#"{"content":"b","role":"assistant"}"#
+            h.messages().nth(1).map(PriorMessage::json),
+            Some(r#"{"content":"b","role":"assistant"}"#)
         );
         // Another writer appended at 2 and 3 meanwhile: this append at 4 drops the entry.
         cache.extend(id, 4, [("assistant", &reply)]);
         assert!(matches!(cache.get(id, 5, whole * 3), Cached::Nothing));
+    }
+
+    /// An append while a request still holds the transcript leaves the request's copy as it
+    /// was and keeps the cache's weight exact; an append to an erased session brings nothing back.
+    #[test]
+    fn appends_beside_a_request_holding_the_transcript() {
+        let cache = HistoryCache::new(1 << 20);
+        let id = Uuid::now_v7();
+        cache.put(id, Arc::new(history(&["a", "b"])));
+        let Cached::Whole(held) = cache.get(id, 2, history(&["a", "b"]).bytes()) else {
+            panic!("held");
+        };
+        let reply = json!({"role": "assistant", "content": "c"});
+        cache.extend(id, 2, [("assistant", &reply)]);
+        assert_eq!(held.len(), 2, "the request's copy is unchanged");
+        let Cached::Whole(now) = cache.get(id, 3, held.bytes() + reply.to_string().len() as u64)
+        else {
+            panic!("appended");
+        };
+        assert_eq!(cache.usage(), (1, now.weight()));
+        drop(now);
+        cache.erased(id);
+        cache.extend(id, 3, [("assistant", &reply)]);
+        assert_eq!(cache.usage(), (0, 0));
     }
 
     #[test]
@@ -322,7 +350,7 @@ mod tests {
         cache.erased(id);
         // A turn that read the transcript before the erasure puts it back: refused.
         cache.put(id, h.clone());
-        assert!(matches!(cache.get(id, 1, h.bytes), Cached::Nothing));
+        assert!(matches!(cache.get(id, 1, h.bytes()), Cached::Nothing));
         assert_eq!(cache.usage(), (0, 0));
     }
 
@@ -330,7 +358,7 @@ mod tests {
     fn evicts_the_least_recently_used_within_the_budget() {
         let big = "x".repeat(1000);
         let one = history(&[&big]);
-        let (w, b) = (one.weight(), one.bytes);
+        let (w, b) = (one.weight(), one.bytes());
         let cache = HistoryCache::new(w * 2 + w / 2);
         let (a, bb, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
         cache.put(a, Arc::new(history(&[&big])));
@@ -347,7 +375,7 @@ mod tests {
         // A transcript over the whole budget is not kept.
         let huge = "x".repeat(10_000);
         let over = history(&[&huge]);
-        let over_bytes = over.bytes;
+        let over_bytes = over.bytes();
         cache.put(a, Arc::new(over));
         assert!(matches!(cache.get(a, 1, over_bytes), Cached::Nothing));
         let none = HistoryCache::new(0);

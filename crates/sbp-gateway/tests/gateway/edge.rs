@@ -355,3 +355,213 @@ async fn past_the_shutdown_grace_a_hung_turn_fails_and_its_key_is_retried_after_
     let (_, listed) = gw.get("/v1/sessions", &[]).await;
     assert_eq!(listed["data"].as_array().map(Vec::len), Some(1), "{listed}");
 }
+
+/// A gateway before the fake upstream whose request bodies share 200 KiB, each body due within
+/// `wait`.
+async fn budgeted(wait: Duration) -> TestGateway {
+    TestGateway::with(Options {
+        upstream: Upstream::Fake,
+        config: GatewayConfig {
+            edge: EdgeConfig {
+                body_timeout: wait,
+                max_inflight_body_bytes: 200 * 1024,
+                ..EdgeConfig::default()
+            },
+            ..sbp_test_support::config()
+        },
+        ..Options::default()
+    })
+    .await
+}
+
+/// Many large bodies at once share a memory budget: a body over 64 KiB takes its share before it
+/// is read and gives it back when its response is ready. One that finds no room waits, and is
+/// answered 503 (with `Retry-After`, the unread body closing the connection) if none frees
+/// within the body timeout; small requests never wait; a share frees when its response is done.
+#[tokio::test]
+async fn large_bodies_wait_for_the_body_budget_and_small_ones_do_not() {
+    let wait = Duration::from_millis(1500);
+    let gw = budgeted(wait).await;
+    // ~120 KB and ~100 KB of JSON: the first takes more than half of the 200 KiB, so the two do
+    // not fit together.
+    let large = |directive: &str, kb: usize| {
+        json!({"model": "gpt-4o", "messages": [
+            {"role": "user", "content": format!("{directive} {}", "word ".repeat(kb * 200))}
+        ]})
+    };
+
+    // The holder sits in its handler (a slow upstream) for longer than anyone waits.
+    let holder = gw.spawn_post(
+        "/v1/chat/completions",
+        large("[[fake:slow=4000]]", 120),
+        &[],
+    );
+    gw.fake().wait_for_requests(1).await;
+    let start = Instant::now();
+    let (status, _, small) = gw
+        .chat(
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "small one"}]}),
+            &[],
+        )
+        .await;
+    assert_eq!(status, 200, "a small request does not wait: {small}");
+    assert!(start.elapsed() < wait, "{:?}", start.elapsed());
+
+    let start = Instant::now();
+    let (status, headers, refused) = gw.chat(large("", 100), &[]).await;
+    let waited = start.elapsed();
+    assert_eq!(status, 503, "{refused}");
+    assert_eq!(refused["error"]["code"], "SBP_UNAVAILABLE", "{refused}");
+    assert_eq!(
+        headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert_eq!(
+        headers.get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
+    assert!(
+        waited >= wait - Duration::from_millis(50) && waited < wait * 2,
+        "refused after waiting the body timeout: {waited:?}"
+    );
+
+    let (status, _, held) = holder.await.expect("the holder");
+    assert_eq!(status, 200, "{held}");
+    // Its share is back: the same large request goes through at once.
+    let start = Instant::now();
+    let (status, _, body) = gw.chat(large("", 100), &[]).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(start.elapsed() < wait, "{:?}", start.elapsed());
+
+    // A large request that finds no room waits for one to free, and then is served.
+    let holder = gw.spawn_post("/v1/chat/completions", large("[[fake:slow=700]]", 120), &[]);
+    gw.fake().wait_for_requests(4).await;
+    let start = Instant::now();
+    let (status, _, body) = gw.chat(large("", 100), &[]).await;
+    let waited = start.elapsed();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "it waited for the holder: {waited:?}"
+    );
+    let (status, _, held) = holder.await.expect("the second holder");
+    assert_eq!(status, 200, "{held}");
+}
+
+/// A body sent without a length (chunked) is counted as it arrives: a small one does not wait
+/// for the budget, however busy it is, and one past 64 KiB then waits for its share (as much as
+/// the body limit), answered 503 when none frees within the body timeout.
+#[tokio::test]
+async fn a_body_without_a_length_waits_for_the_budget_only_once_it_is_large() {
+    let wait = Duration::from_millis(1500);
+    let gw = budgeted(wait).await;
+    let chat = |directive: &str, words: usize| {
+        serde_json::to_vec(&json!({"model": "gpt-4o", "messages": [
+            {"role": "user", "content": format!("{directive} {}", "word ".repeat(words))}
+        ]}))
+        .expect("encodes")
+    };
+    let chunked = |body: &[u8]| {
+        let mut bytes = head(
+            "POST",
+            "/v1/chat/completions",
+            &[JSON, ("Transfer-Encoding", "chunked")],
+            None,
+        )
+        .into_bytes();
+        for part in body.chunks(16 * 1024) {
+            bytes.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+            bytes.extend_from_slice(part);
+            bytes.extend_from_slice(b"\r\n");
+        }
+        bytes.extend_from_slice(b"0\r\n\r\n");
+        bytes
+    };
+
+    // A large body takes some of the budget and keeps it while its upstream is slow.
+    let holder = gw.spawn_post(
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o", "messages": [
+            {"role": "user", "content": format!("[[fake:slow=4000]] {}", "word ".repeat(24_000))}
+        ]}),
+        &[],
+    );
+    gw.fake().wait_for_requests(1).await;
+
+    let start = Instant::now();
+    let mut small = RawHttp::connect(&gw.url).await;
+    small
+        .write(&chunked(&chat("", 20)))
+        .await
+        .expect("sent chunked");
+    let resp = small.response().await;
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert!(
+        start.elapsed() < wait,
+        "a small chunked body does not wait: {:?}",
+        start.elapsed()
+    );
+
+    // Past 64 KiB it counts as the body limit: no room for it until the holder is done.
+    let start = Instant::now();
+    let mut large = RawHttp::connect(&gw.url).await;
+    large
+        .write(&chunked(&chat("", 20_000)))
+        .await
+        .expect("sent chunked");
+    let resp = large.response().await;
+    let waited = start.elapsed();
+    assert_eq!(resp.status, 503, "{resp:?}");
+    assert_eq!(resp.body["error"]["code"], "SBP_UNAVAILABLE", "{resp:?}");
+    assert_eq!(resp.header("retry-after"), Some("1"));
+    assert_eq!(resp.header("connection"), Some("close"));
+    assert!(
+        waited >= wait - Duration::from_millis(50) && waited < wait * 2,
+        "refused after waiting the body timeout: {waited:?}"
+    );
+
+    let (status, _, held) = holder.await.expect("the holder");
+    assert_eq!(status, 200, "{held}");
+    // With the budget free, a large chunked body is served.
+    let mut large = RawHttp::connect(&gw.url).await;
+    large
+        .write(&chunked(&chat("", 20_000)))
+        .await
+        .expect("sent chunked");
+    let resp = large.response().await;
+    assert_eq!(resp.status, 200, "{resp:?}");
+}
+
+/// A body takes its share of the budget as it arrives, not on what its head declares: a client
+/// that declares a large body and sends nothing holds none of the budget, and a large request
+/// goes through beside it at once.
+#[tokio::test]
+async fn a_declared_length_alone_holds_none_of_the_body_budget() {
+    let wait = Duration::from_secs(3);
+    let gw = budgeted(wait).await;
+    // Two heads declaring 180 KB each, and no body: were the declared lengths taken, they would
+    // hold the whole budget for the body timeout.
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        let mut raw = RawHttp::connect(&gw.url).await;
+        let head = head("POST", "/v1/chat/completions", &[JSON], Some(180_000));
+        raw.write(head.as_bytes()).await.expect("head sent");
+        idle.push(raw);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let start = Instant::now();
+    let large = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "word ".repeat(120 * 200)}
+    ]});
+    let (status, _, body) = gw.chat(large, &[]).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        start.elapsed() < wait / 2,
+        "served at once: {:?}",
+        start.elapsed()
+    );
+    // The idle ones are cut at their body deadline, as before.
+    for mut raw in idle {
+        assert!(raw.closed_within(WAIT).await);
+    }
+}

@@ -75,7 +75,12 @@ async fn evicted_and_appended_transcripts_are_sent_whole() {
                     gw.push(id, token, &pushed).await;
                     expected.push(pair("assistant", &pushed));
                 }
-                let text = format!("session {s} round {round} {}", "x".repeat(200));
+                // Non-ASCII and escaped characters: the cache counts the JSON text's bytes as
+                // the store does (else every turn would miss).
+                let text = format!(
+                    "session {s} round {round} é \"q\" 😀\n\u{1}\\ {}",
+                    "x".repeat(200)
+                );
                 let reply = turn(&gw, token, &text).await;
                 expected.push(pair("user", &text));
                 assert_eq!(

@@ -122,6 +122,18 @@ async fn one_reply_rendered_for_desktop_voice_and_watch() {
     assert_eq!(watch_request["max_tokens"], 30, "{watch_request}");
     let note = &watch_request["messages"][0];
     assert_eq!(note["role"], "system", "{watch_request}");
+    // The note leads the stored transcript (the first turn), then the new message.
+    let roles: Vec<&str> = watch_request["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["role"].as_str())
+        .collect();
+    assert_eq!(
+        roles,
+        ["system", "user", "assistant", "user"],
+        "{watch_request}"
+    );
     assert!(
         note["content"]
             .as_str()

@@ -21,7 +21,7 @@ pub(crate) fn translate(
         out.insert("model".into(), json!(model));
     }
     let body = &req.rest;
-    let Conversation { system, turns } = conversation(&req.messages);
+    let Conversation { system, turns } = conversation(&req.all_messages());
     if !system.is_empty() {
         out.insert("system".into(), json!(system.join("\n\n")));
     }

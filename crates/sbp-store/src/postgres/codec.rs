@@ -73,6 +73,14 @@ pub(crate) fn text(s: &str) -> Cow<'_, str> {
     }
 }
 
+/// An owned text as [`text`] stores it, so what a read gives back.
+pub(crate) fn stored_text(s: String) -> String {
+    match text(&s) {
+        Cow::Borrowed(_) => s,
+        Cow::Owned(clean) => clean,
+    }
+}
+
 pub(crate) fn opt_text(s: &Option<String>) -> Option<Cow<'_, str>> {
     s.as_deref().map(text)
 }
@@ -226,27 +234,18 @@ macro_rules! snapshot_cols {
 pub(crate) use snapshot_cols;
 
 pub(crate) fn snapshot_row(row: &Row, seal: &Sealer) -> Result<SnapshotRecord, StoreError> {
-    snapshot_row_at(row, 0, seal)
-}
-
-/// The snapshot whose columns ([`snapshot_cols`]) start at column `at` of the row.
-pub(crate) fn snapshot_row_at(
-    row: &Row,
-    at: usize,
-    seal: &Sealer,
-) -> Result<SnapshotRecord, StoreError> {
-    let id: uuid::Uuid = get(row, at)?;
+    let id: uuid::Uuid = get(row, 0)?;
     let key = id.to_string();
     Ok(SnapshotRecord {
         id,
-        session_id: get(row, at + 1)?,
-        kind: col_kind(row, at + 2)?,
-        step_count: col_u64(row, at + 3)?,
-        message_count: col_u64(row, at + 4)?,
-        model: get(row, at + 5)?,
-        current_task: col_open(row, at + 6, seal, Column::SnapshotTask, &key)?,
-        created_at: get(row, at + 7)?,
-        state: col_sealed_json(row, at + 8, seal, Column::SnapshotState, &key)?,
+        session_id: get(row, 1)?,
+        kind: col_kind(row, 2)?,
+        step_count: col_u64(row, 3)?,
+        message_count: col_u64(row, 4)?,
+        model: get(row, 5)?,
+        current_task: col_open(row, 6, seal, Column::SnapshotTask, &key)?,
+        created_at: get(row, 7)?,
+        state: col_sealed_json(row, 8, seal, Column::SnapshotState, &key)?,
     })
 }
 

@@ -14,11 +14,12 @@ use uuid::Uuid;
 use super::codec::{
     col_status, col_u64, db_err, first_error, get, idem_state, idempotency_cols, idempotency_row,
     int, json, message_cols, message_row, opt_text, rows, seal_text, session_cols, session_row,
-    snapshot_cols, snapshot_row, snapshot_row_at, tether_cols, tether_row, text, turn_cols,
-    turn_row, turn_state,
+    snapshot_cols, snapshot_row, stored_text, tether_cols, tether_row, text, turn_cols, turn_row,
+    turn_state,
 };
 use super::holds::{HOLD_GUARD, guard_refusal};
 pub(crate) use crate::codec::encode_bodies;
+use crate::codec::{stored_time, written_snapshot};
 use crate::seal::{Column, Sealer};
 use crate::{
     BeginTurn, BeginTurnOutcome, ConflictKind, FailTurn, FinishTurn, FinishTurnOutcome,
@@ -340,11 +341,10 @@ pub(crate) async fn list_messages(
 
 pub(crate) const INSERT_SNAPSHOT: &str = "INSERT INTO snapshots \
      (id, session_id, kind, step_count, message_count, model, current_task, created_at, state) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-     RETURNING id, session_id, kind, step_count, message_count, model, current_task, created_at, \
-     state";
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
-/// Writes a snapshot with the given counts (the session's, as this transaction left them).
+/// Writes a snapshot with the given counts (the session's, as this transaction left them). Its
+/// record is [`snapshot_written`]'s: nothing is read back.
 pub(crate) async fn insert_snapshot(
     c: &impl GenericClient,
     seal: &Sealer,
@@ -352,33 +352,45 @@ pub(crate) async fn insert_snapshot(
     session: Uuid,
     (steps, messages): (u64, u64),
     snap: &NewSnapshot,
-) -> StoreResult<SnapshotRecord> {
+) -> StoreResult<()> {
     let key = snap.id.to_string();
     let state = json(&snap.state)?;
     let state = seal.seal(Column::SnapshotState, &key, &state)?;
     let task = seal_text(seal, Column::SnapshotTask, &key, &snap.current_task)?;
-    let row = c
-        .query_one(
-            st,
-            &[
-                &snap.id,
-                &session,
-                &snap.kind.as_str(),
-                &int(steps)?,
-                &int(messages)?,
-                &opt_text(&snap.model),
-                &task,
-                &snap.created_at,
-                &state,
-            ],
-        )
-        .await
-        .map_err(db_err)?;
-    snapshot_row(&row, seal)
+    c.execute(
+        st,
+        &[
+            &snap.id,
+            &session,
+            &snap.kind.as_str(),
+            &int(steps)?,
+            &int(messages)?,
+            &opt_text(&snap.model),
+            &task,
+            &stored_time(snap.created_at),
+            &state,
+        ],
+    )
+    .await
+    .map_err(db_err)?;
+    Ok(())
+}
+
+/// The record of `snap` written for `session` with these counts (by [`insert_snapshot`],
+/// [`BEGIN_TURN`] or [`FINISH_TURN`]): equal to what a read of its row returns, so the writes
+/// need not return the row and have it decoded.
+fn snapshot_written(session: Uuid, counts: (u64, u64), snap: NewSnapshot) -> SnapshotRecord {
+    written_snapshot(session, counts, snap, stored_text)
 }
 
 fn counts(s: &SessionRecord) -> (u64, u64) {
     (s.step_count, s.message_count)
+}
+
+/// Whether [`FINISH_TURN`] wrote the checkpoint: a counted step whose new count (the session's
+/// after it) is a multiple of `every`.
+fn checkpoint_due(count_step: bool, every: u32, session: &SessionRecord) -> bool {
+    count_step && every > 0 && session.step_count.is_multiple_of(u64::from(every))
 }
 
 pub(crate) async fn latest_snapshot(
@@ -584,8 +596,8 @@ fn to_u64(v: i64) -> StoreResult<u64> {
 /// `begin_turn` on an existing session, as one statement: the session row first (its lock
 /// serialises the turns of a session; a forbidden status change matches no row, and then nothing
 /// else is written), then the turn, the messages (numbered from the count it left) and the
-/// pre-action snapshot (with the counts that include them). Returns one row: the session's columns,
-/// then the snapshot's (NULL without one); none when the session is missing or the change refused.
+/// pre-action snapshot (with the counts that include them). Returns one row, the session's
+/// columns; none when the session is missing or the change refused (and then no snapshot either).
 const BEGIN_TURN: &str = concat!(
     "WITH s AS (UPDATE sessions SET message_count = message_count + $2, \
      status = COALESCE($3, status), last_task = COALESCE($4, last_task), \
@@ -604,11 +616,8 @@ const BEGIN_TURN: &str = concat!(
      p AS (INSERT INTO snapshots \
      (id, session_id, kind, step_count, message_count, model, current_task, created_at, state) \
      SELECT $15::uuid, s.id, $16::text, s.step_count, s.message_count, $17::text, $18::text, \
-     $19::timestamptz, $20::text FROM s WHERE $15::uuid IS NOT NULL \
-     RETURNING ",
-    snapshot_cols!(),
-    ") \
-     SELECT s.*, p.* FROM s LEFT JOIN p ON true"
+     $19::timestamptz, $20::text FROM s WHERE $15::uuid IS NOT NULL) \
+     SELECT s.* FROM s"
 );
 
 /// `finish_turn`'s writes as one statement. The turn is completed first and everything else only
@@ -616,10 +625,9 @@ const BEGIN_TURN: &str = concat!(
 /// was, so the statement can commit on its own. Then the session row (counts past the new messages
 /// and the step, the tether seq taken under its lock and with `tether_enabled` as it is at commit
 /// time), the messages, the snapshots in the order given (the checkpoint only when the new step
-/// count is a multiple of `$21`) and the tether entry. Returns a row per written snapshot, in
-/// writing order (one with NULL snapshot columns when none was): the session's columns, its tether
-/// seq (the next to hand out), then the snapshot's; none when the session is missing or the turn
-/// not running.
+/// count is a multiple of `$21`, as [`checkpoint_due`] says) and the tether entry. Returns one row,
+/// the session's columns and its tether seq (the next to hand out); none when the session is
+/// missing or the turn not running.
 const FINISH_TURN: &str = concat!(
     "WITH t AS (UPDATE turns SET state = $8::text, finished_at = $4 \
      WHERE $7::uuid IS NOT NULL AND id = $7 AND session_id = $1 AND state = 'running' \
@@ -644,21 +652,15 @@ const FINISH_TURN: &str = concat!(
      $19::text[], $20::bool[]) \
      WITH ORDINALITY AS v (id, kind, model, task, created_at, state, checkpoint, n) \
      WHERE NOT v.checkpoint OR ($3 = 1 AND $21::bigint > 0 AND s.step_count % $21 = 0) \
-     ORDER BY v.n \
-     RETURNING ",
-    snapshot_cols!(),
-    ", ord), \
+     ORDER BY v.n), \
      q AS (INSERT INTO tether (session_id, seq, role, content, model_used, created_at, chunk_id) \
      SELECT s.id, s.tether_seq - 1, $22::text, $23::text, $24::text, $25::timestamptz, $26::uuid \
      FROM s WHERE $5 AND (s.tether_enabled OR NOT $6)) \
-     SELECT s.*, p.* FROM s LEFT JOIN p ON true ORDER BY p.ord"
+     SELECT s.* FROM s"
 );
 
-/// Columns of [`FINISH_TURN`]'s rows: the session's, the tether seq, then the snapshot's.
+/// Column of [`FINISH_TURN`]'s row after the session's: its tether seq.
 const FINISH_TETHER_COL: usize = 13;
-const FINISH_SNAPSHOT_COL: usize = 14;
-/// Column of [`BEGIN_TURN`]'s row where the snapshot's start.
-const BEGIN_SNAPSHOT_COL: usize = 13;
 
 /// The columns of messages to append, as the arrays the statements unnest.
 struct MessageArrays<'a> {
@@ -746,6 +748,7 @@ pub(crate) async fn begin_turn(
     let sid = b.session_id.to_string();
     let last_task = seal_text(seal, Column::SessionLastTask, &sid, &b.last_task)?;
     let pre = b.pre_action.as_ref();
+    let pre_created = pre.map(|s| stored_time(s.created_at));
     let (pre_state, pre_task) = match pre {
         Some(s) => {
             let key = s.id.to_string();
@@ -786,7 +789,7 @@ pub(crate) async fn begin_turn(
                 &pre.map(|s| s.kind.as_str()),
                 &pre.and_then(|s| opt_text(&s.model)),
                 &pre_task,
-                &pre.map(|s| s.created_at),
+                &pre_created,
                 &pre_state,
                 &opt_text(&b.owner),
                 &arrays.bytes,
@@ -867,13 +870,12 @@ pub(crate) async fn begin_turn(
         claim.err(),
         retry.err(),
     ])?;
-    let row = found.ok_or(StoreError::NotFound)?;
+    let session = session_row(found.ok_or(StoreError::NotFound)?, seal)?;
     Ok(BeginTurnOutcome {
-        session: session_row(row, seal)?,
-        pre_action_snapshot: match pre {
-            Some(_) => Some(snapshot_row_at(row, BEGIN_SNAPSHOT_COL, seal)?),
-            None => None,
-        },
+        pre_action_snapshot: b
+            .pre_action
+            .map(|s| snapshot_written(b.session_id, counts(&session), s)),
+        session,
     })
 }
 
@@ -936,7 +938,10 @@ pub(crate) async fn finish_turn(
             )
         })
         .collect::<StoreResult<_>>()?;
-    let snap_created: Vec<Timestamp> = snaps.iter().map(|(s, _)| s.created_at).collect();
+    let snap_created: Vec<Timestamp> = snaps
+        .iter()
+        .map(|(s, _)| stored_time(s.created_at))
+        .collect();
     let snap_states: Vec<String> = snaps
         .iter()
         .map(|(s, _)| {
@@ -1048,19 +1053,6 @@ pub(crate) async fn finish_turn(
     idem?;
     let session = session_row(first, seal)?;
     let next_tether: i64 = get(first, FINISH_TETHER_COL)?;
-    let mut post_action = None;
-    let mut checkpoint = None;
-    for row in &rows {
-        let Some(id) = get::<Option<Uuid>>(row, FINISH_SNAPSHOT_COL)? else {
-            continue;
-        };
-        let snap = snapshot_row_at(row, FINISH_SNAPSHOT_COL, seal)?;
-        if f.post_action.as_ref().is_some_and(|s| s.id == id) {
-            post_action = Some(snap);
-        } else {
-            checkpoint = Some(snap);
-        }
-    }
     let tethered = tether.is_some() && (session.tether_enabled || !f.tether_only_if_enabled);
     let tether_seq = if tethered {
         Some(to_u64(next_tether - 1)?)
@@ -1100,6 +1092,15 @@ pub(crate) async fn finish_turn(
             return Err(conflict(ConflictKind::IdempotencyKeyClaimed));
         }
     }
+    let post_action = f
+        .post_action
+        .map(|s| snapshot_written(f.session_id, counts(&session), s));
+    let checkpoint = match f.checkpoint {
+        Some((s, every)) if checkpoint_due(f.count_step, every, &session) => {
+            Some(snapshot_written(f.session_id, counts(&session), s))
+        }
+        _ => None,
+    };
     Ok(FinishTurnOutcome {
         tether_seq,
         post_action_snapshot: post_action,
@@ -1158,13 +1159,10 @@ pub(crate) async fn record_progress(
     let messages = insert_messages(tx, &messages, p.session_id, start, &p.messages, bodies);
     // One after another, so they are numbered in order (a tool round writes one or two).
     let snapshots = async {
-        let mut written = Vec::with_capacity(p.snapshots.len());
         for snap in &p.snapshots {
-            written.push(
-                insert_snapshot(tx, seal, &snapshot, p.session_id, counts(&session), snap).await?,
-            );
+            insert_snapshot(tx, seal, &snapshot, p.session_id, counts(&session), snap).await?;
         }
-        Ok(written)
+        Ok(())
     };
     let (running, messages, snapshots) = tokio::join!(running, messages, snapshots);
     first_error([
@@ -1172,9 +1170,14 @@ pub(crate) async fn record_progress(
         messages.err(),
         snapshots.as_ref().err().cloned(),
     ])?;
+    let snapshots = p
+        .snapshots
+        .into_iter()
+        .map(|s| snapshot_written(p.session_id, counts(&session), s))
+        .collect();
     Ok(TurnProgressOutcome {
         session,
-        snapshots: snapshots?,
+        snapshots,
         first_message_seq: to_u64(start)?,
     })
 }

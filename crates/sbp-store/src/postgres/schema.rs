@@ -310,6 +310,13 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX exports_bundle ON exports (bundle_cid);
     CREATE INDEX exports_import_session ON exports (import_session_id);
     "#,
+    // v10: a turn's snapshots cost one index entry fewer. `snapshots_session_kind` served only the
+    // latest snapshot of one kind, which the (session_id, ord) index finds too by reading back
+    // from the newest (a turn writes a pre- and a post-action snapshot, so every kind but a rare
+    // one is a few rows back); each turn paid for it with a leaf page per session in every commit.
+    r#"
+    DROP INDEX IF EXISTS snapshots_session_kind;
+    "#,
 ];
 
 /// How many migrations this build knows, i.e. the schema version it runs on.

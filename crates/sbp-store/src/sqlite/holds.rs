@@ -376,7 +376,7 @@ fn incoming_holds(conn: &Connection) -> StoreResult<Vec<HoldRow>> {
 #[async_trait]
 impl HoldStore for SqliteStore {
     async fn hold(&self, session_id: Uuid) -> StoreResult<Option<HoldRow>> {
-        self.read(move |c, _| hold(c, session_id)).await
+        self.read_point(move |c, _| hold(c, session_id)).await
     }
 
     async fn lease_handover(&self, req: LeaseRequest) -> StoreResult<HoldRow> {

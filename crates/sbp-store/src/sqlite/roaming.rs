@@ -11,13 +11,12 @@ use super::codec::{
 };
 use super::ops::{
     check_transition, current_status, encode_bodies, insert_encoded_messages, insert_session,
-    len_i64,
+    len_i64, write_snapshot,
 };
 use crate::seal::{Column, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, ExportRecord, Lineage, LinkKind, LinkRecord, MemoryRecord,
-    NewBundle, NewExport, RedeemOutcome, RestoredSnapshot, StoreError, StoreResult, Sweep, Swept,
-    Timestamp,
+    NewBundle, NewExport, RedeemOutcome, StoreError, StoreResult, Sweep, Swept, Timestamp,
 };
 
 const EXPORT_COLS: &str = "id, session_id, bundle_cid, label, message_count, created_at, \
@@ -253,38 +252,6 @@ pub(crate) fn insert_link(conn: &Connection, seal: &Sealer, l: &LinkRecord) -> S
     Ok(())
 }
 
-fn insert_restored_snapshot(
-    conn: &Connection,
-    seal: &Sealer,
-    session: Uuid,
-    r: &RestoredSnapshot,
-) -> StoreResult<()> {
-    let s = &r.snapshot;
-    let key = uuid(&s.id);
-    let (steps, messages, state) = (int(r.step_count)?, int(r.message_count)?, json(&s.state)?);
-    let state = seal.seal(Column::SnapshotState, &key, &state)?;
-    let task = seal.seal_opt(Column::SnapshotTask, &key, s.current_task.as_deref())?;
-    conn.prepare_cached(
-        "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, \
-         current_task, created_at, state) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-    )
-    .and_then(|mut st| {
-        st.execute(params![
-            uuid(&s.id),
-            uuid(&session),
-            s.kind.as_str(),
-            steps,
-            messages,
-            s.model,
-            task,
-            ts(&s.created_at),
-            state,
-        ])
-    })
-    .map_err(db_err)?;
-    Ok(())
-}
-
 fn upsert_memory(
     conn: &Connection,
     seal: &Sealer,
@@ -384,7 +351,13 @@ pub(crate) fn adopt_session(
         })
         .map_err(db_err)?;
     if let Some(snapshot) = &a.snapshot {
-        insert_restored_snapshot(conn, seal, new_id, snapshot)?;
+        write_snapshot(
+            conn,
+            seal,
+            new_id,
+            (snapshot.step_count, snapshot.message_count),
+            &snapshot.snapshot,
+        )?;
     }
     if let Some((schema_id, payload)) = &a.memory {
         upsert_memory(conn, seal, new_id, schema_id, payload, &a.now)?;

@@ -318,6 +318,13 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX exports_bundle ON exports (bundle_cid);
     CREATE INDEX exports_import_session ON exports (import_session_id);
     "#,
+    // v10: a turn's snapshots cost one index entry fewer. `snapshots_session_kind` served only the
+    // latest snapshot of one kind, which the (session_id, ord) index finds too by reading back
+    // from the newest (a turn writes a pre- and a post-action snapshot, so every kind but a rare
+    // one is a few rows back); each turn paid for it with a leaf page per session in every commit.
+    r#"
+    DROP INDEX IF EXISTS snapshots_session_kind;
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -384,9 +391,36 @@ mod tests {
     use crate::sqlite::codec::{ts, uuid};
     use crate::sqlite::{SqliteOptions, SqliteStore};
     use crate::{
-        FederationStore, IdempotencyState, IdempotencyStore, RoamingStore, SessionStore, TurnState,
-        TurnStore,
+        FederationStore, IdempotencyState, IdempotencyStore, RoamingStore, SessionStore,
+        SnapshotStore, TurnState, TurnStore,
     };
+
+    /// A database an older build left at `version`: the first `version` migrations applied.
+    fn database_at(path: &std::path::Path, version: usize) -> Connection {
+        let conn = Connection::open(path).expect("open");
+        for sql in &MIGRATIONS[..version] {
+            conn.execute_batch(sql).expect("an earlier migration");
+        }
+        conn.execute_batch(&format!("PRAGMA user_version = {version}"))
+            .expect("version");
+        conn
+    }
+
+    /// A session row as every schema version since v1 holds it, created and updated `at`.
+    fn old_session(
+        conn: &Connection,
+        id: &Uuid,
+        token_hash: &str,
+        status: &str,
+        at: &chrono::DateTime<Utc>,
+    ) {
+        conn.execute(
+            "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
+             metadata) VALUES (?1, 'agent', ?2, ?3, ?4, ?4, '{}')",
+            params![uuid(id), token_hash, status, ts(at)],
+        )
+        .expect("session");
+    }
 
     /// Message bodies of an old database, with multi-byte characters.
     const BODIES: [&str; 2] = [
@@ -404,18 +438,8 @@ mod tests {
         let (session, turn) = (Uuid::new_v4(), Uuid::new_v4());
         let started = Utc::now() - Duration::minutes(5);
         {
-            let conn = Connection::open(&path).expect("open");
-            for sql in &MIGRATIONS[..2] {
-                conn.execute_batch(sql).expect("v1 and v2");
-            }
-            conn.execute_batch("PRAGMA user_version = 2")
-                .expect("version");
-            conn.execute(
-                "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
-                 metadata) VALUES (?1, 'agent', 'hash', 'running', ?2, ?2, '{}')",
-                params![uuid(&session), ts(&started)],
-            )
-            .expect("session");
+            let conn = database_at(&path, 2);
+            old_session(&conn, &session, "hash", "running", &started);
             conn.execute(
                 "INSERT INTO turns (id, session_id, state, started_at) \
                  VALUES (?1, ?2, 'running', ?3)",
@@ -489,18 +513,8 @@ mod tests {
         let (session, export, link) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
         let at = Utc::now() - Duration::minutes(5);
         {
-            let conn = Connection::open(&path).expect("open");
-            for sql in &MIGRATIONS[..7] {
-                conn.execute_batch(sql).expect("v1 to v7");
-            }
-            conn.execute_batch("PRAGMA user_version = 7")
-                .expect("version");
-            conn.execute(
-                "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, updated_at, \
-                 metadata) VALUES (?1, 'agent', 'hash', 'idle', ?2, ?2, '{}')",
-                params![uuid(&session), ts(&at)],
-            )
-            .expect("session");
+            let conn = database_at(&path, 7);
+            old_session(&conn, &session, "hash", "idle", &at);
             conn.execute(
                 "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-1', X'7B7D', ?1)",
                 params![ts(&at)],
@@ -596,19 +610,9 @@ mod tests {
         let (imported, other, export) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
         let at = Utc::now() - Duration::minutes(5);
         {
-            let conn = Connection::open(&path).expect("open");
-            for sql in &MIGRATIONS[..8] {
-                conn.execute_batch(sql).expect("v1 to v8");
-            }
-            conn.execute_batch("PRAGMA user_version = 8")
-                .expect("version");
+            let conn = database_at(&path, 8);
             for (id, hash, minutes) in [(imported, "h1", 2), (other, "h2", 1)] {
-                conn.execute(
-                    "INSERT INTO sessions (id, agent_id, token_hash, status, created_at, \
-                     updated_at, metadata) VALUES (?1, 'agent', ?2, 'idle', ?3, ?3, '{}')",
-                    params![uuid(&id), hash, ts(&(at + Duration::minutes(minutes)))],
-                )
-                .expect("session");
+                old_session(&conn, &id, hash, "idle", &(at + Duration::minutes(minutes)));
             }
             conn.execute(
                 "INSERT INTO bundles (cid, body, created_at) VALUES ('cid-f', X'7B7D', ?1)",
@@ -654,5 +658,73 @@ mod tests {
             .expect("export")
             .expect("kept");
         assert_eq!((kept.label, kept.import_session_id), (None, Some(imported)));
+    }
+
+    /// A v9 database loses the snapshots' (session, kind) index; the latest snapshot of a kind
+    /// is still found, a rare kind many rows back included, through the (session, ord) index.
+    #[tokio::test]
+    async fn v9_database_drops_the_snapshot_kind_index() {
+        use sbp_protocol::SnapshotKind;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("v9.sqlite3");
+        let session = Uuid::new_v4();
+        let at = Utc::now() - Duration::minutes(5);
+        let kinds = std::iter::once("checkpoint")
+            .chain(["pre_action", "post_action"].into_iter().cycle().take(40));
+        let mut ids = Vec::new();
+        {
+            let conn = database_at(&path, 9);
+            old_session(&conn, &session, "h", "idle", &at);
+            for kind in kinds {
+                let id = Uuid::now_v7();
+                conn.execute(
+                    "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, \
+                     created_at, state) VALUES (?1, ?2, ?3, 0, 0, ?4, '{}')",
+                    params![uuid(&id), uuid(&session), kind, ts(&at)],
+                )
+                .expect("snapshot");
+                ids.push(id);
+            }
+        }
+        let store = SqliteStore::open(SqliteOptions::new(&path))
+            .await
+            .expect("open migrates");
+        let conn = Connection::open(&path).expect("inspect");
+        let left: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'snapshots_session_kind'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("schema");
+        assert_eq!(left, 0);
+        let plan: String = conn
+            .query_row(
+                "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE session_id = ?1 AND kind = ?2 \
+                 ORDER BY ord DESC LIMIT 1",
+                params![uuid(&session), "checkpoint"],
+                |r| r.get(3),
+            )
+            .expect("plan");
+        assert!(plan.contains("snapshots_session"), "{plan}");
+        let latest = |kind| store.latest_snapshot(session, kind);
+        let found = |s: Option<crate::SnapshotRecord>| s.expect("found").id;
+        assert_eq!(
+            found(
+                latest(Some(SnapshotKind::Checkpoint))
+                    .await
+                    .expect("checkpoint")
+            ),
+            ids[0]
+        );
+        assert_eq!(
+            found(latest(Some(SnapshotKind::PreAction)).await.expect("pre")),
+            ids[39]
+        );
+        assert_eq!(
+            found(latest(Some(SnapshotKind::PostAction)).await.expect("post")),
+            ids[40]
+        );
+        assert_eq!(found(latest(None).await.expect("any")), ids[40]);
     }
 }

@@ -118,8 +118,10 @@ pub(crate) fn spawn(
     Ok((writer, checkpoints))
 }
 
-/// WAL frames at which a checkpoint is requested (SQLite's own auto-checkpoint default).
-const CHECKPOINT_FRAMES: c_int = 1000;
+/// WAL frames at which a checkpoint is requested: four times SQLite's own auto-checkpoint
+/// default, so a page rewritten by many commits (a session's last leaf, the tables' right edges)
+/// is copied into the database once per 16 MiB of WAL, not once per 4 MiB.
+const CHECKPOINT_FRAMES: c_int = 4000;
 
 fn checkpoint_loop(conn: Connection, woken: Receiver<()>) {
     while woken.recv().is_ok() {
@@ -155,11 +157,21 @@ fn exec(conn: &Connection, sql: &str) -> StoreResult<()> {
         .map_err(db_err)
 }
 
+/// Opens a batch's transaction. One left open by a batch whose ROLLBACK failed (an I/O error) is
+/// rolled back first, so a single failure does not make every later BEGIN fail.
 fn begin(conn: &Connection) -> StoreResult<()> {
+    if !conn.is_autocommit() {
+        tracing::warn!("sqlite writer found a transaction left open; rolling it back");
+        exec(conn, "ROLLBACK")?;
+    }
     exec(conn, "BEGIN IMMEDIATE")
 }
 
-fn run_batch(conn: &Connection, jobs: impl Iterator<Item = Box<dyn Job>>) {
+/// A job alone in its batch runs without a savepoint (the transaction is its own: a failure rolls
+/// it back). The savepoint exists to undo one job among others, and opening and releasing it costs
+/// a sub-journal write of every page the job touches again.
+fn run_batch(conn: &Connection, jobs: impl ExactSizeIterator<Item = Box<dyn Job>>) {
+    let alone = jobs.len() == 1;
     let mut ran: Vec<Box<dyn Pending>> = Vec::new();
     let mut in_tx = false;
     for job in jobs {
@@ -179,6 +191,21 @@ fn run_batch(conn: &Connection, jobs: impl Iterator<Item = Box<dyn Job>>) {
                 continue;
             }
             in_tx = true;
+        }
+        if alone {
+            let pending = job.run(conn);
+            if pending.succeeded() {
+                ran.push(pending);
+                break;
+            }
+            if !conn.is_autocommit()
+                && let Err(e) = exec(conn, "ROLLBACK")
+            {
+                tracing::error!(error = %e, "sqlite rollback of a failed write failed");
+            }
+            // Nothing to commit: the job answers with its own error.
+            pending.deliver(Ok(()));
+            return;
         }
         if let Err(e) = exec(conn, "SAVEPOINT job") {
             job.abort(e);
@@ -216,5 +243,73 @@ fn run_batch(conn: &Connection, jobs: impl Iterator<Item = Box<dyn Job>>) {
     }
     for p in ran {
         p.deliver(commit.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(conn: &Connection) -> i64 {
+        conn.query_row("SELECT count(*) FROM t", [], |r| r.get(0))
+            .expect("count")
+    }
+
+    fn insert_then(fail: bool) -> (Box<dyn Job>, oneshot::Receiver<StoreResult<()>>) {
+        job(move |c: &Connection| {
+            c.execute("INSERT INTO t VALUES (1)", []).map_err(db_err)?;
+            if fail {
+                return Err(StoreError::Backend("refused".to_owned()));
+            }
+            Ok(())
+        })
+    }
+
+    /// A job alone in its batch runs without a savepoint: failing, it leaves nothing behind and
+    /// the connection ready for the next batch; among others, it undoes only itself.
+    #[test]
+    fn a_failing_job_undoes_only_itself_alone_or_among_others() {
+        let conn = Connection::open_in_memory().expect("open");
+        conn.execute_batch("CREATE TABLE t (x INTEGER)")
+            .expect("table");
+        let (failing, failed) = insert_then(true);
+        run_batch(&conn, std::iter::once(failing));
+        assert!(failed.blocking_recv().expect("answered").is_err());
+        assert!(conn.is_autocommit(), "no transaction left open");
+        assert_eq!(count(&conn), 0);
+
+        let (ok, done) = insert_then(false);
+        run_batch(&conn, std::iter::once(ok));
+        assert!(done.blocking_recv().expect("answered").is_ok());
+        assert_eq!(count(&conn), 1);
+
+        let (a, a_rx) = insert_then(false);
+        let (b, b_rx) = insert_then(true);
+        let (c, c_rx) = insert_then(false);
+        run_batch(&conn, [a, b, c].into_iter());
+        assert!(a_rx.blocking_recv().expect("a").is_ok());
+        assert!(b_rx.blocking_recv().expect("b").is_err());
+        assert!(c_rx.blocking_recv().expect("c").is_ok());
+        assert_eq!(count(&conn), 3);
+    }
+
+    /// A transaction left open (as when a failed job's or commit's ROLLBACK itself failed) is
+    /// rolled back by the next batch, which then runs: the writer is not stuck refusing every
+    /// BEGIN.
+    #[test]
+    fn a_transaction_left_open_does_not_stop_the_next_batch() {
+        let conn = Connection::open_in_memory().expect("open");
+        conn.execute_batch("CREATE TABLE t (x INTEGER); BEGIN; INSERT INTO t VALUES (9)")
+            .expect("a transaction left open");
+        assert!(!conn.is_autocommit());
+        let (ok, done) = insert_then(false);
+        run_batch(&conn, std::iter::once(ok));
+        assert!(done.blocking_recv().expect("answered").is_ok());
+        assert!(conn.is_autocommit());
+        assert_eq!(
+            count(&conn),
+            1,
+            "the stale write is undone, the new one kept"
+        );
     }
 }

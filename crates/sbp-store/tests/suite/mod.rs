@@ -668,6 +668,87 @@ pub async fn progress_of_a_running_turn(store: Arc<dyn Store>) {
     assert_eq!(session(&store, s.id).await.message_count, 4);
 }
 
+/// A snapshot that a turn's write returns is the one a read gives back, exactly: the timestamp
+/// as kept (to the microsecond), text as the backend keeps it (a NUL included), every kind of
+/// JSON value in the state. The writes build that record rather than read the row back.
+pub async fn written_snapshots_read_back_equal(store: Arc<dyn Store>) {
+    let s = created(&store, "agent-w").await;
+    let odd = |kind: SnapshotKind| NewSnapshot {
+        // Nanoseconds that no backend keeps.
+        created_at: t(2) + Duration::nanoseconds(789),
+        model: Some("m\0-1 sbp:raw".to_owned()),
+        current_task: Some("sbp:enc:v1:task \0 \u{e9}\u{1F980}".to_owned()),
+        state: json!({
+            "f": 0.1, "tiny": 5e-324, "big": 1.7976931348623157e308, "neg": -7, "u": u64::MAX,
+            "i": i64::MIN, "z": -0.0, "s": "\0sbp:x\u{2028}", "a": [null, true, {"n": 2.5}],
+            "": {}
+        }),
+        ..snap(kind)
+    };
+    let read_back = |id: Uuid| {
+        let store = store.clone();
+        async move { store.get_snapshot(id).await.expect("get").expect("written") }
+    };
+
+    let mut b = begin(s.id, vec![msg("user", "hi")]);
+    b.pre_action = Some(odd(SnapshotKind::PreAction));
+    let pre = store
+        .begin_turn(b.clone())
+        .await
+        .expect("begin")
+        .pre_action_snapshot
+        .expect("pre_action written");
+    assert_eq!(pre.created_at, t(2), "kept to the microsecond");
+    assert_eq!((pre.step_count, pre.message_count), (0, 1));
+    assert_eq!(read_back(pre.id).await, pre);
+    assert_eq!(
+        store
+            .latest_snapshot(s.id, Some(SnapshotKind::PreAction))
+            .await
+            .expect("latest"),
+        Some(pre.clone())
+    );
+
+    let progress = TurnProgress {
+        session_id: s.id,
+        turn_id: b.turn_id,
+        messages: vec![msg("assistant", "calling"), msg("tool", "done")],
+        snapshots: vec![odd(SnapshotKind::PreAction), odd(SnapshotKind::PostAction)],
+        now: t(15),
+    };
+    let round = store.record_progress(progress).await.expect("progress");
+    assert_eq!(round.snapshots.len(), 2);
+    for written in &round.snapshots {
+        assert_eq!(written.message_count, 3);
+        assert_eq!(&read_back(written.id).await, written);
+    }
+
+    let mut f = finish(s.id, Some(b.turn_id));
+    f.post_action = Some(odd(SnapshotKind::PostAction));
+    f.checkpoint = Some((odd(SnapshotKind::Checkpoint), 1));
+    let out = store.finish_turn(f).await.expect("finish");
+    let post = out.post_action_snapshot.expect("post_action");
+    let cp = out.checkpoint_snapshot.expect("checkpoint every 1");
+    assert_eq!((cp.step_count, cp.message_count), (1, 4));
+    assert_eq!(read_back(post.id).await, post);
+    assert_eq!(read_back(cp.id).await, cp);
+    assert_eq!(
+        store.latest_snapshot(s.id, None).await.expect("latest"),
+        Some(cp.clone()),
+        "the checkpoint is written after the post_action"
+    );
+    assert_eq!(
+        store.list_snapshots(s.id, 10).await.expect("list"),
+        vec![
+            cp,
+            post,
+            round.snapshots[1].clone(),
+            round.snapshots[0].clone(),
+            pre
+        ]
+    );
+}
+
 pub async fn checkpoints_every_n(store: Arc<dyn Store>) {
     let s = created(&store, "agent-a").await;
     let mut checkpoints = Vec::new();

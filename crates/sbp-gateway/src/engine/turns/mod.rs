@@ -532,12 +532,8 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.inc();
         }
-        request.messages = history
-            .messages()
-            .iter()
-            .cloned()
-            .map(ChatMessage::stored)
-            .collect();
+        // The stored transcript goes as it is kept: its chunks are shared, not copied.
+        request.prior = history.prior().clone();
         let read = history.len() as u64;
         // Let go of the cache's transcript before appending to it, so it is not copied.
         drop(history);

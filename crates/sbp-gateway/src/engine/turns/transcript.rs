@@ -2,10 +2,8 @@
 //! conversation, or only what is new, and never see the gateway's own tool rounds), and what a
 //! turn records as its task.
 
-use std::sync::Arc;
-
 use sbp_protocol::chat::content_text;
-use sbp_protocol::{ChatMessage, StoredMessage};
+use sbp_protocol::{ChatMessage, PriorMessage};
 use serde_json::Value;
 
 use crate::engine::history::History;
@@ -37,11 +35,7 @@ pub fn new_start(history: &History, incoming: &[ChatMessage]) -> usize {
         return seen;
     }
     let mut skip = 0;
-    for stored in history
-        .messages()
-        .iter()
-        .take_while(|h| h.role() == "system")
-    {
+    for stored in history.messages().take_while(|h| h.role() == "system") {
         match incoming.get(skip) {
             Some(m) if same_message(&stored.parse(), m.as_value()) => skip += 1,
             _ => break,
@@ -52,7 +46,7 @@ pub fn new_start(history: &History, incoming: &[ChatMessage]) -> usize {
 
 /// Whether `incoming` starts with the `len` messages of `stored` (none: no).
 fn is_prefix<'a>(
-    stored: impl IntoIterator<Item = &'a Arc<StoredMessage>>,
+    stored: impl IntoIterator<Item = PriorMessage<'a>>,
     len: usize,
     incoming: &[ChatMessage],
 ) -> bool {
