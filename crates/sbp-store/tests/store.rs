@@ -49,6 +49,7 @@ macro_rules! for_each_case {
             memory_put_get,
             adopt_long_history_in_order,
             retention_sweeps_what_no_longer_serves,
+            sweeping_snapshots_written_while_the_clock_stepped_back,
             reserved_prefix_values_round_trip,
             federation_identity_is_set_once,
             federation_identity_races_to_one,
@@ -207,7 +208,7 @@ mod sqlite {
         let version: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, 10);
+        assert_eq!(version, 11);
     }
 }
 

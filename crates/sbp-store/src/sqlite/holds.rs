@@ -235,8 +235,10 @@ fn release_lease(
 }
 
 fn delete_session(conn: &Connection, sid: &str) -> StoreResult<()> {
-    // Messages, snapshots, tether, turns, idempotency records, memory and the hold go with it
-    // (ON DELETE CASCADE); lineage and exports name sessions without a key and stay.
+    // Messages, tether, turns, idempotency records, memory and the hold go with it (ON DELETE
+    // CASCADE), snapshots along their chain first; lineage and exports name sessions without a
+    // key and stay.
+    super::ops::delete_snapshots(conn, sid)?;
     conn.prepare_cached("DELETE FROM sessions WHERE id = ?1")
         .and_then(|mut st| st.execute([sid]))
         .map_err(db_err)?;

@@ -120,8 +120,9 @@ pub(crate) fn delete_session(conn: &Connection, id: Uuid, now: &Timestamp) -> St
         "UPDATE lineage SET label = NULL, reason = NULL WHERE from_session = ?1 OR to_session = ?1",
         [&sid],
     )?;
-    // Messages, snapshots, tether, turns, idempotency records, memory, the hold and the record of
-    // the bundles it came in with go with the row (ON DELETE CASCADE).
+    // Messages, tether, turns, idempotency records, memory, the hold and the record of the bundles
+    // it came in with go with the row (ON DELETE CASCADE); snapshots along their chain first.
+    super::ops::delete_snapshots(conn, &sid)?;
     execute(conn, "DELETE FROM sessions WHERE id = ?1", [&sid])?;
     for cid in cids {
         // Kept while an export of another session refers to it (a consumed foreign export of this

@@ -314,14 +314,17 @@ pub(crate) fn write_snapshot(
     let state = seal.seal(Column::SnapshotState, &key, &state)?;
     let task = seal.seal_opt(Column::SnapshotTask, &key, snap.current_task.as_deref())?;
     let (steps, messages) = (int(steps)?, int(messages)?);
+    let sid = uuid(&session);
+    // Chained after the session's latest, which it then becomes (schema v11).
     conn.prepare_cached(
         "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, model, \
-         current_task, created_at, state) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+         current_task, created_at, state, prev_ord) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, \
+         (SELECT latest_snapshot FROM sessions WHERE id = ?2))",
     )
     .and_then(|mut st| {
         st.execute(params![
             key,
-            uuid(&session),
+            sid,
             snap.kind.as_str(),
             steps,
             messages,
@@ -332,6 +335,14 @@ pub(crate) fn write_snapshot(
         ])
     })
     .map_err(db_err)?;
+    let chained = conn
+        .prepare_cached("UPDATE sessions SET latest_snapshot = last_insert_rowid() WHERE id = ?1")
+        .and_then(|mut st| st.execute([&sid]))
+        .map_err(db_err)?;
+    // Without the session, the row would belong to nothing (the table has no foreign key).
+    if chained == 0 {
+        return Err(StoreError::NotFound);
+    }
     Ok(())
 }
 
@@ -362,21 +373,34 @@ pub(crate) fn latest_snapshot(
     session: Uuid,
     kind: Option<sbp_protocol::SnapshotKind>,
 ) -> StoreResult<Option<SnapshotRecord>> {
-    let sid = uuid(&session);
-    let found = match kind {
-        Some(kind) => conn
-            .prepare_cached(&format!(
-                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 AND kind = ?2 \
-                 ORDER BY ord DESC LIMIT 1"
-            ))
-            .and_then(|mut st| st.query_row(params![sid, kind.as_str()], |r| snapshot_row(r, seal)).optional()),
-        None => conn
-            .prepare_cached(&format!(
-                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT 1"
-            ))
-            .and_then(|mut st| st.query_row([sid], |r| snapshot_row(r, seal)).optional()),
-    };
-    found.map_err(db_err)
+    // Back along the session's chain from its latest: every kind but a rare one is a few rows
+    // back (a turn writes a pre- and a post-action snapshot).
+    let mut at: Option<i64> = conn
+        .prepare_cached("SELECT latest_snapshot FROM sessions WHERE id = ?1")
+        .and_then(|mut st| st.query_row([uuid(&session)], |r| r.get(0)).optional())
+        .map_err(db_err)?
+        .flatten();
+    let mut step = conn
+        .prepare_cached(&format!(
+            "SELECT {SNAPSHOT_COLS}, prev_ord FROM snapshots WHERE ord = ?1"
+        ))
+        .map_err(db_err)?;
+    while let Some(ord) = at {
+        let Some((snap, prev)) = step
+            .query_row([ord], |r| {
+                Ok((snapshot_row(r, seal)?, r.get::<_, Option<i64>>(9)?))
+            })
+            .optional()
+            .map_err(db_err)?
+        else {
+            return Ok(None);
+        };
+        if kind.is_none_or(|k| k == snap.kind) {
+            return Ok(Some(snap));
+        }
+        at = prev;
+    }
+    Ok(None)
 }
 
 pub(crate) fn get_snapshot(
@@ -394,6 +418,14 @@ pub(crate) fn get_snapshot(
     .map_err(db_err)
 }
 
+/// The session's snapshots along its chain (schema v11): `o` is a row's `ord`, `n` its place from
+/// the latest (1). A row the retention sweep removed ends the chain.
+const SNAPSHOT_CHAIN: &str = "WITH RECURSIVE chain(o, n) AS ( \
+     SELECT latest_snapshot, 1 FROM sessions WHERE id = ?1 \
+     UNION ALL \
+     SELECT s.prev_ord, chain.n + 1 FROM chain JOIN snapshots s \
+     ON s.ord = chain.o AND s.session_id = ?1 WHERE chain.n < ?2)";
+
 pub(crate) fn list_snapshots(
     conn: &Connection,
     seal: &Sealer,
@@ -401,7 +433,8 @@ pub(crate) fn list_snapshots(
     limit: u32,
 ) -> StoreResult<Vec<SnapshotRecord>> {
     conn.prepare_cached(&format!(
-        "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE session_id = ?1 ORDER BY ord DESC LIMIT ?2"
+        "{SNAPSHOT_CHAIN} SELECT {SNAPSHOT_COLS} FROM chain \
+         JOIN snapshots ON snapshots.ord = chain.o ORDER BY chain.n"
     ))
     .and_then(|mut st| {
         st.query_map(params![uuid(&session), i64::from(limit)], |r| {
@@ -409,6 +442,18 @@ pub(crate) fn list_snapshots(
         })?
         .collect()
     })
+    .map_err(db_err)
+}
+
+/// Removes every snapshot of the session, along its chain; before the session's row goes (the
+/// table has no foreign key to cascade from it).
+pub(crate) fn delete_snapshots(conn: &Connection, sid: &str) -> StoreResult<u64> {
+    conn.prepare_cached(&format!(
+        "{SNAPSHOT_CHAIN} DELETE FROM snapshots WHERE session_id = ?1 \
+         AND ord IN (SELECT o FROM chain)"
+    ))
+    .and_then(|mut st| st.execute(params![sid, i64::MAX]))
+    .map(|n| n as u64)
     .map_err(db_err)
 }
 

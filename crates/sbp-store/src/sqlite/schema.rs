@@ -325,6 +325,40 @@ const MIGRATIONS: &[&str] = &[
     r#"
     DROP INDEX IF EXISTS snapshots_session_kind;
     "#,
+    // v11: a session's snapshots are a chain instead of an index. Each row names the one written
+    // before it in its session (`prev_ord`) and the session row names its latest
+    // (`latest_snapshot`), so writing a snapshot touches the table's last page and the session's
+    // row, which the turn updates anyway. The (session_id, ord) index cost a leaf page per session
+    // in every commit, a third of a growing-session commit's pages (BENCHMARKS.md, issue 17). The
+    // table is rebuilt without its foreign key, whose cascade would scan the table without the
+    // index: a session's snapshots are removed along the chain before its row.
+    r#"
+    CREATE TABLE snapshots_v11 (
+        -- Insertion order: "latest" means the last written, never a timestamp tie.
+        ord           INTEGER PRIMARY KEY AUTOINCREMENT,
+        id            TEXT NOT NULL UNIQUE,
+        session_id    TEXT NOT NULL,
+        -- The session's snapshot written before this one (NULL: none, or swept).
+        prev_ord      INTEGER,
+        kind          TEXT NOT NULL,
+        step_count    INTEGER NOT NULL,
+        message_count INTEGER NOT NULL,
+        model         TEXT,
+        current_task  TEXT,
+        created_at    TEXT NOT NULL,
+        state         TEXT NOT NULL
+    );
+    INSERT INTO snapshots_v11 (ord, id, session_id, prev_ord, kind, step_count, message_count,
+        model, current_task, created_at, state)
+        SELECT ord, id, session_id, LAG(ord) OVER (PARTITION BY session_id ORDER BY ord), kind,
+        step_count, message_count, model, current_task, created_at, state FROM snapshots;
+    DROP TABLE snapshots;
+    ALTER TABLE snapshots_v11 RENAME TO snapshots;
+    ALTER TABLE sessions ADD COLUMN latest_snapshot INTEGER;
+    UPDATE sessions SET latest_snapshot = latest.ord
+        FROM (SELECT session_id, MAX(ord) AS ord FROM snapshots GROUP BY session_id) AS latest
+        WHERE latest.session_id = sessions.id;
+    "#,
 ];
 
 /// Brings the database up to the latest schema in one immediate transaction, so two processes opening
@@ -660,71 +694,106 @@ mod tests {
         assert_eq!((kept.label, kept.import_session_id), (None, Some(imported)));
     }
 
-    /// A v9 database loses the snapshots' (session, kind) index; the latest snapshot of a kind
-    /// is still found, a rare kind many rows back included, through the (session, ord) index.
+    /// A v9 database's snapshots become chains (v11): two sessions' snapshots written in turns
+    /// are each found newest first, the latest of a rare kind many rows back included, with no
+    /// (session, ord) index left; a snapshot written after the migration goes on its session's
+    /// chain, and erasing a session removes its snapshots and only them.
     #[tokio::test]
-    async fn v9_database_drops_the_snapshot_kind_index() {
+    async fn v9_database_chains_its_snapshots() {
         use sbp_protocol::SnapshotKind;
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("v9.sqlite3");
-        let session = Uuid::new_v4();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         let at = Utc::now() - Duration::minutes(5);
         let kinds = std::iter::once("checkpoint")
             .chain(["pre_action", "post_action"].into_iter().cycle().take(40));
         let mut ids = Vec::new();
+        let mut other = Vec::new();
         {
             let conn = database_at(&path, 9);
-            old_session(&conn, &session, "h", "idle", &at);
-            for kind in kinds {
+            old_session(&conn, &a, "ha", "idle", &at);
+            old_session(&conn, &b, "hb", "idle", &at);
+            let insert = |session: &Uuid, kind: &str| {
                 let id = Uuid::now_v7();
                 conn.execute(
                     "INSERT INTO snapshots (id, session_id, kind, step_count, message_count, \
                      created_at, state) VALUES (?1, ?2, ?3, 0, 0, ?4, '{}')",
-                    params![uuid(&id), uuid(&session), kind, ts(&at)],
+                    params![uuid(&id), uuid(session), kind, ts(&at)],
                 )
                 .expect("snapshot");
-                ids.push(id);
+                id
+            };
+            for kind in kinds {
+                ids.push(insert(&a, kind));
+                other.push(insert(&b, "checkpoint"));
             }
         }
         let store = SqliteStore::open(SqliteOptions::new(&path))
             .await
             .expect("open migrates");
         let conn = Connection::open(&path).expect("inspect");
-        let left: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'snapshots_session_kind'",
-                [],
+        let indexes: Vec<String> = conn
+            .prepare(
+                "SELECT name FROM sqlite_master WHERE tbl_name = 'snapshots' AND type = 'index'",
+            )
+            .and_then(|mut st| st.query_map([], |r| r.get(0))?.collect())
+            .expect("schema");
+        assert_eq!(indexes, ["sqlite_autoindex_snapshots_1"], "only the id's");
+        let latest = |kind| store.latest_snapshot(a, kind);
+        let found = |s: Option<crate::SnapshotRecord>| s.expect("found").id;
+        let checkpoint = latest(Some(SnapshotKind::Checkpoint))
+            .await
+            .expect("checkpoint");
+        assert_eq!(found(checkpoint), ids[0]);
+        let pre = latest(Some(SnapshotKind::PreAction)).await.expect("pre");
+        assert_eq!(found(pre), ids[39]);
+        let post = latest(Some(SnapshotKind::PostAction)).await.expect("post");
+        assert_eq!(found(post), ids[40]);
+        assert_eq!(found(latest(None).await.expect("any")), ids[40]);
+        let listed = |session, limit| store.list_snapshots(session, limit);
+        let newest_first: Vec<Uuid> = ids.iter().rev().copied().collect();
+        let all: Vec<Uuid> = listed(a, 100)
+            .await
+            .expect("list")
+            .iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(all, newest_first);
+        let three: Vec<Uuid> = listed(b, 3)
+            .await
+            .expect("list")
+            .iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(
+            three,
+            other.iter().rev().take(3).copied().collect::<Vec<_>>()
+        );
+        // Written after the migration: newest of its session, after every older row.
+        let next = crate::NewSnapshot {
+            id: Uuid::now_v7(),
+            kind: SnapshotKind::Checkpoint,
+            model: None,
+            current_task: None,
+            created_at: Utc::now(),
+            state: serde_json::json!({}),
+        };
+        super::super::ops::write_snapshot(&conn, &crate::seal::Sealer::off(), b, (0, 0), &next)
+            .expect("written");
+        let next = next.id;
+        let after = listed(b, 2).await.expect("list");
+        assert_eq!(after[0].id, next);
+        assert_eq!(after[1].id, other[40]);
+        let count = |session: &Uuid| -> i64 {
+            conn.query_row(
+                "SELECT count(*) FROM snapshots WHERE session_id = ?1",
+                [uuid(session)],
                 |r| r.get(0),
             )
-            .expect("schema");
-        assert_eq!(left, 0);
-        let plan: String = conn
-            .query_row(
-                "EXPLAIN QUERY PLAN SELECT id FROM snapshots WHERE session_id = ?1 AND kind = ?2 \
-                 ORDER BY ord DESC LIMIT 1",
-                params![uuid(&session), "checkpoint"],
-                |r| r.get(3),
-            )
-            .expect("plan");
-        assert!(plan.contains("snapshots_session"), "{plan}");
-        let latest = |kind| store.latest_snapshot(session, kind);
-        let found = |s: Option<crate::SnapshotRecord>| s.expect("found").id;
-        assert_eq!(
-            found(
-                latest(Some(SnapshotKind::Checkpoint))
-                    .await
-                    .expect("checkpoint")
-            ),
-            ids[0]
-        );
-        assert_eq!(
-            found(latest(Some(SnapshotKind::PreAction)).await.expect("pre")),
-            ids[39]
-        );
-        assert_eq!(
-            found(latest(Some(SnapshotKind::PostAction)).await.expect("post")),
-            ids[40]
-        );
-        assert_eq!(found(latest(None).await.expect("any")), ids[40]);
+            .expect("count")
+        };
+        assert_eq!((count(&a), count(&b)), (41, 42));
+        store.delete_session(a, Utc::now()).await.expect("erase");
+        assert_eq!((count(&a), count(&b)), (0, 42));
     }
 }

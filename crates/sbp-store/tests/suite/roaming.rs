@@ -449,3 +449,49 @@ pub async fn retention_sweeps_what_no_longer_serves(store: Arc<dyn Store>) {
         sbp_store::Swept::default()
     );
 }
+
+/// A sweep after the clock stepped back between snapshots (one written later carries an older
+/// time): every snapshot it leaves is still listed, newest written first, and it removes none
+/// that is newer than its cut-off. The latest of the session is kept whatever its time.
+pub async fn sweeping_snapshots_written_while_the_clock_stepped_back(store: Arc<dyn Store>) {
+    let source = created(&store, "agent-a").await.id;
+    let mut written = Vec::new();
+    for at in [10, 100_000, 20, 30, 200_000, 40] {
+        let mut f = super::finish(source, None);
+        f.count_step = false;
+        let mut s = snap(SnapshotKind::Checkpoint);
+        s.created_at = t(at);
+        written.push((s.id, at));
+        f.post_action = Some(s);
+        store.finish_turn(f).await.expect("finish");
+    }
+    let swept = store
+        .sweep(sbp_store::Sweep {
+            exports_before: None,
+            snapshots_before: Some(t(50_000)),
+            expired_before: None,
+        })
+        .await
+        .expect("sweep");
+    let listed: Vec<Uuid> = store
+        .list_snapshots(source, 100)
+        .await
+        .expect("list")
+        .iter()
+        .map(|s| s.id)
+        .collect();
+    let mut left = Vec::new();
+    for (id, at) in written.iter().rev() {
+        match store.get_snapshot(*id).await.expect("get") {
+            Some(_) => left.push(*id),
+            None => assert!(*at < 50_000, "snapshot of t({at}) swept"),
+        }
+    }
+    assert_eq!(
+        listed, left,
+        "every snapshot left is listed, newest written first"
+    );
+    assert_eq!(left.len() as u64 + swept.snapshots, written.len() as u64);
+    assert_eq!(left.first(), Some(&written[5].0), "the latest stays");
+    assert!(left.contains(&written[1].0) && left.contains(&written[4].0));
+}
