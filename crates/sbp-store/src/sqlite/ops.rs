@@ -373,30 +373,45 @@ pub(crate) fn latest_snapshot(
     session: Uuid,
     kind: Option<sbp_protocol::SnapshotKind>,
 ) -> StoreResult<Option<SnapshotRecord>> {
-    // Back along the session's chain from its latest: every kind but a rare one is a few rows
-    // back (a turn writes a pre- and a post-action snapshot).
-    let mut at: Option<i64> = conn
+    let sid = uuid(&session);
+    let Some(kind) = kind else {
+        return conn
+            .prepare_cached(&format!(
+                "SELECT {SNAPSHOT_COLS} FROM snapshots \
+                 WHERE ord = (SELECT latest_snapshot FROM sessions WHERE id = ?1)"
+            ))
+            .and_then(|mut st| st.query_row([&sid], |r| snapshot_row(r, seal)).optional())
+            .map_err(db_err);
+    };
+    // Back along the session's chain from its latest, reading only each row's kind: every kind
+    // but a rare one is a few rows back (a turn writes a pre- and a post-action snapshot). One
+    // read transaction, so the walk sees one state of the chain.
+    let tx = conn.unchecked_transaction().map_err(db_err)?;
+    let mut at: Option<i64> = tx
         .prepare_cached("SELECT latest_snapshot FROM sessions WHERE id = ?1")
-        .and_then(|mut st| st.query_row([uuid(&session)], |r| r.get(0)).optional())
+        .and_then(|mut st| st.query_row([&sid], |r| r.get(0)).optional())
         .map_err(db_err)?
         .flatten();
-    let mut step = conn
-        .prepare_cached(&format!(
-            "SELECT {SNAPSHOT_COLS}, prev_ord FROM snapshots WHERE ord = ?1"
-        ))
+    let mut step = tx
+        .prepare_cached("SELECT kind, prev_ord FROM snapshots WHERE ord = ?1")
         .map_err(db_err)?;
     while let Some(ord) = at {
-        let Some((snap, prev)) = step
+        let Some((found, prev)) = step
             .query_row([ord], |r| {
-                Ok((snapshot_row(r, seal)?, r.get::<_, Option<i64>>(9)?))
+                Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?))
             })
             .optional()
             .map_err(db_err)?
         else {
             return Ok(None);
         };
-        if kind.is_none_or(|k| k == snap.kind) {
-            return Ok(Some(snap));
+        if found == kind.as_str() {
+            return tx
+                .prepare_cached(&format!(
+                    "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE ord = ?1"
+                ))
+                .and_then(|mut st| st.query_row([ord], |r| snapshot_row(r, seal)).optional())
+                .map_err(db_err);
         }
         at = prev;
     }
@@ -421,7 +436,7 @@ pub(crate) fn get_snapshot(
 /// The session's snapshots along its chain (schema v11): `o` is a row's `ord`, `n` its place from
 /// the latest (1). A row the retention sweep removed ends the chain.
 const SNAPSHOT_CHAIN: &str = "WITH RECURSIVE chain(o, n) AS ( \
-     SELECT latest_snapshot, 1 FROM sessions WHERE id = ?1 \
+     SELECT latest_snapshot, 1 FROM sessions WHERE id = ?1 AND ?2 > 0 \
      UNION ALL \
      SELECT s.prev_ord, chain.n + 1 FROM chain JOIN snapshots s \
      ON s.ord = chain.o AND s.session_id = ?1 WHERE chain.n < ?2)";

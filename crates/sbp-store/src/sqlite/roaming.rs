@@ -445,18 +445,25 @@ pub(crate) fn sweep(conn: &Connection, sweep: &Sweep) -> StoreResult<Swept> {
             .map_err(db_err)? as u64;
     }
     if let Some(before) = &sweep.snapshots_before {
-        // Each session's latest stays. What goes is every row written before the first one of
-        // `before` or later, so the rows kept are the newest of their session and its chain
-        // (schema v11) reaches all of them: deleting by `created_at` alone could drop a row
-        // between two kept ones if clocks stepped back. Every row removed is older than `before`.
+        // Each session's latest stays. Removing rows from the middle of a session's chain
+        // (schema v11) leaves their successors pointing at nothing: the rows left are linked
+        // again, each to the one before it in its session, in the same write.
         swept.snapshots = conn
             .prepare_cached(
-                "DELETE FROM snapshots WHERE ord < (SELECT COALESCE(MIN(ord), 9223372036854775807) \
-                 FROM snapshots WHERE created_at >= ?1) AND ord IS NOT \
+                "DELETE FROM snapshots WHERE created_at < ?1 AND ord IS NOT \
                  (SELECT latest_snapshot FROM sessions WHERE id = snapshots.session_id)",
             )
             .and_then(|mut st| st.execute([ts(before)]))
             .map_err(db_err)? as u64;
+        if swept.snapshots > 0 {
+            conn.prepare_cached(
+                "UPDATE snapshots SET prev_ord = chain.prev FROM (SELECT ord, \
+                 LAG(ord) OVER (PARTITION BY session_id ORDER BY ord) AS prev FROM snapshots) \
+                 AS chain WHERE chain.ord = snapshots.ord AND snapshots.prev_ord IS NOT chain.prev",
+            )
+            .and_then(|mut st| st.execute([]))
+            .map_err(db_err)?;
+        }
     }
     Ok(swept)
 }

@@ -451,17 +451,32 @@ pub async fn retention_sweeps_what_no_longer_serves(store: Arc<dyn Store>) {
 }
 
 /// A sweep after the clock stepped back between snapshots (one written later carries an older
-/// time): every snapshot it leaves is still listed, newest written first, and it removes none
-/// that is newer than its cut-off. The latest of the session is kept whatever its time.
+/// time, one far in the future): it removes every snapshot older than its cut-off but each
+/// session's latest, in every session, and every snapshot it leaves is still listed, newest
+/// written first.
 pub async fn sweeping_snapshots_written_while_the_clock_stepped_back(store: Arc<dyn Store>) {
-    let source = created(&store, "agent-a").await.id;
-    let mut written = Vec::new();
-    for at in [10, 100_000, 20, 30, 200_000, 40] {
-        let mut f = super::finish(source, None);
+    let a = created(&store, "agent-a").await.id;
+    let b = created(&store, "agent-b").await.id;
+    let mut written: Vec<(Uuid, Uuid, i64)> = Vec::new();
+    let order = [
+        (a, 10),
+        (a, 100_000),
+        (b, 20),
+        (a, 1_000_000),
+        (b, 21),
+        (a, 20),
+        (b, 22),
+        (a, 30),
+        (a, 200_000),
+        (b, 23),
+        (a, 40),
+    ];
+    for (session, at) in order {
+        let mut f = super::finish(session, None);
         f.count_step = false;
         let mut s = snap(SnapshotKind::Checkpoint);
         s.created_at = t(at);
-        written.push((s.id, at));
+        written.push((session, s.id, at));
         f.post_action = Some(s);
         store.finish_turn(f).await.expect("finish");
     }
@@ -473,25 +488,34 @@ pub async fn sweeping_snapshots_written_while_the_clock_stepped_back(store: Arc<
         })
         .await
         .expect("sweep");
-    let listed: Vec<Uuid> = store
-        .list_snapshots(source, 100)
-        .await
-        .expect("list")
-        .iter()
-        .map(|s| s.id)
-        .collect();
-    let mut left = Vec::new();
-    for (id, at) in written.iter().rev() {
-        match store.get_snapshot(*id).await.expect("get") {
-            Some(_) => left.push(*id),
-            None => assert!(*at < 50_000, "snapshot of t({at}) swept"),
+    for session in [a, b] {
+        let mine: Vec<_> = written.iter().filter(|w| w.0 == session).collect();
+        let latest = mine.last().expect("written").1;
+        let mut left = Vec::new();
+        for (_, id, at) in mine.iter().rev() {
+            let kept = store.get_snapshot(*id).await.expect("get").is_some();
+            assert_eq!(kept, *at >= 50_000 || *id == latest, "snapshot of t({at})");
+            if kept {
+                left.push(*id);
+            }
         }
+        let listed: Vec<Uuid> = store
+            .list_snapshots(session, 100)
+            .await
+            .expect("list")
+            .iter()
+            .map(|s| s.id)
+            .collect();
+        assert_eq!(
+            listed, left,
+            "every snapshot left is listed, newest written first"
+        );
+        let newest = store.latest_snapshot(session, Some(SnapshotKind::Checkpoint));
+        assert_eq!(newest.await.expect("latest").map(|s| s.id), Some(latest));
     }
-    assert_eq!(
-        listed, left,
-        "every snapshot left is listed, newest written first"
+    assert_eq!(swept.snapshots, 6, "{swept:?}");
+    assert!(
+        store.list_snapshots(a, 0).await.expect("list").is_empty(),
+        "a limit of 0 lists nothing"
     );
-    assert_eq!(left.len() as u64 + swept.snapshots, written.len() as u64);
-    assert_eq!(left.first(), Some(&written[5].0), "the latest stays");
-    assert!(left.contains(&written[1].0) && left.contains(&written[4].0));
 }
