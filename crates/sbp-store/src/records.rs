@@ -201,6 +201,10 @@ pub struct BeginTurn {
 pub struct BeginTurnOutcome {
     pub session: SessionRecord,
     pub pre_action_snapshot: Option<SnapshotRecord>,
+    /// The new messages, handed back as they were given once they are written: a caller that
+    /// still needs them (to send them upstream) keeps no copy while the store encodes its own,
+    /// which for a request creating a long session is several times its size.
+    pub new_messages: Vec<NewMessage>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

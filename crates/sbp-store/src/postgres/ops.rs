@@ -876,6 +876,7 @@ pub(crate) async fn begin_turn(
             .pre_action
             .map(|s| snapshot_written(b.session_id, counts(&session), s)),
         session,
+        new_messages: b.new_messages,
     })
 }
 

@@ -725,6 +725,7 @@ pub(crate) fn begin_turn(
     Ok(BeginTurnOutcome {
         session,
         pre_action_snapshot,
+        new_messages: b.new_messages,
     })
 }
 

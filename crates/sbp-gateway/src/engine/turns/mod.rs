@@ -489,10 +489,12 @@ impl Turns {
             session_id,
             turn_id,
             create,
-            new_messages: stored(&new_messages)
-                .map(|(role, body)| NewMessage {
-                    role: role.to_owned(),
-                    body: body.clone(),
+            // Moved, not copied: the store hands them back once written.
+            new_messages: new_messages
+                .into_iter()
+                .map(|m| NewMessage {
+                    role: m.role().unwrap_or("user").to_owned(),
+                    body: m.into_value(),
                     model_used: None,
                     cost_usd: None,
                     created_at: now,
@@ -532,6 +534,11 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.inc();
         }
+        let new_messages: Vec<ChatMessage> = outcome
+            .new_messages
+            .into_iter()
+            .map(|m| ChatMessage::from_value(m.body))
+            .collect();
         // The stored transcript goes as it is kept: its chunks are shared, not copied.
         request.prior = history.prior().clone();
         let read = history.len() as u64;
