@@ -697,18 +697,26 @@ pub(crate) fn begin_turn(
     let appended = len_i64(&b.new_messages)?;
     let (bodies, bytes) = encode_bodies(seal, &sid, &b.new_messages)?;
     let last_task = seal.seal_opt(Column::SessionLastTask, &sid, b.last_task.as_deref())?;
+    // The status only when it changes: a column in the SET list costs its index (`sessions_status`)
+    // a page in the commit even when the value stays the same, and a turn of a running session
+    // (nearly every turn) leaves it as it is.
+    let status = b.status.filter(|to| *to != current);
+    let set_status = match status {
+        Some(_) => "status = ?3,",
+        None => "",
+    };
     let (session, start) = updated_session(
         conn,
         seal,
         &format!(
-            "UPDATE sessions SET message_count = message_count + ?2, status = COALESCE(?3, status), \
+            "UPDATE sessions SET message_count = message_count + ?2, {set_status} \
              last_task = COALESCE(?4, last_task), model = COALESCE(?5, model), updated_at = ?6, \
              message_bytes = message_bytes + ?7 WHERE id = ?1 RETURNING {SESSION_COLS}"
         ),
         params![
             sid,
             appended,
-            b.status.map(SessionStatus::as_str),
+            status.map(SessionStatus::as_str),
             last_task,
             b.model,
             now,
