@@ -204,7 +204,9 @@ pub trait TetherStore: Send + Sync {
 pub trait TurnStore: Send + Sync {
     /// Creates the session when `create` is set, records the turn as running, appends the new messages,
     /// applies the status/last_task changes, writes the pre_action snapshot and claims the idempotency
-    /// key: all or nothing. A claimed key is `Conflict`.
+    /// key: all or nothing. A claimed key is `Conflict`. Hands the new messages back as given (the
+    /// engine sends them upstream and keeps no copy meanwhile; a new session's cached transcript is
+    /// built from them).
     async fn begin_turn(&self, begin: BeginTurn) -> StoreResult<BeginTurnOutcome>;
     /// Appends the reply (or a pushed turn), counts the step, writes snapshots, enqueues the tether
     /// entry and completes the turn and its idempotency record: all or nothing.

@@ -360,6 +360,10 @@ pub async fn begin_turn_with_create(store: Arc<dyn Store>) {
     let out = store.begin_turn(b.clone()).await.expect("begin");
 
     assert_eq!(out.session.id, s.id);
+    assert_eq!(
+        out.new_messages, b.new_messages,
+        "the messages come back as given"
+    );
     assert_eq!(out.session.status, SessionStatus::Running);
     assert_eq!(out.session.message_count, 2);
     assert_eq!(out.session.step_count, 0);
