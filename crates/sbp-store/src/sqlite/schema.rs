@@ -750,25 +750,17 @@ mod tests {
         let post = latest(Some(SnapshotKind::PostAction)).await.expect("post");
         assert_eq!(found(post), ids[40]);
         assert_eq!(found(latest(None).await.expect("any")), ids[40]);
-        let listed = |session, limit| store.list_snapshots(session, limit);
+        let listed = |session, limit| {
+            let store = &store;
+            async move {
+                let list = store.list_snapshots(session, limit).await.expect("list");
+                list.into_iter().map(|s| s.id).collect::<Vec<Uuid>>()
+            }
+        };
         let newest_first: Vec<Uuid> = ids.iter().rev().copied().collect();
-        let all: Vec<Uuid> = listed(a, 100)
-            .await
-            .expect("list")
-            .iter()
-            .map(|s| s.id)
-            .collect();
-        assert_eq!(all, newest_first);
-        let three: Vec<Uuid> = listed(b, 3)
-            .await
-            .expect("list")
-            .iter()
-            .map(|s| s.id)
-            .collect();
-        assert_eq!(
-            three,
-            other.iter().rev().take(3).copied().collect::<Vec<_>>()
-        );
+        assert_eq!(listed(a, 100).await, newest_first);
+        let three: Vec<Uuid> = other.iter().rev().take(3).copied().collect();
+        assert_eq!(listed(b, 3).await, three);
         // Written after the migration: newest of its session, after every older row.
         let next = crate::NewSnapshot {
             id: Uuid::now_v7(),
@@ -780,10 +772,7 @@ mod tests {
         };
         super::super::ops::write_snapshot(&conn, &crate::seal::Sealer::off(), b, (0, 0), &next)
             .expect("written");
-        let next = next.id;
-        let after = listed(b, 2).await.expect("list");
-        assert_eq!(after[0].id, next);
-        assert_eq!(after[1].id, other[40]);
+        assert_eq!(listed(b, 2).await, [next.id, other[40]]);
         let count = |session: &Uuid| -> i64 {
             conn.query_row(
                 "SELECT count(*) FROM snapshots WHERE session_id = ?1",

@@ -493,7 +493,7 @@ impl Turns {
             new_messages: new_messages
                 .into_iter()
                 .map(|m| NewMessage {
-                    role: m.role().unwrap_or("user").to_owned(),
+                    role: stored_role(&m).to_owned(),
                     body: m.into_value(),
                     model_used: None,
                     cost_usd: None,
@@ -784,18 +784,20 @@ impl Turns {
     }
 }
 
+/// A request's new messages as the store keeps them: (role column, body).
+fn stored(messages: &[ChatMessage]) -> impl Iterator<Item = (&str, &Value)> {
+    messages.iter().map(|m| (stored_role(m), m.as_value()))
+}
+
+/// A message's role column: a message without a role is the user's.
+fn stored_role(message: &ChatMessage) -> &str {
+    message.role().unwrap_or("user")
+}
+
 /// The key an Idempotency-Key is stored under: scoped to the caller's credentials, so only the
 /// caller that made a request can replay its response (or retry it in its session). Without a
 /// session token the scope is shared by every anonymous (or every operator) caller: a request that
 /// creates a session has no other identity, so its key must be unguessable (a UUID).
-/// A request's new messages as the store keeps them: (role column, body); a message without a
-/// role is the user's.
-fn stored(messages: &[ChatMessage]) -> impl Iterator<Item = (&str, &Value)> {
-    messages
-        .iter()
-        .map(|m| (m.role().unwrap_or("user"), m.as_value()))
-}
-
 fn scoped_idempotency_key(key: &str, token: Option<&str>, operator: bool) -> String {
     let scope = match (token, operator) {
         (Some(t), _) => format!("token:{}", auth::hash_token(t)),
