@@ -155,6 +155,14 @@ impl Size {
             bytes: s.bytes + stored_bytes(b),
         })
     }
+
+    /// The size of bodies already serialised as stored.
+    pub fn of_text<'a>(bodies: impl IntoIterator<Item = &'a str>) -> Self {
+        bodies.into_iter().fold(Self::default(), |s, b| Self {
+            messages: s.messages + 1,
+            bytes: s.bytes + b.len() as u64,
+        })
+    }
 }
 
 /// The length of `body` as compact JSON text, counted without building the text.

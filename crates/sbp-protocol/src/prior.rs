@@ -152,6 +152,12 @@ impl Prior {
     pub fn push(&mut self, role: &str, body: &Value) {
         // Serialising a `Value` cannot fail (its keys are strings); keep `null` if it ever did.
         let json = serde_json::to_string(body).unwrap_or_else(|_| "null".to_owned());
+        self.push_json(role, &json);
+    }
+
+    /// Appends a stored message given as its compact JSON text (a `Value` serialised: what the
+    /// store keeps and counts).
+    pub fn push_json(&mut self, role: &str, json: &str) {
         self.bytes += json.len();
         self.stored += 1;
         let shared = self
@@ -162,7 +168,7 @@ impl Prior {
             self.chunks.push(Arc::new(Chunk::default()));
         }
         if let Some(tail) = self.chunks.last_mut().and_then(Arc::get_mut) {
-            tail.push_json(Role::new(role), &json);
+            tail.push_json(Role::new(role), json);
         }
         self.consolidate();
     }

@@ -1,6 +1,8 @@
 //! Encodings both SQL backends share: JSON columns, message bodies as stored, counters, and the
 //! stored names of turn and idempotency states.
 
+use std::borrow::Cow;
+
 use chrono::SubsecRound;
 use serde_json::Value;
 use uuid::Uuid;
@@ -15,24 +17,24 @@ pub(crate) fn json(v: &Value) -> Result<String, StoreError> {
     serde_json::to_string(v).map_err(|e| StoreError::Backend(format!("encode json: {e}")))
 }
 
+/// Bodies encoded ahead of a write (on the blocking pool, owned) and their JSON bytes.
+pub(crate) type Encoded = (Vec<Cow<'static, str>>, i64);
+
 /// The messages' bodies as they are stored (JSON text, sealed to the session `sid` when
 /// encryption is on), and the total size of their JSON text in bytes: what
 /// `sessions.message_bytes` counts, the plaintext whether or not it is sealed.
-pub(crate) fn encode_bodies(
+pub(crate) fn encode_bodies<'a>(
     seal: &Sealer,
     sid: &str,
-    messages: &[NewMessage],
-) -> StoreResult<(Vec<String>, i64)> {
+    messages: &'a [NewMessage],
+) -> StoreResult<(Vec<Cow<'a, str>>, i64)> {
     let mut bytes = 0usize;
     let bodies = messages
         .iter()
         .map(|m| {
-            let text = json(&m.body)?;
+            let text = m.body.as_str();
             bytes += text.len();
-            Ok(match seal.seal(Column::MessageBody, sid, &text)? {
-                std::borrow::Cow::Borrowed(_) => text,
-                std::borrow::Cow::Owned(sealed) => sealed,
-            })
+            Ok(seal.seal(Column::MessageBody, sid, text)?)
         })
         .collect::<StoreResult<Vec<_>>>()?;
     let bytes =

@@ -16,6 +16,7 @@ mod schema;
 mod tls;
 mod x509;
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -42,7 +43,7 @@ use crate::{
     TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
 
-/// Histories at least this long are encoded on the blocking pool before `adopt_session`'s write.
+/// Histories at least this long are sealed on the blocking pool before `adopt_session`'s write.
 const PARALLEL_ENCODE_AT: usize = 512;
 
 #[derive(Debug, Clone)]
@@ -336,18 +337,19 @@ impl PostgresStore {
         }
     }
 
-    /// A long history's bodies encoded to JSON (and sealed) on the blocking pool, in two halves
-    /// at once, before the transaction starts: CPU-bound work that would otherwise stall this
-    /// async worker while the transaction holds its locks. `None` for a short one; `messages`
-    /// picks the history out of `owner`.
+    /// A long history's bodies sealed on the blocking pool, in two halves at once, before the
+    /// transaction starts: CPU-bound work that would otherwise stall this async worker while the
+    /// transaction holds its locks. `None` for a short one, or when encryption is off (the bodies
+    /// are JSON text already); `messages` picks the history out of `owner`.
     async fn encode_ahead<T: Send + Sync + 'static>(
         &self,
         owner: &std::sync::Arc<T>,
         messages: fn(&T) -> &[NewMessage],
         session: Uuid,
-    ) -> StoreResult<Option<(Vec<String>, i64)>> {
+    ) -> StoreResult<Option<crate::codec::Encoded>> {
         let len = messages(owner).len();
-        if len < PARALLEL_ENCODE_AT {
+        // Bodies come as JSON text: only sealing them is work.
+        if len < PARALLEL_ENCODE_AT || !self.seal.is_on() {
             return Ok(None);
         }
         let half = len.div_ceil(2);
@@ -355,7 +357,9 @@ impl PostgresStore {
         let encode = |range: std::ops::Range<usize>| {
             let (owner, seal, sid) = (std::sync::Arc::clone(owner), self.seal.clone(), sid.clone());
             tokio::task::spawn_blocking(move || {
-                ops::encode_bodies(&seal, &sid, &messages(&owner)[range])
+                let (bodies, bytes) = ops::encode_bodies(&seal, &sid, &messages(&owner)[range])?;
+                let owned = bodies.into_iter().map(|b| Cow::Owned(b.into_owned()));
+                Ok::<_, StoreError>((owned.collect::<Vec<_>>(), bytes))
             })
         };
         let (first, second) = tokio::join!(encode(0..half), encode(half..len));

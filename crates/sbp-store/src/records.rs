@@ -54,11 +54,56 @@ pub struct SessionQuery {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewMessage {
     pub role: String,
-    /// The whole chat message object as the client or upstream gave it (role, content, tool_calls, ...).
-    pub body: Value,
+    /// The whole chat message object as the client or upstream gave it (role, content, tool_calls,
+    /// ...), as the JSON text the store writes.
+    pub body: MessageJson,
     pub model_used: Option<String>,
     pub cost_usd: Option<f64>,
     pub created_at: Timestamp,
+}
+
+/// A message body as the JSON text it is stored and sent upstream as, serialised once from its
+/// `Value` when the message is made. A request's new messages wait for the store's writer, and
+/// then go upstream, in this form: the text, not a tree several times its size.
+#[derive(Clone, PartialEq, Eq)]
+pub struct MessageJson(Box<str>);
+
+impl MessageJson {
+    pub fn new(body: &Value) -> Self {
+        // Serialising a `Value` cannot fail (its keys are strings); keep `null` if it ever did.
+        Self(
+            serde_json::to_string(body)
+                .unwrap_or_else(|_| "null".to_owned())
+                .into_boxed_str(),
+        )
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The body parsed again (the text came from a `Value`, so it parses).
+    pub fn to_value(&self) -> Value {
+        serde_json::from_str(&self.0).unwrap_or(Value::Null)
+    }
+}
+
+impl From<&Value> for MessageJson {
+    fn from(body: &Value) -> Self {
+        Self::new(body)
+    }
+}
+
+impl From<Value> for MessageJson {
+    fn from(body: Value) -> Self {
+        Self::new(&body)
+    }
+}
+
+impl std::fmt::Debug for MessageJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -202,8 +247,8 @@ pub struct BeginTurnOutcome {
     pub session: SessionRecord,
     pub pre_action_snapshot: Option<SnapshotRecord>,
     /// The new messages, handed back as they were given once they are written: a caller that
-    /// still needs them (to send them upstream) keeps no copy while the store encodes its own,
-    /// which for a request creating a long session is several times its size.
+    /// still needs them (to send them upstream, to cache them) keeps no copy while the write
+    /// waits its turn.
     pub new_messages: Vec<NewMessage>,
 }
 

@@ -11,6 +11,7 @@ mod roaming;
 mod schema;
 mod writer;
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -43,7 +44,7 @@ const STATEMENT_CACHE: usize = 64;
 /// time-ordered keys, small enough for the gateway's memory budget.
 const WRITER_CACHE_KIB: i64 = -16384;
 
-/// Histories at least this long are encoded in parallel before `adopt_session`'s write.
+/// Histories at least this long are sealed in parallel before `adopt_session`'s write.
 const PARALLEL_ENCODE_AT: usize = 512;
 
 /// `PRAGMA synchronous` for the connections that write (the writer and the checkpointer).
@@ -447,17 +448,19 @@ impl SqliteStore {
         Ok(done)
     }
 
-    /// A long history's bodies encoded to JSON (and sealed) in two halves in parallel before the
-    /// write, so the single writer thread (which every other write waits for) only inserts them;
-    /// `None` for a short one. `messages` picks the history out of `owner`.
+    /// A long history's bodies sealed in two halves in parallel before the write, so the single
+    /// writer thread (which every other write waits for) only inserts them; `None` for a short
+    /// one, or when encryption is off (the bodies are JSON text already). `messages` picks the
+    /// history out of `owner`.
     async fn encode_ahead<T: Send + Sync + 'static>(
         &self,
         owner: &Arc<T>,
         messages: fn(&T) -> &[NewMessage],
         session: Uuid,
-    ) -> StoreResult<Option<(Vec<String>, i64)>> {
+    ) -> StoreResult<Option<crate::codec::Encoded>> {
         let len = messages(owner).len();
-        if len < PARALLEL_ENCODE_AT {
+        // Bodies come as JSON text: only sealing them is work.
+        if len < PARALLEL_ENCODE_AT || !self.inner.seal.is_on() {
             return Ok(None);
         }
         let half = len.div_ceil(2);
@@ -465,7 +468,9 @@ impl SqliteStore {
         let encode = |range: std::ops::Range<usize>| {
             let (owner, seal, sid) = (Arc::clone(owner), self.inner.seal.clone(), sid.clone());
             tokio::task::spawn_blocking(move || {
-                ops::encode_bodies(&seal, &sid, &messages(&owner)[range])
+                let (bodies, bytes) = ops::encode_bodies(&seal, &sid, &messages(&owner)[range])?;
+                let owned = bodies.into_iter().map(|b| Cow::Owned(b.into_owned()));
+                Ok::<_, StoreError>((owned.collect::<Vec<_>>(), bytes))
             })
         };
         let (first, second) = tokio::join!(encode(0..half), encode(half..len));

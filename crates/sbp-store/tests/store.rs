@@ -428,7 +428,7 @@ mod postgres {
                         create: Some(s.clone()),
                         new_messages: vec![NewMessage {
                             role: "user".to_owned(),
-                            body: body.clone(),
+                            body: (&body).into(),
                             model_used: None,
                             cost_usd: None,
                             created_at: now,

@@ -37,22 +37,38 @@ pub struct History {
 }
 
 impl History {
-    /// Appends messages as stored: (role column, body), in transcript order.
-    pub fn extend<'a>(&mut self, messages: impl IntoIterator<Item = (&'a str, &'a Value)>) {
-        for (role, body) in messages {
-            self.push(role, body);
+    /// Appends messages as written: (role column, body as its JSON text), in transcript order.
+    pub fn extend<'a>(&mut self, messages: impl IntoIterator<Item = (&'a str, &'a str)>) {
+        for (role, json) in messages {
+            // Only an assistant message's `tool_calls` or a tool message's `tool_call_id` can hide
+            // it; the text, serialised from a `Value`, names such a key as it is.
+            let hidden = matches!(role, "assistant" | "tool") && json.contains("\"tool_call") && {
+                let body = serde_json::from_str(json).unwrap_or(Value::Null);
+                self.hides(role, MessageView(&body))
+            };
+            self.messages.push_json(role, json);
+            self.count(hidden);
         }
     }
 
     /// Appends stored records, in transcript order.
     pub fn extend_records(&mut self, records: &[MessageRecord]) {
-        self.extend(records.iter().map(|r| (r.role.as_str(), &r.body)));
+        for r in records {
+            let hidden = self.hides(&r.role, MessageView(&r.body));
+            self.messages.push(&r.role, &r.body);
+            self.count(hidden);
+        }
     }
 
-    /// Appends one message (as stored: its role column and body).
-    fn push(&mut self, role: &str, body: &Value) {
-        let view = MessageView(body);
-        let hidden = if role == "assistant" {
+    fn count(&mut self, hidden: bool) {
+        self.hidden.push(hidden);
+        self.shown += usize::from(!hidden);
+    }
+
+    /// Whether a message with this role column and body is hidden from the HTTP client; an
+    /// assistant message calling only gateway tools has its call ids noted for the answers.
+    fn hides(&mut self, role: &str, view: MessageView<'_>) -> bool {
+        if role == "assistant" {
             let gateway_only = view.has_tool_calls()
                 && view
                     .tool_calls()
@@ -69,10 +85,7 @@ impl History {
                 && view
                     .tool_call_id()
                     .is_some_and(|id| self.gateway_calls.iter().any(|g| g == id))
-        };
-        self.messages.push(role, body);
-        self.hidden.push(hidden);
-        self.shown += usize::from(!hidden);
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -205,23 +218,23 @@ impl HistoryCache {
     /// copies the last of them, and now and then merges chunks up to the whole transcript, which
     /// would hold every other session's turns meanwhile. The entry is out of the cache during the
     /// append (a read of it then goes to the store) and goes back as [`Self::put`] allows.
+    /// Returns the transcript with the messages appended, whether or not the cache kept it.
     pub fn extend<'a>(
         &self,
         id: Uuid,
         first_seq: u64,
-        messages: impl IntoIterator<Item = (&'a str, &'a Value)>,
-    ) {
+        messages: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Option<Arc<History>> {
         let mut held = {
-            let Some(held) = self.lock().remove(id) else {
-                return;
-            };
+            let held = self.lock().remove(id)?;
             if held.len() as u64 != first_seq {
-                return;
+                return None;
             }
             held
         };
         Arc::make_mut(&mut held).extend(messages);
-        self.put(id, held);
+        self.put(id, held.clone());
+        Some(held)
     }
 
     /// Drops an erased session's transcript, and keeps it from being put back by a turn that
@@ -269,12 +282,12 @@ mod tests {
     use serde_json::json;
 
     fn history(texts: &[&str]) -> History {
-        let bodies: Vec<Value> = texts
+        let bodies: Vec<String> = texts
             .iter()
-            .map(|t| json!({"role": "user", "content": t}))
+            .map(|t| json!({"role": "user", "content": t}).to_string())
             .collect();
         let mut h = History::default();
-        h.extend(bodies.iter().map(|b| ("user", b)));
+        h.extend(bodies.iter().map(|b| ("user", b.as_str())));
         h
     }
 
@@ -302,9 +315,9 @@ mod tests {
         let cache = HistoryCache::new(1 << 20);
         let id = Uuid::now_v7();
         cache.put(id, Arc::new(history(&["a"])));
-        let reply = json!({"role": "assistant", "content": "b"});
-        cache.extend(id, 1, [("assistant", &reply)]);
-        let whole = history(&["a"]).bytes() + reply.to_string().len() as u64;
+        let reply = json!({"role": "assistant", "content": "b"}).to_string();
+        cache.extend(id, 1, [("assistant", reply.as_str())]);
+        let whole = history(&["a"]).bytes() + reply.len() as u64;
         let Cached::Whole(h) = cache.get(id, 2, whole) else {
             panic!("appended");
         };
@@ -313,7 +326,7 @@ mod tests {
             Some(r#"{"content":"b","role":"assistant"}"#)
         );
         // Another writer appended at 2 and 3 meanwhile: this append at 4 drops the entry.
-        cache.extend(id, 4, [("assistant", &reply)]);
+        cache.extend(id, 4, [("assistant", reply.as_str())]);
         assert!(matches!(cache.get(id, 5, whole * 3), Cached::Nothing));
     }
 
@@ -327,17 +340,16 @@ mod tests {
         let Cached::Whole(held) = cache.get(id, 2, history(&["a", "b"]).bytes()) else {
             panic!("held");
         };
-        let reply = json!({"role": "assistant", "content": "c"});
-        cache.extend(id, 2, [("assistant", &reply)]);
+        let reply = json!({"role": "assistant", "content": "c"}).to_string();
+        cache.extend(id, 2, [("assistant", reply.as_str())]);
         assert_eq!(held.len(), 2, "the request's copy is unchanged");
-        let Cached::Whole(now) = cache.get(id, 3, held.bytes() + reply.to_string().len() as u64)
-        else {
+        let Cached::Whole(now) = cache.get(id, 3, held.bytes() + reply.len() as u64) else {
             panic!("appended");
         };
         assert_eq!(cache.usage(), (1, now.weight()));
         drop(now);
         cache.erased(id);
-        cache.extend(id, 3, [("assistant", &reply)]);
+        cache.extend(id, 3, [("assistant", reply.as_str())]);
         assert_eq!(cache.usage(), (0, 0));
     }
 
@@ -383,26 +395,66 @@ mod tests {
         assert_eq!(none.usage(), (0, 0));
     }
 
+    /// Whether the transcript came as written (JSON text) or as read from the store (records),
+    /// a round of the gateway's own tools is hidden and the messages around it are not.
     #[test]
     fn the_gateways_tool_rounds_are_hidden_from_the_client_view() {
-        let mut h = History::default();
-        h.push("user", &json!({"role": "user", "content": "where am I?"}));
-        h.push(
-            "assistant",
-            &json!({"role": "assistant", "content": null, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]}),
+        let messages = [
+            ("user", json!({"role": "user", "content": "where am I?"})),
+            (
+                "assistant",
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "surface_gps", "arguments": "{}"}}]}),
+            ),
+            (
+                "tool",
+                json!({"role": "tool", "tool_call_id": "c1", "content": "{}"}),
+            ),
+            (
+                "assistant",
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}),
+            ),
+            (
+                "tool",
+                json!({"role": "tool", "tool_call_id": "c2", "content": "found"}),
+            ),
+            (
+                "assistant",
+                json!({"role": "assistant", "content": "Tokyo"}),
+            ),
+        ];
+        let texts: Vec<String> = messages.iter().map(|(_, b)| b.to_string()).collect();
+        let mut written = History::default();
+        written.extend(
+            messages
+                .iter()
+                .zip(&texts)
+                .map(|((r, _), t)| (*r, t.as_str())),
         );
-        h.push(
-            "tool",
-            &json!({"role": "tool", "tool_call_id": "c1", "content": "{}"}),
-        );
-        h.push(
-            "assistant",
-            &json!({"role": "assistant", "content": "Tokyo"}),
-        );
-        assert_eq!(h.len(), 4);
-        assert_eq!(h.client_len(), 2);
-        let seen: Vec<&str> = h.client_view().map(|m| m.role()).collect();
-        assert_eq!(seen, ["user", "assistant"]);
+        let records: Vec<MessageRecord> = messages
+            .iter()
+            .enumerate()
+            .map(|(seq, (role, body))| MessageRecord {
+                seq: seq as u64,
+                role: (*role).into(),
+                body: body.clone(),
+                model_used: None,
+                cost_usd: None,
+                created_at: chrono::Utc::now(),
+            })
+            .collect();
+        let mut read = History::default();
+        read.extend_records(&records);
+        for h in [written, read] {
+            assert_eq!(h.len(), 6);
+            assert_eq!(h.client_len(), 4);
+            let seen: Vec<&str> = h.client_view().map(|m| m.role()).collect();
+            assert_eq!(seen, ["user", "assistant", "tool", "assistant"]);
+            assert_eq!(
+                h.messages().nth(4).map(PriorMessage::json),
+                Some(texts[4].as_str())
+            );
+        }
     }
 }

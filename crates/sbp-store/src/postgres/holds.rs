@@ -291,7 +291,7 @@ async fn adopt_migrated(
     tx: &Tx,
     seal: &Sealer,
     m: AdoptMigrated,
-    encoded: Option<(Vec<String>, i64)>,
+    encoded: Option<crate::codec::Encoded>,
 ) -> StoreResult<SessionRecord> {
     let id = m.adopt.session.id;
     let sid = id.to_string();

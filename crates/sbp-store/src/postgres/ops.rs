@@ -277,7 +277,7 @@ pub(crate) async fn insert_messages(
     session: Uuid,
     start: i64,
     messages: &[NewMessage],
-    bodies: Vec<String>,
+    bodies: Vec<Cow<'_, str>>,
 ) -> StoreResult<()> {
     if messages.is_empty() {
         return Ok(());
@@ -665,7 +665,7 @@ const FINISH_TETHER_COL: usize = 13;
 /// The columns of messages to append, as the arrays the statements unnest.
 struct MessageArrays<'a> {
     roles: Vec<Cow<'a, str>>,
-    bodies: Vec<String>,
+    bodies: Vec<Cow<'a, str>>,
     /// The bodies' total size, what `sessions.message_bytes` counts.
     bytes: i64,
     models: Vec<Option<Cow<'a, str>>>,

@@ -308,7 +308,7 @@ pub(crate) async fn adopt_session(
     tx: &Tx,
     seal: &Sealer,
     a: AdoptSession,
-    encoded: Option<(Vec<String>, i64)>,
+    encoded: Option<crate::codec::Encoded>,
 ) -> StoreResult<AdoptOutcome> {
     let new_id = a.session.id;
     let sid = new_id.to_string();

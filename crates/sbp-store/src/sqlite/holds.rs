@@ -278,7 +278,7 @@ fn adopt_migrated(
     conn: &Connection,
     seal: &Sealer,
     m: &AdoptMigrated,
-    encoded: Option<&(Vec<String>, i64)>,
+    encoded: Option<&crate::codec::Encoded>,
 ) -> StoreResult<SessionRecord> {
     let id = m.adopt.session.id;
     let sid = uuid(&id);

@@ -1,6 +1,8 @@
 //! The store's operations as plain synchronous functions on a connection. Writes run on the writer
 //! thread inside a savepoint, so returning `Err` at any point undoes everything the function did.
 
+use std::borrow::Cow;
+
 use rusqlite::{Connection, OptionalExtension, params};
 use sbp_protocol::SessionStatus;
 use uuid::Uuid;
@@ -188,7 +190,7 @@ pub(crate) fn insert_encoded_messages(
     sid: &str,
     start: i64,
     messages: &[NewMessage],
-    bodies: &[String],
+    bodies: &[Cow<'_, str>],
 ) -> StoreResult<()> {
     if messages.is_empty() {
         return Ok(());
@@ -198,7 +200,7 @@ pub(crate) fn insert_encoded_messages(
             "encoded bodies do not match the messages".to_owned(),
         ));
     }
-    let body_of = |i: usize, _: &NewMessage| -> StoreResult<&str> { Ok(bodies[i].as_str()) };
+    let body_of = |i: usize, _: &NewMessage| -> StoreResult<&str> { Ok(&bodies[i]) };
     // Long histories go in statements of many rows: a statement's fixed cost (reset, bind, VDBE
     // start) is most of a small row's insert.
     let bulk = if messages.len() >= ROWS_PER_INSERT {

@@ -280,7 +280,7 @@ pub(crate) fn adopt_session(
     conn: &Connection,
     seal: &Sealer,
     a: &AdoptSession,
-    encoded: Option<&(Vec<String>, i64)>,
+    encoded: Option<&crate::codec::Encoded>,
 ) -> StoreResult<AdoptOutcome> {
     let new_id = a.session.id;
     let sid = uuid(&new_id);

@@ -518,7 +518,7 @@ pub async fn hold_adopt_migrated_round_trip(store: Arc<dyn Store>) {
         .into_iter()
         .map(|h| h.body)
         .collect();
-    let sent: Vec<_> = m.adopt.messages.iter().map(|x| x.body.clone()).collect();
+    let sent: Vec<_> = m.adopt.messages.iter().map(|x| x.body.to_value()).collect();
     assert_eq!(history, sent, "verbatim, no note added");
     let restored = store
         .latest_snapshot(origin.id, None)

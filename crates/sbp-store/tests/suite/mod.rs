@@ -53,7 +53,7 @@ fn new_session(agent: &str) -> NewSession {
 fn msg(role: &str, text: &str) -> NewMessage {
     NewMessage {
         role: role.to_owned(),
-        body: json!({ "role": role, "content": text }),
+        body: json!({ "role": role, "content": text }).into(),
         model_used: (role == "assistant").then(|| "m-1".to_owned()),
         cost_usd: (role == "assistant").then_some(0.00125),
         created_at: t(1),
@@ -566,10 +566,7 @@ pub async fn finish_turn_counts_and_snapshots(store: Arc<dyn Store>) {
 
 /// The size of a message as `message_bytes` counts it: its body as compact JSON text.
 fn body_bytes(messages: &[NewMessage]) -> u64 {
-    messages
-        .iter()
-        .map(|m| serde_json::to_string(&m.body).expect("encodes").len() as u64)
-        .sum()
+    messages.iter().map(|m| m.body.as_str().len() as u64).sum()
 }
 
 /// `message_bytes` follows every write that appends messages (the per-session byte limit reads

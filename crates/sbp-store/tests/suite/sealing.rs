@@ -177,7 +177,11 @@ pub async fn write_everything(store: &Arc<dyn Store>, marker: &str) -> Written {
         marker: marker.to_owned(),
         session,
         adopted,
-        messages: vec![prompt.body, tool_round.body, reply.body],
+        messages: vec![
+            prompt.body.to_value(),
+            tool_round.body.to_value(),
+            reply.body.to_value(),
+        ],
         tether,
         snapshot,
         idempotency_key: key,
@@ -353,7 +357,7 @@ pub async fn write_migrated(store: &Arc<dyn Store>, marker: &str) -> Migrated {
         .expect("adopt migrated");
     Migrated {
         session,
-        messages: messages.into_iter().map(|m| m.body).collect(),
+        messages: messages.into_iter().map(|m| m.body.to_value()).collect(),
         tether,
     }
 }

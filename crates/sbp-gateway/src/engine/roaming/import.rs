@@ -490,7 +490,7 @@ fn parse(bundle: Value) -> Result<ParsedBundle, Error> {
 pub(super) fn restored_message(m: BundleMessage, now: Timestamp) -> NewMessage {
     NewMessage {
         role: m.role,
-        body: m.body,
+        body: m.body.into(),
         model_used: m.model_used,
         cost_usd: m.cost_usd,
         created_at: m.created_at.unwrap_or(now),

@@ -444,7 +444,7 @@ impl Roaming {
     /// Refuses a copy of `origin` (a fork, a handoff) that would be past the session limits.
     fn check_copy(&self, origin: &SessionRecord, messages: &[NewMessage]) -> Result<(), Error> {
         let limits = &self.inner.config.limits;
-        let size = Size::of(messages.iter().map(|m| &m.body));
+        let size = Size::of_text(messages.iter().map(|m| m.body.as_str()));
         if limits.check_room(origin.id, Size::default(), size).is_ok() {
             return Ok(());
         }
@@ -539,7 +539,7 @@ fn record_of(e: NewExport) -> ExportRecord {
 fn copied_message(m: &MessageRecord) -> NewMessage {
     NewMessage {
         role: m.role.clone(),
-        body: m.body.clone(),
+        body: (&m.body).into(),
         model_used: m.model_used.clone(),
         cost_usd: m.cost_usd,
         created_at: m.created_at,
@@ -549,7 +549,7 @@ fn copied_message(m: &MessageRecord) -> NewMessage {
 fn system_message(content: String, now: Timestamp) -> NewMessage {
     NewMessage {
         role: "system".to_owned(),
-        body: json!({ "role": "system", "content": content }),
+        body: json!({ "role": "system", "content": content }).into(),
         model_used: None,
         cost_usd: None,
         created_at: now,

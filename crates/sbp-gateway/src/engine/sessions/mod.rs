@@ -420,7 +420,7 @@ impl Sessions {
                 turn_id: None,
                 messages: vec![NewMessage {
                     role: push.role.clone(),
-                    body,
+                    body: body.into(),
                     model_used: push.model_used.clone(),
                     cost_usd: None,
                     created_at: now,

@@ -10,7 +10,9 @@ use futures::StreamExt;
 use sbp_bus::{LiveChunk, TurnDone};
 use sbp_llm::Assembler;
 use sbp_protocol::{ChatMessage, ChatRequest, SbpResponseMeta, SessionStatus, SnapshotKind};
-use sbp_store::{FailTurn, FinishTurn, NewMessage, NewSnapshot, NewTetherEntry, TurnProgress};
+use sbp_store::{
+    FailTurn, FinishTurn, MessageJson, NewMessage, NewSnapshot, NewTetherEntry, TurnProgress,
+};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -332,20 +334,19 @@ impl Turns {
             ));
         }
         // The round's messages as stored (and cached): the assistant's call, then its results.
-        let stored = || {
-            let roles = std::iter::once("assistant").chain(std::iter::repeat("tool"));
-            roles.zip(answered.iter().map(ChatMessage::as_value))
-        };
-        let messages = stored()
+        let roles = std::iter::once("assistant").chain(std::iter::repeat("tool"));
+        let messages: Vec<NewMessage> = roles
+            .zip(&answered)
             .enumerate()
             .map(|(i, (role, body))| NewMessage {
                 role: role.into(),
-                body: body.clone(),
+                body: body.as_value().into(),
                 model_used: (i == 0).then(|| out.model.clone()),
                 cost_usd: None,
                 created_at: now,
             })
             .collect();
+        let cached = messages.clone();
         let progress = self
             .inner
             .store
@@ -358,9 +359,11 @@ impl Turns {
             })
             .timed(&self.inner.metrics, "record_progress")
             .await?;
-        self.inner
-            .history
-            .extend(session_id, progress.first_message_seq, stored());
+        self.inner.history.extend(
+            session_id,
+            progress.first_message_seq,
+            super::written(&cached),
+        );
         transcript.messages.extend(answered);
         Ok(())
     }
@@ -407,7 +410,7 @@ impl Turns {
             created_at: now,
             chunk_id: up.chunk_id,
         });
-        let reply = up.message.into_value();
+        let reply = MessageJson::new(up.message.as_value());
         let finish = FinishTurn {
             session_id: session.id,
             turn_id: Some(turn.turn_id),
@@ -435,7 +438,7 @@ impl Turns {
         self.inner.history.extend(
             session.id,
             outcome.first_message_seq,
-            [("assistant", &reply)],
+            [("assistant", reply.as_str())],
         );
         self.inner.metrics.turns_completed.inc();
         if outcome.tether_seq.is_some() {

@@ -17,8 +17,8 @@ use sbp_protocol::{
     ChatMessage, ChatRequest, SbpRequestOptions, SbpResponseMeta, SessionStatus, SnapshotKind,
 };
 use sbp_store::{
-    BeginTurn, IdempotencyRecord, IdempotencyState, NewIdempotency, NewMessage, NewSession,
-    NewSnapshot, SessionRecord, Store, StoreError, Timestamp,
+    BeginTurn, IdempotencyRecord, IdempotencyState, MessageJson, MessageRecord, NewIdempotency,
+    NewMessage, NewSession, NewSnapshot, SessionRecord, Store, StoreError, Timestamp,
 };
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
@@ -422,7 +422,7 @@ impl Turns {
 
     /// The messages at `from..to` of the transcript, read after they were missed; none (as before
     /// the cache) if the store cannot say, since the turn is under way.
-    async fn missed(&self, session: Uuid, from: u64, to: u64) -> Vec<ChatMessage> {
+    async fn missed(&self, session: Uuid, from: u64, to: u64) -> Vec<MessageRecord> {
         let limit = u32::try_from(to - from).unwrap_or(u32::MAX);
         match self
             .inner
@@ -430,10 +430,7 @@ impl Turns {
             .list_messages(session, from.checked_sub(1), limit)
             .await
         {
-            Ok(records) => records
-                .into_iter()
-                .map(|m| ChatMessage::from_value(m.body))
-                .collect(),
+            Ok(records) => records,
             Err(e) => {
                 tracing::warn!(session_id = %session, error = %e, "reading messages appended during a turn's start failed; the upstream is sent the transcript as read");
                 Vec::new()
@@ -489,12 +486,14 @@ impl Turns {
             session_id,
             turn_id,
             create,
-            // Moved, not copied: the store hands them back once written.
+            // Serialised once, and the parsed messages let go before the store's writer is
+            // waited for: the text is what the store writes and hands back, the cache keeps and
+            // the upstream is sent.
             new_messages: new_messages
                 .into_iter()
                 .map(|m| NewMessage {
                     role: stored_role(&m).to_owned(),
-                    body: m.into_value(),
+                    body: MessageJson::new(m.as_value()),
                     model_used: None,
                     cost_usd: None,
                     created_at: now,
@@ -534,13 +533,9 @@ impl Turns {
         if created {
             self.inner.metrics.sessions_created.inc();
         }
-        let new_messages: Vec<ChatMessage> = outcome
-            .new_messages
-            .into_iter()
-            .map(|m| ChatMessage::from_value(m.body))
-            .collect();
+        let new_messages = outcome.new_messages;
         // The stored transcript goes as it is kept: its chunks are shared, not copied.
-        request.prior = history.prior().clone();
+        let mut prior = history.prior().clone();
         let read = history.len() as u64;
         // Let go of the cache's transcript before appending to it, so it is not copied.
         drop(history);
@@ -548,25 +543,38 @@ impl Turns {
             .session
             .message_count
             .saturating_sub(new_messages.len() as u64);
-        if first_seq > read {
-            // Another writer (a backend's push, another replica) appended between the read of
-            // the transcript and this write: the model gets those messages too, where they are.
-            request
-                .messages
-                .extend(self.missed(session_id, read, first_seq).await);
-        }
         // The cache learns the new messages where the store put them (a new session's are its
-        // whole transcript).
-        if created {
+        // whole transcript). It takes them only where its entry ends, so what it hands back is
+        // the whole transcript as stored.
+        let appended = if created {
             let mut whole = History::default();
-            whole.extend(stored(&new_messages));
-            self.inner.history.put(session_id, Arc::new(whole));
+            whole.extend(written(&new_messages));
+            let whole = Arc::new(whole);
+            self.inner.history.put(session_id, whole.clone());
+            Some(whole)
         } else {
             self.inner
                 .history
-                .extend(session_id, first_seq, stored(&new_messages));
-        }
-        request.messages.extend(new_messages);
+                .extend(session_id, first_seq, written(&new_messages))
+        };
+        // The request sends the new messages as the text the cache now holds (shared).
+        request.prior = match appended {
+            Some(whole) => whole.prior().clone(),
+            None => {
+                if first_seq > read {
+                    // Another writer (a backend's push, another replica) appended between the
+                    // read of the transcript and this write: the model gets those messages too,
+                    // where they are.
+                    for m in self.missed(session_id, read, first_seq).await {
+                        prior.push(&m.role, &m.body);
+                    }
+                }
+                for (role, json) in written(&new_messages) {
+                    prior.push_json(role, json);
+                }
+                prior
+            }
+        };
         let surface = self.inner.replicas.locate(session_id).await;
         if let Some(att) = &surface {
             shape_request(&att.surface, &mut request);
@@ -784,9 +792,9 @@ impl Turns {
     }
 }
 
-/// A request's new messages as the store keeps them: (role column, body).
-fn stored(messages: &[ChatMessage]) -> impl Iterator<Item = (&str, &Value)> {
-    messages.iter().map(|m| (stored_role(m), m.as_value()))
+/// Messages as written: (role column, body's JSON text).
+fn written(messages: &[NewMessage]) -> impl Iterator<Item = (&str, &str)> {
+    messages.iter().map(|m| (m.role.as_str(), m.body.as_str()))
 }
 
 /// A message's role column: a message without a role is the user's.
