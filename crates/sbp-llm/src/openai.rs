@@ -36,7 +36,7 @@ impl OpenAiProvider {
     }
 
     /// The request as sent upstream: without the SBP namespace, streamed or not as asked. The
-    /// body is built by `ChatRequest::to_json` (the stored transcript copied as kept).
+    /// body is `ChatRequest::json_pieces` (the stored transcript sent as kept, not copied).
     fn request(
         &self,
         mut body: ChatRequest,
@@ -44,9 +44,7 @@ impl OpenAiProvider {
     ) -> Result<reqwest::RequestBuilder, LlmError> {
         body.sbp = None;
         body.stream = Some(stream);
-        let json = body
-            .to_json()
-            .map_err(|e| LlmError::Protocol(format!("request not serialisable: {e}")))?;
+        let json = reqwest::Body::wrap(transport::JsonBody::of(&body)?);
         let mut req = self
             .endpoint
             .post()

@@ -322,3 +322,47 @@ async fn router_sends_each_model_to_its_upstream() {
         }
     }
 }
+
+/// A request continuing a long transcript is sent from the transcript's shared text, not copied
+/// into one buffer: the upstream still gets exactly `to_json`'s bytes, with a `Content-Length`
+/// (not a chunked body), a surface note inserted among the stored messages, and its own
+/// messages after them.
+#[tokio::test]
+async fn openai_sends_a_long_transcript_from_its_shared_text() {
+    let fake = fake().await;
+    let provider = openai(&fake);
+    let mut req = user("gpt-test", "and now?");
+    req.prior
+        .push("system", &json!({"role": "system", "content": "be brief"}));
+    for i in 0..300 {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        // Lengths vary, so the transcript spreads over several chunks.
+        let text = format!("message {i} {}", "x".repeat(i % 37));
+        req.prior
+            .push(role, &json!({"role": role, "content": text}));
+    }
+    req.prior.insert(
+        1,
+        "system",
+        &json!({"role": "system", "content": "a watch"}),
+    );
+    // As the provider sends it: not streamed.
+    req.stream = Some(false);
+    let expected = req.to_json().expect("serialises");
+    let c = provider.complete(req).await.expect("completes");
+    assert_eq!(c.text(), Some("echo: and now?"));
+    let headers = &fake.request_headers()[0];
+    assert_eq!(
+        headers["content-length"].to_str().ok(),
+        Some(expected.len().to_string().as_str())
+    );
+    assert!(headers.get("transfer-encoding").is_none());
+    let sent = &fake.requests()[0];
+    let want: Value = serde_json::from_slice(&expected).expect("json");
+    assert_eq!(sent, &want);
+    let messages = sent["messages"].as_array().expect("messages");
+    assert_eq!(messages.len(), 303);
+    assert_eq!(messages[1]["content"], "a watch");
+    assert_eq!(messages[301]["content"], "message 299 xxx");
+    assert_eq!(messages[302]["content"], "and now?");
+}
