@@ -36,7 +36,7 @@ impl OpenAiProvider {
     }
 
     /// The request as sent upstream: without the SBP namespace, streamed or not as asked. The
-    /// body is `ChatRequest::json_pieces` (the stored transcript sent as kept, not copied).
+    /// body is built by `ChatRequest::to_json` (the stored transcript copied as kept).
     fn request(
         &self,
         mut body: ChatRequest,
@@ -44,7 +44,9 @@ impl OpenAiProvider {
     ) -> Result<reqwest::RequestBuilder, LlmError> {
         body.sbp = None;
         body.stream = Some(stream);
-        let json = reqwest::Body::wrap(transport::JsonBody::of(&body)?);
+        let json = body
+            .to_json()
+            .map_err(|e| LlmError::Protocol(format!("request not serialisable: {e}")))?;
         let mut req = self
             .endpoint
             .post()

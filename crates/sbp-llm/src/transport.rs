@@ -2,18 +2,11 @@
 //! failures into `LlmError`, and reading an SSE body as a stream of OpenAI chunks.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
-
-use bytes::Bytes;
 
 use eventsource_stream::{Event, Eventsource};
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use http_body::{Frame, SizeHint};
-use sbp_protocol::{ChatRequest, JsonPiece};
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -57,62 +50,6 @@ impl Endpoint {
     /// `GET` of another path under the same base URL (`models`).
     pub(crate) fn get(&self, path: &str) -> reqwest::RequestBuilder {
         self.client.get(format!("{}/{path}", self.base))
-    }
-}
-
-/// A request's JSON body sent from the buffers it is in: the stored transcript's text as the
-/// shares of it the request holds, not copied into one buffer (for a long session that copy was
-/// the size of the whole transcript, per request in flight). Its length is known up front, so it
-/// goes with a `Content-Length` like any other body.
-pub(crate) struct JsonBody {
-    parts: VecDeque<Bytes>,
-    left: u64,
-}
-
-impl JsonBody {
-    pub(crate) fn of(request: &ChatRequest) -> Result<Self, LlmError> {
-        let mut parts = VecDeque::new();
-        let mut text = Vec::new();
-        request
-            .json_pieces(&mut |piece| match piece {
-                JsonPiece::Shared(shared) => {
-                    if !text.is_empty() {
-                        parts.push_back(Bytes::from(std::mem::take(&mut text)));
-                    }
-                    parts.push_back(Bytes::from_owner(shared));
-                }
-                JsonPiece::Text(t) => text.extend_from_slice(t.as_bytes()),
-            })
-            .map_err(|e| LlmError::Protocol(format!("request not serialisable: {e}")))?;
-        if !text.is_empty() {
-            parts.push_back(Bytes::from(text));
-        }
-        let left = parts.iter().map(|b| b.len() as u64).sum();
-        Ok(Self { parts, left })
-    }
-}
-
-impl http_body::Body for JsonBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let this = &mut *self;
-        Poll::Ready(this.parts.pop_front().map(|part| {
-            this.left -= part.len() as u64;
-            Ok(Frame::data(part))
-        }))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.parts.is_empty()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.left)
     }
 }
 

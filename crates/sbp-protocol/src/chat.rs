@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::SbpRequestOptions;
-use crate::prior::{JsonPiece, Prior};
+use crate::prior::Prior;
 use crate::schema::{InvalidField, check_message};
 
 /// A `POST /v1/chat/completions` body.
@@ -176,39 +176,27 @@ impl ChatRequest {
     /// The request as the JSON body sent upstream, built without work per stored message: the
     /// prior's text is copied as it is kept, in one buffer sized for it.
     pub fn to_json(&self) -> Result<Vec<u8>, serde_json::Error> {
-        let mut out = Vec::with_capacity(self.prior.json_len() + 256);
-        self.json_pieces(&mut |piece| out.extend_from_slice(piece.as_ref()))?;
-        Ok(out)
-    }
-
-    /// What [`ChatRequest::to_json`] writes, in pieces: the prior's stored messages as shares of
-    /// the text the transcript keeps (a sender passes them on without copying them), the rest
-    /// as text.
-    pub fn json_pieces(
-        &self,
-        emit: &mut dyn FnMut(JsonPiece<'_>),
-    ) -> Result<(), serde_json::Error> {
-        let fields = serde_json::to_string(&OtherFields(self))?;
-        let mut own = String::new();
+        let fields = serde_json::to_vec(&OtherFields(self))?;
+        let mut own = Vec::new();
         for m in &self.messages {
-            own.push(',');
-            own.push_str(&serde_json::to_string(m)?);
+            own.push(b',');
+            serde_json::to_writer(&mut own, m)?;
         }
-        emit(JsonPiece::Text("{\"messages\":["));
-        self.prior.json_pieces(emit);
+        let mut out = Vec::with_capacity(self.prior.json_len() + own.len() + fields.len() + 16);
+        out.extend_from_slice(b"{\"messages\":[");
+        self.prior.write_json(&mut out);
         // `own` starts with a comma, needed only after a prior message.
         let skip = usize::from(self.prior.is_empty() && !own.is_empty());
-        let mut tail = own.split_off(skip);
-        tail.push(']');
+        out.extend_from_slice(&own[skip..]);
+        out.push(b']');
         // `fields` is `{...}`: its entries follow the messages.
         if fields.len() > 2 {
-            tail.push(',');
-            tail.push_str(&fields[1..]);
+            out.push(b',');
+            out.extend_from_slice(&fields[1..]);
         } else {
-            tail.push('}');
+            out.push(b'}');
         }
-        emit(JsonPiece::Text(&tail));
-        Ok(())
+        Ok(out)
     }
 
     /// How many messages the request sends (the prior's and its own).

@@ -27,7 +27,7 @@ pub use completions::{SbpRequestOptions, SbpResponseMeta};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, UpstreamError};
 pub use frames::{ClientFrame, FrameError, ServerFrame};
 pub use lifecycle::{SessionStatus, SnapshotKind};
-pub use prior::{JsonPiece, Prior, PriorMessage, SharedJson};
+pub use prior::{Prior, PriorMessage};
 pub use surface::{SurfaceContext, ToolSchema};
 pub use tools::{ToolFailure, ToolOutcome};
 

@@ -254,17 +254,10 @@ impl Prior {
     /// The messages' JSON joined by commas (what goes between `[` and `]`), appended to `out`.
     pub fn write_json(&self, out: &mut Vec<u8>) {
         out.reserve(self.json_len());
-        self.json_pieces(&mut |piece| out.extend_from_slice(piece.as_ref()));
-    }
-
-    /// What [`Prior::write_json`] writes, in pieces: runs of stored messages as shares of the
-    /// chunks that hold them (a sender can pass them on without copying their text), and the
-    /// commas and inserted messages between them.
-    pub fn json_pieces(&self, emit: &mut dyn FnMut(JsonPiece<'_>)) {
         let mut first = true;
-        let mut sep = |emit: &mut dyn FnMut(JsonPiece<'_>)| {
+        let mut sep = |out: &mut Vec<u8>| {
             if !std::mem::take(&mut first) {
-                emit(JsonPiece::Text(","));
+                out.push(b',');
             }
         };
         let mut inserted = self.inserted.iter().peekable();
@@ -276,26 +269,22 @@ impl Prior {
             while let Some((at, m)) = inserted.next_if(|(at, _)| *at < end) {
                 let upto = at - base;
                 if upto > done {
-                    sep(emit);
-                    emit(JsonPiece::Shared(SharedJson::span(chunk, done, upto)));
+                    sep(out);
+                    out.extend_from_slice(span(chunk, done, upto).as_bytes());
                     done = upto;
                 }
-                sep(emit);
-                emit(JsonPiece::Text(&m.json));
+                sep(out);
+                out.extend_from_slice(m.json.as_bytes());
             }
             if done < chunk.len() {
-                sep(emit);
-                emit(JsonPiece::Shared(SharedJson::span(
-                    chunk,
-                    done,
-                    chunk.len(),
-                )));
+                sep(out);
+                out.extend_from_slice(span(chunk, done, chunk.len()).as_bytes());
             }
             base = end;
         }
         for (_, m) in inserted {
-            sep(emit);
-            emit(JsonPiece::Text(&m.json));
+            sep(out);
+            out.extend_from_slice(m.json.as_bytes());
         }
     }
 
@@ -311,50 +300,13 @@ impl Prior {
     }
 }
 
-/// A piece of a transcript's JSON text (see [`Prior::json_pieces`]).
-pub enum JsonPiece<'a> {
-    /// Stored messages' text, shared with the transcript it came from.
-    Shared(SharedJson),
-    /// A comma, or a message inserted for one request.
-    Text(&'a str),
-}
-
-impl AsRef<[u8]> for JsonPiece<'_> {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Self::Shared(s) => s.as_ref(),
-            Self::Text(t) => t.as_bytes(),
-        }
-    }
-}
-
-/// The JSON text of a run of stored messages (commas between them), holding its chunk: it stays
-/// valid, and unchanged, for as long as it is kept.
-pub struct SharedJson {
-    chunk: Arc<Chunk>,
-    start: usize,
-    end: usize,
-}
-
-impl SharedJson {
-    /// Messages `from..to` of `chunk`.
-    fn span(chunk: &Arc<Chunk>, from: usize, to: usize) -> Self {
-        let start = match from {
-            0 => 0,
-            _ => chunk.ends[from - 1] + 1,
-        };
-        Self {
-            chunk: Arc::clone(chunk),
-            start,
-            end: chunk.ends[to - 1],
-        }
-    }
-}
-
-impl AsRef<[u8]> for SharedJson {
-    fn as_ref(&self) -> &[u8] {
-        &self.chunk.text.as_bytes()[self.start..self.end]
-    }
+/// The JSON text of messages `from..to` of `chunk`, commas between them.
+fn span(chunk: &Chunk, from: usize, to: usize) -> &str {
+    let start = match from {
+        0 => 0,
+        _ => chunk.ends[from - 1] + 1,
+    };
+    &chunk.text[start..chunk.ends[to - 1]]
 }
 
 impl fmt::Debug for Prior {
