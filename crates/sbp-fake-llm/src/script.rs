@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::value::MapAccessDeserializer;
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::directives::{self, ToolDirective};
@@ -162,15 +161,13 @@ fn read(body: &Value) -> Result<Request<'_>, String> {
     })
 }
 
-/// [`plan`] straight from the body's bytes, without building a tree of the whole conversation:
-/// a long conversation costs a scan, not an allocation per message (benchmarks replay growing
-/// sessions, and the fake's CPU is not what they measure). `None` when the body is not the
-/// plain shape read here (not JSON, a field of another type, a duplicate key, a value the tree
-/// cannot hold): the caller then reads it as a [`Value`], which also words the 400.
+/// [`plan`] straight from the body's bytes, in one pass and without building a tree of the whole
+/// conversation: a long conversation costs a scan, not an allocation per message (benchmarks
+/// replay growing sessions, and the fake's CPU is not what they measure). `None` when the body is
+/// not the plain shape read here (not JSON, a field of another type, a duplicate field, a value
+/// the tree cannot hold): the caller then reads it as a [`Value`], which also words the 400.
 pub fn plan_bytes(body: &[u8]) -> Option<Result<Script, String>> {
-    // Serde skips the fields read here without the checks the tree makes of every value.
-    serde_json::from_slice::<Checked>(body).ok()?;
-    let Object(wire) = serde_json::from_slice::<Object<WireRequest<'_>>>(body).ok()?;
+    let wire: WireRequest<'_> = serde_json::from_slice(body).ok()?;
     Some(decide(wire.request()?))
 }
 
@@ -226,104 +223,328 @@ impl<'de> Visitor<'de> for Checked {
     }
 }
 
-/// A `T` read only from a JSON object: serde also reads a struct from an array of its fields
-/// in order, where the tree finds no field at all.
-struct Object<T>(T);
+/// What the fake needs of an OpenAI request, read as the body is scanned: every other value is
+/// only [`Checked`].
+struct WireRequest<'a> {
+    model: Cow<'a, str>,
+    stream: Option<bool>,
+    include_usage: Option<bool>,
+    messages: WireMessages<'a>,
+}
 
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+/// The messages, folded as they are read: the last user message, the last message, and the
+/// words of them all.
+#[derive(Default)]
+struct WireMessages<'a> {
+    last_user: Option<Content<'a>>,
+    /// The last message, when it is a tool result.
+    last_tool: Option<Content<'a>>,
+    words: usize,
+}
+
+/// A message's `content`.
+enum Content<'a> {
+    Absent,
+    Text(Cow<'a, str>),
+    /// An array of parts, or another JSON value (rare: read as the tree reads it).
+    Other(Value),
+}
+
+impl Content<'_> {
+    fn text(&self) -> String {
+        match self {
+            Content::Absent => String::new(),
+            Content::Text(t) => t.clone().into_owned(),
+            Content::Other(v) => content_text(Some(v)),
+        }
+    }
+
+    fn words(&self) -> usize {
+        match self {
+            Content::Absent => 0,
+            Content::Text(t) => words(t),
+            Content::Other(v) => words(&content_text(Some(v))),
+        }
+    }
+}
+
+/// Fails on a second `key`, as the tree's reader would see only one of them.
+fn once<T, E: serde::de::Error>(slot: &Option<T>, key: &'static str) -> Result<(), E> {
+    match slot {
+        Some(_) => Err(E::duplicate_field(key)),
+        None => Ok(()),
+    }
+}
+
+/// A string borrowed from the body where it has no escapes (serde's own `Cow<str>` always copies).
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Fields<T>(PhantomData<T>);
+        struct Str<'a>(PhantomData<&'a ()>);
 
-        impl<'de, T: Deserialize<'de>> Visitor<'de> for Fields<T> {
-            type Value = T;
+        impl<'de: 'a, 'a> Visitor<'de> for Str<'a> {
+            type Value = Text<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Owned(v.to_owned())))
+            }
+
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Owned(v)))
+            }
+        }
+
+        d.deserialize_str(Str(PhantomData))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for WireRequest<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<'a>(PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for Fields<'a> {
+            type Value = WireRequest<'a>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a JSON object")
             }
 
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
-                T::deserialize(MapAccessDeserializer::new(map))
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                use serde::de::Error;
+                let (mut model, mut messages) = (None, None);
+                let (mut stream, mut options): (Option<Option<bool>>, Option<Option<bool>>) =
+                    (None, None);
+                while let Some(key) = map.next_key::<Text<'de>>()? {
+                    match &*key.0 {
+                        "model" => {
+                            once(&model, "model")?;
+                            model = Some(map.next_value::<Text<'de>>()?.0);
+                        }
+                        "messages" => {
+                            once(&messages, "messages")?;
+                            messages = Some(map.next_value::<WireMessages<'de>>()?);
+                        }
+                        "stream" => {
+                            once(&stream, "stream")?;
+                            stream = Some(map.next_value::<Option<bool>>()?);
+                        }
+                        "stream_options" => {
+                            once(&options, "stream_options")?;
+                            options =
+                                Some(map.next_value::<Option<StreamOptions>>()?.and_then(|o| o.0));
+                        }
+                        _ => {
+                            map.next_value::<Checked>()?;
+                        }
+                    }
+                }
+                Ok(WireRequest {
+                    model: model.ok_or_else(|| A::Error::missing_field("model"))?,
+                    messages: messages.ok_or_else(|| A::Error::missing_field("messages"))?,
+                    stream: stream.flatten(),
+                    include_usage: options.flatten(),
+                })
             }
         }
 
-        d.deserialize_map(Fields(PhantomData)).map(Object)
+        d.deserialize_map(Fields(PhantomData))
     }
 }
 
-#[derive(serde::Deserialize)]
-struct WireRequest<'a> {
-    #[serde(borrow)]
-    model: Cow<'a, str>,
-    #[serde(borrow)]
-    messages: Vec<Object<WireMessage<'a>>>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<Object<WireStreamOptions>>,
+/// `stream_options`: its `include_usage`.
+struct StreamOptions(Option<bool>);
+
+impl<'de> Deserialize<'de> for StreamOptions {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+
+        impl<'de> Visitor<'de> for Fields {
+            type Value = StreamOptions;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<StreamOptions, A::Error> {
+                let mut usage: Option<Option<bool>> = None;
+                while let Some(key) = map.next_key::<Text<'de>>()? {
+                    if key.0 == "include_usage" {
+                        once(&usage, "include_usage")?;
+                        usage = Some(map.next_value()?);
+                    } else {
+                        map.next_value::<Checked>()?;
+                    }
+                }
+                Ok(StreamOptions(usage.flatten()))
+            }
+        }
+
+        d.deserialize_map(Fields)
+    }
 }
 
-#[derive(serde::Deserialize)]
-struct WireStreamOptions {
-    #[serde(default)]
-    include_usage: Option<bool>,
+impl<'de: 'a, 'a> Deserialize<'de> for WireMessages<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Elements<'a>(PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for Elements<'a> {
+            type Value = WireMessages<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of message objects")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut folded = WireMessages::default();
+                while let Some(WireMessage { role, content }) = seq.next_element()? {
+                    folded.words += content.words();
+                    folded.last_tool = None;
+                    match role.as_deref() {
+                        Some("user") => folded.last_user = Some(content),
+                        Some("tool") => folded.last_tool = Some(content),
+                        _ => {}
+                    }
+                }
+                Ok(folded)
+            }
+        }
+
+        d.deserialize_seq(Elements(PhantomData))
+    }
 }
 
-#[derive(serde::Deserialize)]
+/// One message: its `role` (a string, or none) and `content`.
 struct WireMessage<'a> {
-    #[serde(borrow, default)]
     role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Content<'a>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for WireMessage<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<'a>(PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for Fields<'a> {
+            type Value = WireMessage<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a message object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut role: Option<Option<Text<'de>>> = None;
+                let mut content: Option<Content<'de>> = None;
+                while let Some(key) = map.next_key::<Text<'de>>()? {
+                    match &*key.0 {
+                        "role" => {
+                            once(&role, "role")?;
+                            role = Some(map.next_value()?);
+                        }
+                        "content" => {
+                            once(&content, "content")?;
+                            content = Some(map.next_value::<ContentSeed<'de>>()?.0);
+                        }
+                        _ => {
+                            map.next_value::<Checked>()?;
+                        }
+                    }
+                }
+                Ok(WireMessage {
+                    role: role.flatten().map(|r| r.0),
+                    content: content.unwrap_or(Content::Absent),
+                })
+            }
+        }
+
+        d.deserialize_map(Fields(PhantomData))
+    }
+}
+
+/// A `content` value: a string borrowed where it has no escapes, `null` as none, anything else
+/// as the tree holds it.
+struct ContentSeed<'a>(Content<'a>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for ContentSeed<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Any<'a>(PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for Any<'a> {
+            type Value = ContentSeed<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Text(Cow::Borrowed(v))))
+            }
+
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Text(Cow::Owned(v.to_owned()))))
+            }
+
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Text(Cow::Owned(v))))
+            }
+
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Absent))
+            }
+
+            fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Other(Value::Bool(v))))
+            }
+
+            fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Other(Value::from(v))))
+            }
+
+            fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(ContentSeed(Content::Other(Value::from(v))))
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+                serde_json::Number::from_f64(v)
+                    .map(|n| ContentSeed(Content::Other(Value::Number(n))))
+                    .ok_or_else(|| E::custom("a number the tree cannot hold"))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                let v = Value::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(ContentSeed(Content::Other(v)))
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                let v = Value::deserialize(MapAccessDeserializer::new(map))?;
+                Ok(ContentSeed(Content::Other(v)))
+            }
+        }
+
+        d.deserialize_any(Any(PhantomData))
+    }
 }
 
 impl<'a> WireRequest<'a> {
     /// The same [`Request`] as [`read`] gives for this body.
     fn request(&'a self) -> Option<Request<'a>> {
-        let text = |m: &WireMessage<'_>| raw_text(m.content);
-        let role = |m: &WireMessage<'_>, want: &str| m.role.as_deref() == Some(want);
-        let messages = || self.messages.iter().map(|m| &m.0);
-        let prompt = match messages().rev().find(|m| role(m, "user")) {
-            Some(m) => text(m)?,
-            None => String::new(),
-        };
-        let tool_result = match messages().next_back().filter(|m| role(m, "tool")) {
-            Some(m) => Some(text(m)?),
-            None => None,
-        };
-        let mut prompt_tokens = 0;
-        for m in messages() {
-            prompt_tokens += match m.content.map(RawValue::get) {
-                Some(raw) if raw.starts_with('"') => {
-                    words(&serde_json::from_str::<Cow<'_, str>>(raw).ok()?)
-                }
-                _ => words(&text(m)?),
-            };
-        }
+        let m = &self.messages;
         Some(Request {
             dialect: Dialect::OpenAi,
             model: &self.model,
             stream: self.stream.unwrap_or(false),
-            include_usage: self
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.0.include_usage)
-                .unwrap_or(false),
-            prompt,
-            tool_result,
-            prompt_tokens,
+            include_usage: self.include_usage.unwrap_or(false),
+            prompt: m.last_user.as_ref().map(Content::text).unwrap_or_default(),
+            tool_result: m.last_tool.as_ref().map(Content::text),
+            prompt_tokens: m.words,
         })
-    }
-}
-
-/// [`content_text`] of a raw `content`; `None` only if it is not JSON (it was checked when the
-/// body was read, so never in practice).
-fn raw_text(content: Option<&RawValue>) -> Option<String> {
-    match content {
-        None => Some(String::new()),
-        Some(raw) => {
-            let value: Value = serde_json::from_str(raw.get()).ok()?;
-            Some(content_text(Some(&value)))
-        }
     }
 }
 
@@ -652,11 +873,21 @@ mod tests {
             ]}),
             json!({"model": "m", "stream": false, "messages": [{"role": "assistant", "content": 7}]}),
             json!({"model": "m", "messages": []}),
+            // A tool result that is not the last message is not the conversation's end; the
+            // other fields, and values of every kind in `content`, are read as the tree reads them.
+            json!({"model": "m", "stream": null, "stream_options": null, "temperature": 0.5,
+            "user": "u\u{1F600}", "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [
+                {"role": "tool", "tool_call_id": "c0", "content": "early result"},
+                {"role": "user", "content": "tab\there", "name": "x"},
+                {"role": null, "content": 7.5},
+                {"role": "assistant", "content": {"odd": ["shape", 1]}},
+                {"role": "assistant", "content": true},
+            ]}),
         ];
         for body in bodies {
             let bytes = serde_json::to_vec(&body).expect("encodes");
-            let Object(wire) =
-                serde_json::from_slice::<Object<WireRequest<'_>>>(&bytes).expect("the plain shape");
+            let wire: WireRequest<'_> = serde_json::from_slice(&bytes).expect("the plain shape");
             assert_eq!(
                 wire.request(),
                 Some(read(&body).expect("readable")),
