@@ -218,8 +218,31 @@ impl<'de> Visitor<'de> for Checked {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Checked, A::Error> {
-        while map.next_entry::<Checked, Checked>()?.is_some() {}
+        while map.next_key::<Key<'de>>()?.is_some() {
+            map.next_value::<Checked>()?;
+        }
         Ok(Checked)
+    }
+}
+
+/// Keys `serde_json` gives a meaning of its own when it builds a [`Value`] (with its
+/// `raw_value` and `arbitrary_precision` features): an object holding one is not read here.
+const TREE_TOKENS: [&str; 2] = [
+    "$serde_json::private::RawValue",
+    "$serde_json::private::Number",
+];
+
+/// An object key, borrowed where it has no escapes; one of [`TREE_TOKENS`] is an error, so the
+/// body goes to the tree.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let Text(key) = Text::deserialize(d)?;
+        if TREE_TOKENS.contains(&&*key) {
+            return Err(serde::de::Error::custom("a key the tree reads its own way"));
+        }
+        Ok(Key(key))
     }
 }
 
@@ -323,7 +346,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for WireRequest<'a> {
                 let (mut model, mut messages) = (None, None);
                 let (mut stream, mut options): (Option<Option<bool>>, Option<Option<bool>>) =
                     (None, None);
-                while let Some(key) = map.next_key::<Text<'de>>()? {
+                while let Some(key) = map.next_key::<Key<'de>>()? {
                     match &*key.0 {
                         "model" => {
                             once(&model, "model")?;
@@ -376,7 +399,7 @@ impl<'de> Deserialize<'de> for StreamOptions {
 
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<StreamOptions, A::Error> {
                 let mut usage: Option<Option<bool>> = None;
-                while let Some(key) = map.next_key::<Text<'de>>()? {
+                while let Some(key) = map.next_key::<Key<'de>>()? {
                     if key.0 == "include_usage" {
                         once(&usage, "include_usage")?;
                         usage = Some(map.next_value()?);
@@ -442,7 +465,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for WireMessage<'a> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut role: Option<Option<Text<'de>>> = None;
                 let mut content: Option<Content<'de>> = None;
-                while let Some(key) = map.next_key::<Text<'de>>()? {
+                while let Some(key) = map.next_key::<Key<'de>>()? {
                     match &*key.0 {
                         "role" => {
                             once(&role, "role")?;
@@ -915,6 +938,24 @@ mod tests {
             br#"{"model": "m", "messages": [], "user": "\ud800"}"#,
             br#"{"model": "m", "messages": [{"role": "user", "content": "hi", "name": "\udc00"}]}"#,
             b"{\"model\": \"m\", \"messages\": [], \"user\": \"\xff\"}",
+            // Duplicates the tree would read the last of, wherever they are.
+            br#"{"model": "m", "messages": [{"role": "user", "role": "tool", "content": "x"}]}"#,
+            br#"{"model": "m", "messages": [{"role": "user", "content": "a", "content": "b"}]}"#,
+            br#"{"model": "m", "messages": [], "str\u0065am": true, "stream": false}"#,
+            br#"{"model": "m", "messages": [], "stream_options": {"include_usage": true, "include_usage": false}}"#,
+            // Types the tree reads as absent.
+            br#"{"model": "m", "messages": [{"role": 7, "content": "x"}]}"#,
+            br#"{"model": "m", "messages": [], "stream_options": {"include_usage": "yes"}}"#,
+            br#"{"model": "m", "messages": [], "stream_options": 1}"#,
+            b"null",
+            br#"{"model": "m", "messages": []} trailing"#,
+            // Keys serde_json's tree gives a meaning of its own (`raw_value`): a message, stream
+            // options, or any other object, read or not.
+            br#"{"model": "m", "messages": [{"$serde_json::private::RawValue": "{\"role\":\"user\",\"content\":\"hi there\"}"}]}"#,
+            br#"{"model": "m", "messages": [], "stream_options": {"$serde_json::private::RawValue": "{\"include_usage\":true}"}}"#,
+            br#"{"model": "m", "messages": [], "metadata": {"$serde_json::private::RawValue": "nope"}}"#,
+            br#"{"$serde_json::private::RawValue": "{}", "model": "m", "messages": []}"#,
+            br#"{"model": "m", "messages": [{"$serde_json::private::RawValue": "{}", "role": "user", "content": "hi"}]}"#,
         ] {
             assert!(
                 plan_bytes(bytes).is_none(),
