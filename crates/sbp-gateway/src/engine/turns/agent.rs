@@ -346,6 +346,8 @@ impl Turns {
                 created_at: now,
             })
             .collect();
+        // The store takes the messages; the cache learns them once the store says where they
+        // went (a round's calls and results are small: a copy of their text, not a re-encoding).
         let cached = messages.clone();
         let progress = self
             .inner
