@@ -2,6 +2,7 @@
 //! stored names of turn and idempotency states.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use chrono::SubsecRound;
 use serde_json::Value;
@@ -40,6 +41,42 @@ pub(crate) fn encode_bodies<'a>(
     let bytes =
         i64::try_from(bytes).map_err(|_| StoreError::Backend("messages too large".to_owned()))?;
     Ok((bodies, bytes))
+}
+
+/// Histories at least this long are sealed on the blocking pool before a write adopts them.
+const PARALLEL_ENCODE_AT: usize = 512;
+
+/// A long history's bodies sealed on the blocking pool, in two halves at once, before the write
+/// that adopts them: CPU-bound work that would otherwise hold SQLite's single writer thread, or
+/// stall an async worker while a PostgreSQL transaction holds its locks. `None` for a short one,
+/// or when encryption is off (the bodies are JSON text already): the write encodes those itself.
+/// `messages` picks the history out of `owner`.
+pub(crate) async fn encode_ahead<T: Send + Sync + 'static>(
+    seal: &Sealer,
+    owner: &Arc<T>,
+    messages: fn(&T) -> &[NewMessage],
+    session: Uuid,
+) -> StoreResult<Option<Encoded>> {
+    let len = messages(owner).len();
+    if len < PARALLEL_ENCODE_AT || !seal.is_on() {
+        return Ok(None);
+    }
+    let half = len.div_ceil(2);
+    let sid = session.hyphenated().to_string();
+    let encode = |range: std::ops::Range<usize>| {
+        let (owner, seal, sid) = (Arc::clone(owner), seal.clone(), sid.clone());
+        tokio::task::spawn_blocking(move || {
+            let (bodies, bytes) = encode_bodies(&seal, &sid, &messages(&owner)[range])?;
+            let owned = bodies.into_iter().map(|b| Cow::Owned(b.into_owned()));
+            Ok::<_, StoreError>((owned.collect::<Vec<_>>(), bytes))
+        })
+    };
+    let (first, second) = tokio::join!(encode(0..half), encode(half..len));
+    let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
+    let (mut bodies, bytes) = first.map_err(failed)??;
+    let (rest, more) = second.map_err(failed)??;
+    bodies.extend(rest);
+    Ok(Some((bodies, bytes + more)))
 }
 
 /// A timestamp as both SQL backends keep it: to the microsecond (SQLite's fixed-width text,

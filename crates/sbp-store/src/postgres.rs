@@ -16,7 +16,6 @@ mod schema;
 mod tls;
 mod x509;
 
-use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -38,13 +37,10 @@ use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RoamingStore, SessionQuery,
-    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult,
-    TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewSession, RoamingStore, SessionQuery, SessionRecord,
+    SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, TetherEntry, TetherStore,
+    Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord, TurnStore,
 };
-
-/// Histories at least this long are sealed on the blocking pool before `adopt_session`'s write.
-const PARALLEL_ENCODE_AT: usize = 512;
 
 #[derive(Debug, Clone)]
 pub struct PostgresOptions {
@@ -335,39 +331,6 @@ impl PostgresStore {
             }
             (Err(begin), Ok(_), _) => Err(db_err(begin)),
         }
-    }
-
-    /// A long history's bodies sealed on the blocking pool, in two halves at once, before the
-    /// transaction starts: CPU-bound work that would otherwise stall this async worker while the
-    /// transaction holds its locks. `None` for a short one, or when encryption is off (the bodies
-    /// are JSON text already); `messages` picks the history out of `owner`.
-    async fn encode_ahead<T: Send + Sync + 'static>(
-        &self,
-        owner: &std::sync::Arc<T>,
-        messages: fn(&T) -> &[NewMessage],
-        session: Uuid,
-    ) -> StoreResult<Option<crate::codec::Encoded>> {
-        let len = messages(owner).len();
-        // Bodies come as JSON text: only sealing them is work.
-        if len < PARALLEL_ENCODE_AT || !self.seal.is_on() {
-            return Ok(None);
-        }
-        let half = len.div_ceil(2);
-        let sid = session.to_string();
-        let encode = |range: std::ops::Range<usize>| {
-            let (owner, seal, sid) = (std::sync::Arc::clone(owner), self.seal.clone(), sid.clone());
-            tokio::task::spawn_blocking(move || {
-                let (bodies, bytes) = ops::encode_bodies(&seal, &sid, &messages(&owner)[range])?;
-                let owned = bodies.into_iter().map(|b| Cow::Owned(b.into_owned()));
-                Ok::<_, StoreError>((owned.collect::<Vec<_>>(), bytes))
-            })
-        };
-        let (first, second) = tokio::join!(encode(0..half), encode(half..len));
-        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let (mut bodies, bytes) = first.map_err(failed)??;
-        let (rest, more) = second.map_err(failed)??;
-        bodies.extend(rest);
-        Ok(Some((bodies, bytes + more)))
     }
 
     /// Runs one statement outside an explicit transaction: PostgreSQL commits it on its own before
@@ -690,9 +653,9 @@ impl RoamingStore for PostgresStore {
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
         let adopt = std::sync::Arc::new(adopt);
-        let encoded = self
-            .encode_ahead(&adopt, |a| &a.messages, adopt.session.id)
-            .await?;
+        let encoded =
+            crate::codec::encode_ahead(&self.seal, &adopt, |a| &a.messages, adopt.session.id)
+                .await?;
         let adopt = std::sync::Arc::unwrap_or_clone(adopt);
         self.write(move |tx| {
             let seal = self.seal.clone();

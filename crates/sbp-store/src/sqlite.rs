@@ -11,7 +11,6 @@ mod roaming;
 mod schema;
 mod writer;
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -30,10 +29,10 @@ use crate::seal::{Forget, Kept, Resealed, Sealer};
 use crate::{
     AdoptOutcome, AdoptSession, BeginTurn, BeginTurnOutcome, ExportRecord, FailTurn, FinishTurn,
     FinishTurnOutcome, IdempotencyRecord, IdempotencyStore, Lineage, MemoryRecord, MessageRecord,
-    MessageStore, NewBundle, NewExport, NewMessage, NewSession, RetentionStore, RoamingStore,
-    SessionQuery, SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError,
-    StoreResult, Sweep, Swept, TetherEntry, TetherStore, Timestamp, TurnProgress,
-    TurnProgressOutcome, TurnRecord, TurnStore,
+    MessageStore, NewBundle, NewExport, NewSession, RetentionStore, RoamingStore, SessionQuery,
+    SessionRecord, SessionStore, SnapshotRecord, SnapshotStore, StoreError, StoreResult, Sweep,
+    Swept, TetherEntry, TetherStore, Timestamp, TurnProgress, TurnProgressOutcome, TurnRecord,
+    TurnStore,
 };
 
 /// How long a connection waits for a lock held by another process before giving up with `Backend`.
@@ -43,9 +42,6 @@ const STATEMENT_CACHE: usize = 64;
 /// Writer page cache, as SQLite's negative KiB count (16 MiB): enough for a batch of 512 turns with
 /// time-ordered keys, small enough for the gateway's memory budget.
 const WRITER_CACHE_KIB: i64 = -16384;
-
-/// Histories at least this long are sealed in parallel before `adopt_session`'s write.
-const PARALLEL_ENCODE_AT: usize = 512;
 
 /// `PRAGMA synchronous` for the connections that write (the writer and the checkpointer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -448,39 +444,6 @@ impl SqliteStore {
         Ok(done)
     }
 
-    /// A long history's bodies sealed in two halves in parallel before the write, so the single
-    /// writer thread (which every other write waits for) only inserts them; `None` for a short
-    /// one, or when encryption is off (the bodies are JSON text already). `messages` picks the
-    /// history out of `owner`.
-    async fn encode_ahead<T: Send + Sync + 'static>(
-        &self,
-        owner: &Arc<T>,
-        messages: fn(&T) -> &[NewMessage],
-        session: Uuid,
-    ) -> StoreResult<Option<crate::codec::Encoded>> {
-        let len = messages(owner).len();
-        // Bodies come as JSON text: only sealing them is work.
-        if len < PARALLEL_ENCODE_AT || !self.inner.seal.is_on() {
-            return Ok(None);
-        }
-        let half = len.div_ceil(2);
-        let sid = codec::uuid(&session);
-        let encode = |range: std::ops::Range<usize>| {
-            let (owner, seal, sid) = (Arc::clone(owner), self.inner.seal.clone(), sid.clone());
-            tokio::task::spawn_blocking(move || {
-                let (bodies, bytes) = ops::encode_bodies(&seal, &sid, &messages(&owner)[range])?;
-                let owned = bodies.into_iter().map(|b| Cow::Owned(b.into_owned()));
-                Ok::<_, StoreError>((owned.collect::<Vec<_>>(), bytes))
-            })
-        };
-        let (first, second) = tokio::join!(encode(0..half), encode(half..len));
-        let failed = |e: tokio::task::JoinError| StoreError::Backend(format!("encode task: {e}"));
-        let (mut bodies, bytes) = first.map_err(failed)??;
-        let (rest, more) = second.map_err(failed)??;
-        bodies.extend(rest);
-        Ok(Some((bodies, bytes + more)))
-    }
-
     /// Runs `work` on a pooled read-only connection in the blocking pool.
     async fn read<T, F>(&self, work: F) -> StoreResult<T>
     where
@@ -788,9 +751,9 @@ impl RoamingStore for SqliteStore {
 
     async fn adopt_session(&self, adopt: AdoptSession) -> StoreResult<AdoptOutcome> {
         let adopt = Arc::new(adopt);
-        let encoded = self
-            .encode_ahead(&adopt, |a| &a.messages, adopt.session.id)
-            .await?;
+        let encoded =
+            crate::codec::encode_ahead(&self.inner.seal, &adopt, |a| &a.messages, adopt.session.id)
+                .await?;
         self.write(move |c, s| roaming::adopt_session(c, s, &adopt, encoded.as_ref()))
             .await
     }

@@ -60,6 +60,7 @@ impl History {
         }
     }
 
+    /// Notes the message just pushed as hidden from the HTTP client or shown to it.
     fn count(&mut self, hidden: bool) {
         self.hidden.push(hidden);
         self.shown += usize::from(!hidden);

@@ -478,9 +478,9 @@ impl HoldStore for PostgresStore {
 
     async fn adopt_migrated(&self, m: AdoptMigrated) -> StoreResult<SessionRecord> {
         let m = std::sync::Arc::new(m);
-        let encoded = self
-            .encode_ahead(&m, |m| &m.adopt.messages, m.adopt.session.id)
-            .await?;
+        let encoded =
+            crate::codec::encode_ahead(&self.seal, &m, |m| &m.adopt.messages, m.adopt.session.id)
+                .await?;
         let m = std::sync::Arc::unwrap_or_clone(m);
         self.write(move |tx| {
             let seal = self.seal.clone();

@@ -415,13 +415,13 @@ impl HoldStore for SqliteStore {
 
     async fn adopt_migrated(&self, m: AdoptMigrated) -> StoreResult<SessionRecord> {
         let m = Arc::new(m);
-        let encoded = self
-            .encode_ahead(
-                &m,
-                |m: &AdoptMigrated| &m.adopt.messages,
-                m.adopt.session.id,
-            )
-            .await?;
+        let encoded = crate::codec::encode_ahead(
+            &self.inner.seal,
+            &m,
+            |m: &AdoptMigrated| &m.adopt.messages,
+            m.adopt.session.id,
+        )
+        .await?;
         self.write(move |c, s| adopt_migrated(c, s, &m, encoded.as_ref()))
             .await
     }
