@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use eventsource_stream::Event;
 use sbp_protocol::ChatRequest;
 use serde_json::Value;
@@ -57,6 +58,13 @@ impl OpenAiProvider {
         }
         Ok(req)
     }
+
+    /// A whole (non-streamed) answer's body, within the request timeout.
+    async fn fetch(&self, body: ChatRequest) -> Result<Bytes, LlmError> {
+        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
+        let resp = transport::send(self.request(body, false)?, self.opts.request_timeout).await?;
+        transport::read_bytes(resp, deadline).await
+    }
 }
 
 #[async_trait]
@@ -71,10 +79,17 @@ impl Provider for OpenAiProvider {
 
     async fn complete(&self, body: ChatRequest) -> Result<Completion, LlmError> {
         let requested = body.model.clone().unwrap_or_default();
-        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
-        let resp = transport::send(self.request(body, false)?, self.opts.request_timeout).await?;
-        let value = transport::read_json(resp, deadline).await?;
+        let value = transport::parse_json(&self.fetch(body).await?)?;
         Completion::from_body(value, &requested)
+    }
+
+    /// The upstream's body as it came, once checked.
+    async fn complete_bytes(&self, body: ChatRequest) -> Result<Bytes, LlmError> {
+        let bytes = self.fetch(body).await?;
+        Completion::check_body(&bytes)?;
+        // A body read in one piece is a view into the connection's read buffer, which it would
+        // keep from being reused until the client has it (~3 MiB more at 64 connections).
+        Ok(Bytes::copy_from_slice(&bytes))
     }
 
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {

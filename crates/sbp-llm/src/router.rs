@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use sbp_protocol::ChatRequest;
 use serde_json::Value;
 
@@ -141,6 +142,11 @@ impl Provider for Router {
         provider.complete(body).await
     }
 
+    async fn complete_bytes(&self, body: ChatRequest) -> Result<Bytes, LlmError> {
+        let (provider, body) = self.route(body);
+        provider.complete_bytes(body).await
+    }
+
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
         let (provider, body) = self.route(body);
         provider.stream(body).await
@@ -224,6 +230,12 @@ mod tests {
             Completion::from_body(reply, "")
         }
 
+        /// Bytes no serialised completion would be: the route is seen to be delegated.
+        async fn complete_bytes(&self, body: ChatRequest) -> Result<Bytes, LlmError> {
+            let model = body.model.unwrap_or_default();
+            Ok(Bytes::from(format!("{}|{model}", self.0)))
+        }
+
         async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {
             let c = self.complete(body).await?;
             let chunk = json!({"model": c.model, "choices": [{"delta": {"content": self.0}}]});
@@ -270,6 +282,12 @@ mod tests {
             let c = r.complete(body(model)).await.expect("completes");
             assert_eq!(c.text(), Some(provider), "{model}");
             assert_eq!(c.model, upstream, "{model}");
+            let bytes = r.complete_bytes(body(model)).await.expect("relays");
+            assert_eq!(
+                bytes,
+                format!("{provider}|{upstream}").as_bytes(),
+                "{model}"
+            );
             let mut s = r.stream(body(model)).await.expect("streams");
             let chunk = s.next().await.expect("a chunk").expect("ok");
             assert_eq!(chunk["choices"][0]["delta"]["content"], provider, "{model}");

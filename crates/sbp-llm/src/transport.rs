@@ -84,12 +84,24 @@ pub(crate) async fn read_json(
     resp: reqwest::Response,
     deadline: Instant,
 ) -> Result<Value, LlmError> {
-    let bytes = tokio::time::timeout_at(deadline, resp.bytes())
+    parse_json(&read_bytes(resp, deadline).await?)
+}
+
+/// A whole body as JSON.
+pub(crate) fn parse_json(bytes: &[u8]) -> Result<Value, LlmError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
+}
+
+/// Reads the whole body, giving up at `deadline`.
+pub(crate) async fn read_bytes(
+    resp: reqwest::Response,
+    deadline: Instant,
+) -> Result<bytes::Bytes, LlmError> {
+    tokio::time::timeout_at(deadline, resp.bytes())
         .await
         .map_err(|_| LlmError::Timeout)?
-        .map_err(classify)?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
+        .map_err(classify)
 }
 
 /// The models of an OpenAI-style list (`{"data": [{"id", ...}]}`), in OpenAI's shape, with

@@ -12,6 +12,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use futures::{Stream, StreamExt as _};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -275,6 +276,13 @@ impl Provider for Observed {
     async fn complete(&self, request: ChatRequest) -> Result<Completion, LlmError> {
         let call = self.start(&request);
         let result = self.inner.complete(request).await;
+        call.finish(result.as_ref().map(|_| ()).map_err(Some));
+        result
+    }
+
+    async fn complete_bytes(&self, request: ChatRequest) -> Result<Bytes, LlmError> {
+        let call = self.start(&request);
+        let result = self.inner.complete_bytes(request).await;
         call.finish(result.as_ref().map(|_| ()).map_err(Some));
         result
     }

@@ -4,6 +4,7 @@ use std::convert::Infallible;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
+use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -96,7 +97,9 @@ pub async fn chat_completions(
         ChatOutcome::Completed { body, session } => {
             (StatusCode::OK, body, session_headers(&session))
         }
-        ChatOutcome::Proxied(body) => (StatusCode::OK, body, Vec::new()),
+        ChatOutcome::Proxied(body) => {
+            return Ok(([(CONTENT_TYPE, "application/json")], body).into_response());
+        }
         ChatOutcome::ResumeAvailable { meta, session } => (
             StatusCode::ACCEPTED,
             json!({"sbp": meta}),

@@ -622,6 +622,73 @@ async fn strict_mode_passes_plain_requests_through_untracked() {
     assert!(h.get("x-session-token").is_some());
 }
 
+/// A completion of an OpenAI-compatible upstream, spelled as no serialiser of a parsed tree would
+/// (keys unsorted, numbers in exponent form, an escaped character, fields the gateway does not
+/// know).
+const UPSTREAM_ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1.7e9,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"caf\u00e9","refusal":null},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1E0,"total_tokens":4},"system_fingerprint":"fp_x"}"#;
+
+/// Strict mode relays a plain request's answer as the upstream sent it, byte for byte; an answer
+/// that is not a completion is refused there as it is in a tracked turn.
+#[tokio::test]
+async fn strict_mode_relays_the_upstreams_answer_byte_for_byte() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|body: String| async move {
+            let answer = match body.contains("broken") {
+                true => r#"{"id":"chatcmpl-2","choices":[]}"#,
+                false => UPSTREAM_ANSWER,
+            };
+            ([("content-type", "application/json")], answer)
+        }),
+    );
+    let upstream = tokio::spawn(async move { axum::serve(listener, app).await });
+    let gw = TestGateway::with(Options {
+        config: GatewayConfig {
+            strict_sbp: true,
+            secret: vec![1; 32],
+            ..GatewayConfig::default()
+        },
+        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        ..Options::default()
+    })
+    .await;
+    let resp = gw
+        .http
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .json(&json!({"model": "m", "messages": [user("hi")]}))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["content-type"].to_str().ok(),
+        Some("application/json")
+    );
+    assert!(resp.headers().get("x-session-id").is_none());
+    assert_eq!(resp.text().await.expect("body"), UPSTREAM_ANSWER);
+
+    let (plain, _, plain_body) = gw
+        .chat(json!({"model": "m", "messages": [user("broken")]}), &[])
+        .await;
+    let (tracked, _, tracked_body) = gw
+        .chat(
+            json!({"model": "m", "messages": [user("broken")], "sbp": {}}),
+            &[],
+        )
+        .await;
+    assert_eq!(plain, 502, "{plain_body}");
+    assert_eq!(
+        (plain, error_code(&plain_body)),
+        (tracked, error_code(&tracked_body)),
+        "{plain_body} {tracked_body}"
+    );
+    upstream.abort();
+}
+
 #[tokio::test]
 async fn bad_input_gets_the_error_envelope() {
     let config = GatewayConfig {

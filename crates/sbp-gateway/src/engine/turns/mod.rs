@@ -11,6 +11,7 @@ mod transcript;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use chrono::Utc;
 use sbp_llm::Provider;
 use sbp_protocol::{
@@ -86,8 +87,9 @@ pub enum ChatOutcome {
         meta: SbpResponseMeta,
         session: TurnSession,
     },
-    /// Strict mode without `sbp` or a token: the upstream's answer, nothing stored.
-    Proxied(Value),
+    /// Strict mode without `sbp` or a token: the upstream's answer as JSON bytes (an
+    /// OpenAI-compatible upstream's own, as they came), nothing stored.
+    Proxied(Bytes),
     /// `stream: true`: the first event now, then the rest (`session` is `None` when proxied).
     Stream {
         session: Option<TurnSession>,

@@ -15,13 +15,13 @@ impl Turns {
         stream: bool,
     ) -> Result<ChatOutcome, Error> {
         if !stream {
-            let c = self
+            let body = self
                 .inner
                 .provider
-                .complete(request)
+                .complete_bytes(request)
                 .await
                 .map_err(Error::Upstream)?;
-            return Ok(ChatOutcome::Proxied(c.body));
+            return Ok(ChatOutcome::Proxied(body));
         }
         let mut upstream = self
             .inner
