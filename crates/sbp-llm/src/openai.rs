@@ -87,9 +87,7 @@ impl Provider for OpenAiProvider {
     async fn complete_bytes(&self, body: ChatRequest) -> Result<Bytes, LlmError> {
         let bytes = self.fetch(body).await?;
         Completion::check_body(&bytes)?;
-        // A body read in one piece is a view into the connection's read buffer, which it would
-        // keep from being reused until the client has it (~3 MiB more at 64 connections).
-        Ok(Bytes::copy_from_slice(&bytes))
+        Ok(bytes)
     }
 
     async fn stream(&self, body: ChatRequest) -> Result<ChunkStream, LlmError> {

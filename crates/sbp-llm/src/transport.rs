@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use eventsource_stream::{Event, Eventsource};
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -68,10 +69,12 @@ pub(crate) async fn send(
     if status.is_success() {
         return Ok(resp);
     }
-    let text = tokio::time::timeout(timeout, resp.text())
+    let mut resp = resp;
+    let (text, _) = tokio::time::timeout(timeout, read_at_most(&mut resp, MAX_ERROR_BODY_BYTES))
         .await
         .map_err(|_| LlmError::Timeout)?
         .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).into_owned();
     let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
     Err(LlmError::Status {
         status: status.as_u16(),
@@ -93,15 +96,59 @@ pub(crate) fn parse_json(bytes: &[u8]) -> Result<Value, LlmError> {
         .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
 }
 
-/// Reads the whole body, giving up at `deadline`.
+/// Most bytes of a whole upstream body held in memory (an answer): far above what a model sends,
+/// low enough that a faulty or hostile upstream cannot take the gateway's memory.
+pub(crate) const MAX_BODY_BYTES: usize = 32 << 20;
+/// Most bytes of one server-sent event. An event is one chunk of a streamed answer (a few hundred
+/// bytes); the SSE parser re-reads an unfinished event's buffer on each read, so the CPU an
+/// endless event can take grows with the square of this.
+pub(crate) const MAX_EVENT_BYTES: usize = 1 << 20;
+/// Most bytes of an error body read: what its envelope needs; the rest is left unread.
+pub(crate) const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
+
+fn too_large() -> LlmError {
+    LlmError::Protocol(format!("response larger than {} MiB", MAX_BODY_BYTES >> 20))
+}
+
+/// Reads the whole body, giving up at `deadline`, or past [`MAX_BODY_BYTES`] (at once when its
+/// `Content-Length` says so).
 pub(crate) async fn read_bytes(
-    resp: reqwest::Response,
+    mut resp: reqwest::Response,
     deadline: Instant,
-) -> Result<bytes::Bytes, LlmError> {
-    tokio::time::timeout_at(deadline, resp.bytes())
+) -> Result<Bytes, LlmError> {
+    if resp
+        .content_length()
+        .is_some_and(|n| n > MAX_BODY_BYTES as u64)
+    {
+        return Err(too_large());
+    }
+    let (body, more) = tokio::time::timeout_at(deadline, read_at_most(&mut resp, MAX_BODY_BYTES))
         .await
         .map_err(|_| LlmError::Timeout)?
-        .map_err(classify)
+        .map_err(classify)?;
+    match more {
+        true => Err(too_large()),
+        false => Ok(body.freeze()),
+    }
+}
+
+/// The body's first `max` bytes, and whether it goes on (the rest is not read).
+async fn read_at_most(
+    resp: &mut reqwest::Response,
+    max: usize,
+) -> Result<(BytesMut, bool), reqwest::Error> {
+    // The length an upstream declares sizes the buffer only up to what a body usually is.
+    let hint = resp.content_length().unwrap_or(0).min(1 << 20);
+    let mut body = BytesMut::with_capacity(usize::try_from(hint).unwrap_or(0).min(max));
+    while let Some(chunk) = resp.chunk().await? {
+        let room = max - body.len();
+        if chunk.len() > room {
+            body.extend_from_slice(&chunk[..room]);
+            return Ok((body, true));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, false))
 }
 
 /// The models of an OpenAI-style list (`{"data": [{"id", ...}]}`), in OpenAI's shape, with
@@ -169,8 +216,7 @@ where
         finished: bool,
     }
     let reader = Reader {
-        events: resp
-            .bytes_stream()
+        events: EventBound::new(resp.bytes_stream())
             .eventsource()
             .map(|ev| ev.map_err(|e| e.to_string()))
             .boxed(),
@@ -208,4 +254,91 @@ where
         }
     })
     .boxed()
+}
+
+/// An SSE body's bytes, failing once [`MAX_EVENT_BYTES`] arrive without an event ending (a blank
+/// line): the event parser buffers one event whole, so an endless one would grow it without end.
+struct EventBound<S> {
+    inner: S,
+    /// Bytes since the last blank line.
+    open: usize,
+    /// The line so far is empty (the stream starts at a line's start).
+    line_empty: bool,
+    /// The last byte was a CR (a LF after it ends the same line).
+    after_cr: bool,
+}
+
+impl<S> EventBound<S> {
+    fn new(inner: S) -> Self {
+        Self {
+            inner,
+            open: 0,
+            line_empty: true,
+            after_cr: false,
+        }
+    }
+
+    fn tally(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.open += 1;
+            match b {
+                b'\n' if self.after_cr => {}
+                b'\n' | b'\r' => {
+                    if self.line_empty {
+                        self.open = 0;
+                    }
+                    self.line_empty = true;
+                }
+                _ => self.line_empty = false,
+            }
+            self.after_cr = b == b'\r';
+        }
+    }
+}
+
+/// Why an SSE body stopped being read.
+#[derive(Debug)]
+enum BodyError {
+    /// Without its URL.
+    Read(reqwest::Error),
+    EventTooLarge,
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Read(e) => write!(f, "{e}"),
+            Self::EventTooLarge => write!(f, "an event larger than {} MiB", MAX_EVENT_BYTES >> 20),
+        }
+    }
+}
+
+impl<S> futures::Stream for EventBound<S>
+where
+    S: futures::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin,
+{
+    type Item = Result<Bytes, BodyError>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.open > MAX_EVENT_BYTES {
+            // Failed already: nothing more is read.
+            return std::task::Poll::Ready(None);
+        }
+        let item = std::task::ready!(this.inner.poll_next_unpin(cx));
+        std::task::Poll::Ready(item.map(|r| match r {
+            Ok(bytes) => {
+                this.tally(&bytes);
+                match this.open > MAX_EVENT_BYTES {
+                    true => Err(BodyError::EventTooLarge),
+                    false => Ok(bytes),
+                }
+            }
+            // The URL may carry credentials (`user:pass@`, `?key=`): it stays out of the message.
+            Err(e) => Err(BodyError::Read(e.without_url())),
+        }))
+    }
 }

@@ -322,3 +322,122 @@ async fn router_sends_each_model_to_its_upstream() {
         }
     }
 }
+
+/// An upstream on loopback answering every request with `head` (status line and headers, no
+/// length: the body ends when the connection does) and then `body`, never closing: only a
+/// client that stops reading on its own gets an answer.
+async fn endless_upstream(head: &'static str, body: Vec<Vec<u8>>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 64 << 10];
+                let _ = conn.read(&mut request).await;
+                if conn.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                for piece in &body {
+                    if conn.write_all(piece).await.is_err() {
+                        return;
+                    }
+                }
+                // Held open until the client goes.
+                while conn.read(&mut request).await.is_ok_and(|n| n > 0) {}
+            });
+        }
+    });
+    format!("http://{addr}/v1")
+}
+
+fn openai_at(base_url: String) -> sbp_llm::OpenAiProvider {
+    sbp_llm::OpenAiProvider::new(sbp_llm::OpenAiOptions {
+        base_url,
+        api_key: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(60),
+        stream_idle_timeout: Duration::from_secs(60),
+    })
+    .expect("provider")
+}
+
+/// `mib` pieces of 1 MiB of `fill`, after `start`.
+fn oversized(start: &str, fill: u8, mib: usize) -> Vec<Vec<u8>> {
+    std::iter::once(start.as_bytes().to_vec())
+        .chain(std::iter::repeat_n(vec![fill; 1 << 20], mib))
+        .collect()
+}
+
+fn protocol_error(r: Result<impl std::fmt::Debug, LlmError>) -> String {
+    match r {
+        Err(LlmError::Protocol(m)) => m,
+        other => panic!("a protocol error, not {other:?}"),
+    }
+}
+
+/// A whole answer (32 MiB), an error body (64 KiB) and one server-sent event (1 MiB) are each
+/// read only up to a bound, so an upstream that sends without end cannot grow the gateway's
+/// memory: the call fails (or the error body is cut) instead of waiting for the end or the
+/// timeout.
+#[tokio::test]
+async fn an_upstream_body_without_end_is_cut_at_its_bound() {
+    const OK_JSON: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n";
+    let answer = r#"{"choices":[{"message":{"role":"assistant","content":""#;
+    let url = endless_upstream(OK_JSON, oversized(answer, b'x', 33)).await;
+    let provider = openai_at(url);
+    let m = protocol_error(provider.complete(user("m", "hi")).await);
+    assert!(m.contains("larger than 32 MiB"), "{m}");
+    let m = protocol_error(provider.complete_bytes(user("m", "hi")).await);
+    assert!(m.contains("larger than 32 MiB"), "{m}");
+
+    // A declared length over the bound is refused before any of the body is waited for.
+    let head =
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1073741824\r\n\r\n";
+    let provider = openai_at(endless_upstream(head, Vec::new()).await);
+    let m = protocol_error(provider.complete(user("m", "hi")).await);
+    assert!(m.contains("larger than 32 MiB"), "{m}");
+
+    // An error body is cut to what its envelope needs, and the error is still the status.
+    let head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\n\r\n";
+    let provider = openai_at(endless_upstream(head, oversized("down: ", b'e', 1)).await);
+    match provider.complete(user("m", "hi")).await {
+        Err(LlmError::Status {
+            status: 500,
+            body: Value::String(text),
+        }) => {
+            assert_eq!(text.len(), 64 << 10);
+            assert!(text.starts_with("down: eee"), "{}", &text[..16]);
+        }
+        other => panic!("the 500 with its body cut, not {other:?}"),
+    }
+
+    // One event that never ends fails the stream.
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+    let provider = openai_at(endless_upstream(head, oversized("data: ", b'x', 2)).await);
+    let m = protocol_error(stream(&provider, user("m", "hi")).await.map(|_| ()));
+    assert!(m.contains("an event larger than 1 MiB"), "{m}");
+}
+
+/// The SSE bound is per event: a stream whose events together pass it is read whole.
+#[tokio::test]
+async fn a_long_stream_of_bounded_events_is_read_whole() {
+    let text = "y".repeat(60 << 10);
+    let event = format!(
+        "data: {}\r\n\r\n",
+        json!({"choices": [{"index": 0, "delta": {"content": text}}]})
+    );
+    let events = 20;
+    let body: Vec<Vec<u8>> = std::iter::repeat_n(event.into_bytes(), events)
+        .chain([b"data: [DONE]\n\n".to_vec()])
+        .collect();
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+    let provider = openai_at(endless_upstream(head, body).await);
+    let (asm, chunks) = stream(&provider, user("m", "hi")).await.expect("streams");
+    assert_eq!(chunks.len(), events);
+    assert_eq!(asm.content().len(), events * (60 << 10));
+    assert!(events * (60 << 10) > 1 << 20, "more than the bound in all");
+}
