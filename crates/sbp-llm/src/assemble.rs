@@ -3,6 +3,9 @@
 
 use serde_json::{Map, Value, json};
 
+/// Most tool calls one message may hold; a delta for a call past them is dropped.
+const MAX_TOOL_CALLS: usize = 128;
+
 #[derive(Debug, Default)]
 pub struct Assembler {
     content: String,
@@ -46,8 +49,11 @@ impl Assembler {
         let index = call
             .get("index")
             .and_then(Value::as_u64)
-            .map(|i| i as usize)
-            .unwrap_or(self.tool_calls.len());
+            .map_or(self.tool_calls.len() as u64, |i| i);
+        // The upstream chooses the index: one far out would have every slot before it made.
+        let Some(index) = usize::try_from(index).ok().filter(|&i| i < MAX_TOOL_CALLS) else {
+            return;
+        };
         while self.tool_calls.len() <= index {
             let mut fresh = Map::new();
             fresh.insert("type".into(), json!("function"));
@@ -67,8 +73,12 @@ impl Assembler {
                 .or_insert_with(|| json!({"name": "", "arguments": ""}));
             for key in ["name", "arguments"] {
                 if let Some(part) = f.get(key).and_then(Value::as_str) {
-                    let prev = func.get(key).and_then(Value::as_str).unwrap_or("");
-                    func[key] = json!(format!("{prev}{part}"));
+                    // Appended in place: arguments streamed in many small deltas are not copied
+                    // whole for each one.
+                    match func.get_mut(key) {
+                        Some(Value::String(whole)) => whole.push_str(part),
+                        _ => func[key] = json!(part),
+                    }
                 }
             }
         }
@@ -126,6 +136,30 @@ mod tests {
         assert_eq!(a.finish_reason.as_deref(), Some("tool_calls"));
         assert_eq!(a.model.as_deref(), Some("m"));
         assert_eq!(a.usage, Some(json!({"total_tokens": 3})));
+    }
+
+    /// The upstream's index places a call; one past the bound is dropped, not made room for,
+    /// and many small argument deltas make the whole arguments.
+    #[test]
+    fn a_tool_call_index_far_out_is_dropped() {
+        let mut a = Assembler::default();
+        for index in [u64::MAX, 4_000_000_000, MAX_TOOL_CALLS as u64] {
+            a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": index, "id": "far", "function": {"name": "f"}}]}}]}));
+        }
+        assert!(a.tool_calls.is_empty());
+        a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": ""}}]}}]}));
+        for _ in 0..1000 {
+            a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": 1, "function": {"arguments": "x"}}]}}]}));
+        }
+        let msg = a.message();
+        let calls = msg["tool_calls"].as_array().expect("calls");
+        assert_eq!(
+            calls.len(),
+            2,
+            "the slot before the call is made, as before"
+        );
+        assert_eq!(calls[1]["id"], "b");
+        assert_eq!(calls[1]["function"]["arguments"], "x".repeat(1000));
     }
 
     #[test]

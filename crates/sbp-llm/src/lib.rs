@@ -15,6 +15,7 @@ mod assemble;
 mod echo;
 mod openai;
 mod router;
+mod sse;
 pub mod tool_names;
 mod transport;
 

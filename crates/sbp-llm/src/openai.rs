@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use eventsource_stream::Event;
 use sbp_protocol::ChatRequest;
 use serde_json::Value;
 
+use crate::sse::Event;
 use crate::transport::{self, Endpoint, Flow};
 use crate::{ChunkStream, Completion, LlmError, Provider};
 

@@ -5,12 +5,12 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use eventsource_stream::{Event, Eventsource};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::sse::{self, Event};
 use crate::{ChunkStream, LlmError};
 
 /// One upstream URL and the client that posts to it, tuned for many small streamed events to
@@ -99,12 +99,12 @@ pub(crate) fn parse_json(bytes: &[u8]) -> Result<Value, LlmError> {
 /// Most bytes of a whole upstream body held in memory (an answer): far above what a model sends,
 /// low enough that a faulty or hostile upstream cannot take the gateway's memory.
 pub(crate) const MAX_BODY_BYTES: usize = 32 << 20;
-/// Most bytes of one server-sent event. An event is one chunk of a streamed answer (a few hundred
-/// bytes); the SSE parser re-reads an unfinished event's buffer on each read, so the CPU an
-/// endless event can take grows with the square of this.
-pub(crate) const MAX_EVENT_BYTES: usize = 1 << 20;
-/// Most bytes of an error body read: what its envelope needs; the rest is left unread.
-pub(crate) const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
+/// Most bytes of one server-sent event held while it is unfinished: an event is one chunk of a
+/// streamed answer (a few hundred bytes; an inline image or audio part a few MiB).
+pub(crate) const MAX_EVENT_BYTES: usize = 8 << 20;
+/// Most bytes of an error body read (the rest is left unread): enough for the JSON error of a
+/// server that quotes a long request back, whose message, type and code the envelope keeps.
+pub(crate) const MAX_ERROR_BODY_BYTES: usize = 1 << 20;
 
 fn too_large() -> LlmError {
     LlmError::Protocol(format!("response larger than {} MiB", MAX_BODY_BYTES >> 20))
@@ -197,9 +197,10 @@ pub(crate) enum Flow {
 }
 
 /// Reads `resp` as SSE, handing each event to `decode`, which appends the OpenAI chunks it
-/// stands for. The stream fails with `Timeout` after `idle` without an event, and with
-/// `Protocol(unfinished)` when the body ends before `decode` said `Flow::End`; the first error
-/// ends it. Nothing is spawned: dropping the stream drops the connection at once.
+/// stands for. The stream fails with `Timeout` after `idle` without an event, with
+/// `Protocol(unfinished)` when the body ends before `decode` said `Flow::End`, and with a
+/// `Protocol` error when an event passes [`MAX_EVENT_BYTES`] or the stream is not UTF-8; the
+/// first error ends it. Nothing is spawned: dropping the stream drops the connection at once.
 pub(crate) fn sse_chunks<D>(
     resp: reqwest::Response,
     idle: Duration,
@@ -210,21 +211,24 @@ where
     D: FnMut(&Event, &mut VecDeque<Value>) -> Result<Flow, LlmError> + Send + 'static,
 {
     struct Reader<D> {
-        events: BoxStream<'static, Result<Event, String>>,
+        body: BoxStream<'static, reqwest::Result<Bytes>>,
+        parser: sse::Parser,
+        events: VecDeque<Event>,
         decode: D,
         ready: VecDeque<Value>,
         finished: bool,
     }
     let reader = Reader {
-        events: EventBound::new(resp.bytes_stream())
-            .eventsource()
-            .map(|ev| ev.map_err(|e| e.to_string()))
-            .boxed(),
+        body: resp.bytes_stream().boxed(),
+        parser: sse::Parser::new(MAX_EVENT_BYTES),
+        events: VecDeque::new(),
         decode,
         ready: VecDeque::new(),
         finished: false,
     };
     futures::stream::unfold(reader, move |mut r| async move {
+        // Reset by each event, not by bytes: a trickle that never completes one times out.
+        let mut deadline = Instant::now() + idle;
         loop {
             if let Some(chunk) = r.ready.pop_front() {
                 return Some((Ok(chunk), r));
@@ -232,11 +236,9 @@ where
             if r.finished {
                 return None;
             }
-            let failure = match tokio::time::timeout(idle, r.events.next()).await {
-                Err(_) => LlmError::Timeout,
-                Ok(None) => LlmError::Protocol(unfinished.to_owned()),
-                Ok(Some(Err(e))) => LlmError::Protocol(e),
-                Ok(Some(Ok(event))) => match (r.decode)(&event, &mut r.ready) {
+            let failure = if let Some(event) = r.events.pop_front() {
+                deadline = Instant::now() + idle;
+                match (r.decode)(&event, &mut r.ready) {
                     Ok(Flow::Continue) => continue,
                     Ok(Flow::End) => {
                         r.finished = true;
@@ -247,98 +249,24 @@ where
                         r.ready.clear();
                         e
                     }
-                },
+                }
+            } else {
+                match tokio::time::timeout_at(deadline, r.body.next()).await {
+                    Err(_) => LlmError::Timeout,
+                    Ok(None) => LlmError::Protocol(unfinished.to_owned()),
+                    // The URL may carry credentials (`user:pass@`, `?key=`): it stays out.
+                    Ok(Some(Err(e))) => {
+                        LlmError::Protocol(format!("reading the stream: {}", e.without_url()))
+                    }
+                    Ok(Some(Ok(bytes))) => match r.parser.feed(&bytes, &mut r.events) {
+                        Ok(()) => continue,
+                        Err(e) => LlmError::Protocol(e.to_string()),
+                    },
+                }
             };
             r.finished = true;
             return Some((Err(failure), r));
         }
     })
     .boxed()
-}
-
-/// An SSE body's bytes, failing once [`MAX_EVENT_BYTES`] arrive without an event ending (a blank
-/// line): the event parser buffers one event whole, so an endless one would grow it without end.
-struct EventBound<S> {
-    inner: S,
-    /// Bytes since the last blank line.
-    open: usize,
-    /// The line so far is empty (the stream starts at a line's start).
-    line_empty: bool,
-    /// The last byte was a CR (a LF after it ends the same line).
-    after_cr: bool,
-}
-
-impl<S> EventBound<S> {
-    fn new(inner: S) -> Self {
-        Self {
-            inner,
-            open: 0,
-            line_empty: true,
-            after_cr: false,
-        }
-    }
-
-    fn tally(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.open += 1;
-            match b {
-                b'\n' if self.after_cr => {}
-                b'\n' | b'\r' => {
-                    if self.line_empty {
-                        self.open = 0;
-                    }
-                    self.line_empty = true;
-                }
-                _ => self.line_empty = false,
-            }
-            self.after_cr = b == b'\r';
-        }
-    }
-}
-
-/// Why an SSE body stopped being read.
-#[derive(Debug)]
-enum BodyError {
-    /// Without its URL.
-    Read(reqwest::Error),
-    EventTooLarge,
-}
-
-impl std::fmt::Display for BodyError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Read(e) => write!(f, "{e}"),
-            Self::EventTooLarge => write!(f, "an event larger than {} MiB", MAX_EVENT_BYTES >> 20),
-        }
-    }
-}
-
-impl<S> futures::Stream for EventBound<S>
-where
-    S: futures::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin,
-{
-    type Item = Result<Bytes, BodyError>;
-
-    fn poll_next(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        if this.open > MAX_EVENT_BYTES {
-            // Failed already: nothing more is read.
-            return std::task::Poll::Ready(None);
-        }
-        let item = std::task::ready!(this.inner.poll_next_unpin(cx));
-        std::task::Poll::Ready(item.map(|r| match r {
-            Ok(bytes) => {
-                this.tally(&bytes);
-                match this.open > MAX_EVENT_BYTES {
-                    true => Err(BodyError::EventTooLarge),
-                    false => Ok(bytes),
-                }
-            }
-            // The URL may carry credentials (`user:pass@`, `?key=`): it stays out of the message.
-            Err(e) => Err(BodyError::Read(e.without_url())),
-        }))
-    }
 }

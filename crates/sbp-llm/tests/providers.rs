@@ -379,7 +379,7 @@ fn protocol_error(r: Result<impl std::fmt::Debug, LlmError>) -> String {
     }
 }
 
-/// A whole answer (32 MiB), an error body (64 KiB) and one server-sent event (1 MiB) are each
+/// A whole answer (32 MiB), an error body (1 MiB) and one server-sent event (8 MiB) are each
 /// read only up to a bound, so an upstream that sends without end cannot grow the gateway's
 /// memory: the call fails (or the error body is cut) instead of waiting for the end or the
 /// timeout.
@@ -403,13 +403,13 @@ async fn an_upstream_body_without_end_is_cut_at_its_bound() {
 
     // An error body is cut to what its envelope needs, and the error is still the status.
     let head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\n\r\n";
-    let provider = openai_at(endless_upstream(head, oversized("down: ", b'e', 1)).await);
+    let provider = openai_at(endless_upstream(head, oversized("down: ", b'e', 2)).await);
     match provider.complete(user("m", "hi")).await {
         Err(LlmError::Status {
             status: 500,
             body: Value::String(text),
         }) => {
-            assert_eq!(text.len(), 64 << 10);
+            assert_eq!(text.len(), 1 << 20);
             assert!(text.starts_with("down: eee"), "{}", &text[..16]);
         }
         other => panic!("the 500 with its body cut, not {other:?}"),
@@ -417,9 +417,12 @@ async fn an_upstream_body_without_end_is_cut_at_its_bound() {
 
     // One event that never ends fails the stream.
     let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
-    let provider = openai_at(endless_upstream(head, oversized("data: ", b'x', 2)).await);
+    let provider = openai_at(endless_upstream(head, oversized("data: ", b'x', 9)).await);
     let m = protocol_error(stream(&provider, user("m", "hi")).await.map(|_| ()));
-    assert!(m.contains("an event larger than 1 MiB"), "{m}");
+    assert!(
+        m.contains("a server-sent event larger than 8388608 bytes"),
+        "{m}"
+    );
 }
 
 /// The SSE bound is per event: a stream whose events together pass it is read whole.
@@ -430,7 +433,7 @@ async fn a_long_stream_of_bounded_events_is_read_whole() {
         "data: {}\r\n\r\n",
         json!({"choices": [{"index": 0, "delta": {"content": text}}]})
     );
-    let events = 20;
+    let events = 150;
     let body: Vec<Vec<u8>> = std::iter::repeat_n(event.into_bytes(), events)
         .chain([b"data: [DONE]\n\n".to_vec()])
         .collect();
@@ -439,5 +442,5 @@ async fn a_long_stream_of_bounded_events_is_read_whole() {
     let (asm, chunks) = stream(&provider, user("m", "hi")).await.expect("streams");
     assert_eq!(chunks.len(), events);
     assert_eq!(asm.content().len(), events * (60 << 10));
-    assert!(events * (60 << 10) > 1 << 20, "more than the bound in all");
+    assert!(events * (60 << 10) > 8 << 20, "more than the bound in all");
 }

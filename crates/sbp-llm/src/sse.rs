@@ -1,0 +1,232 @@
+//! Server-sent events read incrementally, as the HTML standard's event-stream parsing says, for
+//! the two fields a provider reads (`event`, `data`): each byte is looked at once, an event may
+//! hold at most a bound of bytes, and a stream that is not UTF-8 is an error, not a stall.
+
+use std::collections::VecDeque;
+
+/// One event: its type (`message` when none was named) and its data lines joined by `\n`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Event {
+    pub event: String,
+    pub data: String,
+}
+
+/// Why a stream cannot be read on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum SseError {
+    #[error("a server-sent event larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("the event stream is not UTF-8")]
+    NotUtf8,
+}
+
+/// The parser's state between two reads: the unfinished line and the unfinished event.
+#[derive(Debug)]
+pub(crate) struct Parser {
+    max: usize,
+    line: Vec<u8>,
+    event: String,
+    data: String,
+    /// The last read ended with a CR: a LF starting the next one ends the same line.
+    after_cr: bool,
+    /// No line has ended yet (a byte order mark may start the first).
+    first_line: bool,
+}
+
+impl Parser {
+    /// A parser holding at most `max` bytes of one event (its unfinished line included).
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            max,
+            line: Vec::new(),
+            event: String::new(),
+            data: String::new(),
+            after_cr: false,
+            first_line: true,
+        }
+    }
+
+    /// Reads `bytes`, appending each event they complete to `out`.
+    pub(crate) fn feed(&mut self, bytes: &[u8], out: &mut VecDeque<Event>) -> Result<(), SseError> {
+        let mut rest = bytes;
+        if std::mem::take(&mut self.after_cr) && rest.first() == Some(&b'\n') {
+            rest = &rest[1..];
+        }
+        while let Some(end) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+            self.line.extend_from_slice(&rest[..end]);
+            self.check_size()?;
+            self.end_line(out)?;
+            let cr = rest[end] == b'\r';
+            rest = &rest[end + 1..];
+            if cr {
+                match rest.first() {
+                    Some(b'\n') => rest = &rest[1..],
+                    None => self.after_cr = true,
+                    Some(_) => {}
+                }
+            }
+        }
+        self.line.extend_from_slice(rest);
+        self.check_size()
+    }
+
+    fn check_size(&self) -> Result<(), SseError> {
+        match self.line.len() + self.event.len() + self.data.len() > self.max {
+            true => Err(SseError::TooLarge(self.max)),
+            false => Ok(()),
+        }
+    }
+
+    fn end_line(&mut self, out: &mut VecDeque<Event>) -> Result<(), SseError> {
+        let mut line = std::mem::take(&mut self.line);
+        let mut text = std::str::from_utf8(&line).map_err(|_| SseError::NotUtf8)?;
+        if std::mem::take(&mut self.first_line) {
+            text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        }
+        if text.is_empty() {
+            self.dispatch(out);
+        } else if !text.starts_with(':') {
+            let (field, value) = match text.split_once(':') {
+                Some((field, value)) => (field, value.strip_prefix(' ').unwrap_or(value)),
+                None => (text, ""),
+            };
+            match field {
+                "data" => {
+                    self.data.push_str(value);
+                    self.data.push('\n');
+                }
+                "event" => value.clone_into(&mut self.event),
+                // `id` and `retry` serve reconnection, which a provider call does not do.
+                _ => {}
+            }
+        }
+        // The line's buffer is kept for the next line.
+        line.clear();
+        self.line = line;
+        Ok(())
+    }
+
+    /// A blank line: the event so far, if it has data, is complete.
+    fn dispatch(&mut self, out: &mut VecDeque<Event>) {
+        let event = std::mem::take(&mut self.event);
+        if self.data.is_empty() {
+            return;
+        }
+        let mut data = std::mem::take(&mut self.data);
+        data.pop();
+        out.push_back(Event {
+            event: match event.is_empty() {
+                true => "message".to_owned(),
+                false => event,
+            },
+            data,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(event: &str, data: &str) -> Event {
+        Event {
+            event: event.to_owned(),
+            data: data.to_owned(),
+        }
+    }
+
+    /// The events of `text` fed in pieces cut at every one of `cuts`.
+    fn parse(text: &[u8], cuts: &[usize], max: usize) -> Result<Vec<Event>, SseError> {
+        let mut p = Parser::new(max);
+        let mut out = VecDeque::new();
+        let mut at = 0;
+        for &cut in cuts.iter().chain([&text.len()]) {
+            p.feed(&text[at..cut], &mut out)?;
+            at = cut;
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    /// Every line ending the standard allows, a byte order mark, comments, fields without a value
+    /// or a space, several data lines and named events read the same wherever the bytes are cut.
+    #[test]
+    fn events_read_the_same_however_the_bytes_arrive() {
+        let text = "\u{feff}: a comment\r\ndata: one\r\n\r\nevent: ping\rdata:two\rdata\r\rdata:  three \n\ndata: {\"x\":1}\n\nid: 7\nretry: 5\n\n: nothing\n\nevent: only a name\n\ndata: last\r\n\r\n";
+        let want = vec![
+            ev("message", "one"),
+            ev("ping", "two\n"),
+            ev("message", " three "),
+            ev("message", "{\"x\":1}"),
+            ev("message", "last"),
+        ];
+        let bytes = text.as_bytes();
+        for cut in 0..=bytes.len() {
+            assert_eq!(
+                parse(bytes, &[cut], 1 << 10),
+                Ok(want.clone()),
+                "cut at {cut}"
+            );
+        }
+        let every: Vec<usize> = (1..bytes.len()).collect();
+        assert_eq!(parse(bytes, &every, 1 << 10), Ok(want));
+    }
+
+    /// An event without its blank line is not given out, and a stream's unfinished event is not
+    /// either (the standard drops it).
+    #[test]
+    fn an_unfinished_event_is_held() {
+        assert_eq!(parse(b"data: a\n", &[], 64), Ok(vec![]));
+        assert_eq!(
+            parse(b"data: a\n\ndata: b", &[], 64),
+            Ok(vec![ev("message", "a")])
+        );
+        // A CR at the end of one read and a LF at the start of the next end one line.
+        assert_eq!(
+            parse(b"data: a\r\n\r\n", &[8, 9, 10], 64),
+            Ok(vec![ev("message", "a")])
+        );
+    }
+
+    /// An event may hold at most the bound, counting its unfinished line, and blank lines do not
+    /// reset what an event already holds; an event at the bound is read.
+    #[test]
+    fn an_event_past_its_bound_fails_the_stream() {
+        let long = format!("data: {}", "x".repeat(100));
+        assert_eq!(
+            parse(long.as_bytes(), &[50], 64),
+            Err(SseError::TooLarge(64))
+        );
+        let lines = "data: xxxxxxxxxx\n".repeat(10);
+        assert_eq!(
+            parse(lines.as_bytes(), &[], 64),
+            Err(SseError::TooLarge(64))
+        );
+        // Each event under the bound: any number of them.
+        let events = "data: xxxxxxxxxx\n\n".repeat(100);
+        assert_eq!(
+            parse(events.as_bytes(), &[7, 300], 64).map(|e| e.len()),
+            Ok(100)
+        );
+        // `data: ` + 58 bytes is the bound exactly.
+        let exact = format!("data: {}\n\n", "y".repeat(58));
+        assert_eq!(parse(exact.as_bytes(), &[], 64).map(|e| e.len()), Ok(1));
+    }
+
+    /// A byte that is not UTF-8 fails the stream at the end of its line, wherever it is cut.
+    #[test]
+    fn a_stream_not_utf8_fails() {
+        let bytes = b"data: ok\n\ndata: \xff\n\n\n\n\n\n";
+        for cut in 0..bytes.len() {
+            assert_eq!(
+                parse(bytes, &[cut], 64),
+                Err(SseError::NotUtf8),
+                "cut at {cut}"
+            );
+        }
+        // A character split between two reads is whole again.
+        let e_acute = "data: caf\u{e9}\n\n".as_bytes();
+        for cut in 0..e_acute.len() {
+            assert_eq!(parse(e_acute, &[cut], 64), Ok(vec![ev("message", "café")]));
+        }
+    }
+}
