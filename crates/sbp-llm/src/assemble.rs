@@ -3,6 +3,8 @@
 
 use serde_json::{Map, Value, json};
 
+use crate::LlmError;
+
 /// Most tool calls one message may hold; a delta for a call past them is dropped.
 const MAX_TOOL_CALLS: usize = 128;
 
@@ -15,6 +17,8 @@ pub struct Assembler {
     pub finish_reason: Option<String>,
     pub usage: Option<Value>,
     pub id: Option<String>,
+    /// A tool-call delta was dropped (its index past [`MAX_TOOL_CALLS`]).
+    dropped_call: bool,
 }
 
 impl Assembler {
@@ -49,9 +53,10 @@ impl Assembler {
         let index = call
             .get("index")
             .and_then(Value::as_u64)
-            .map_or(self.tool_calls.len() as u64, |i| i);
+            .unwrap_or(self.tool_calls.len() as u64);
         // The upstream chooses the index: one far out would have every slot before it made.
         let Some(index) = usize::try_from(index).ok().filter(|&i| i < MAX_TOOL_CALLS) else {
+            self.dropped_call = true;
             return;
         };
         while self.tool_calls.len() <= index {
@@ -81,6 +86,17 @@ impl Assembler {
                     }
                 }
             }
+        }
+    }
+
+    /// An error once a chunk held a tool call the message cannot: a caller relaying the chunks
+    /// stops there, so its client is not shown a call the message leaves out.
+    pub fn check(&self) -> Result<(), LlmError> {
+        match self.dropped_call {
+            true => Err(LlmError::Protocol(format!(
+                "a reply with a tool call past the {MAX_TOOL_CALLS} one message may hold"
+            ))),
+            false => Ok(()),
         }
     }
 
@@ -147,6 +163,12 @@ mod tests {
             a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": index, "id": "far", "function": {"name": "f"}}]}}]}));
         }
         assert!(a.tool_calls.is_empty());
+        assert!(matches!(a.check(), Err(LlmError::Protocol(_))));
+        let mut fresh = Assembler::default();
+        fresh.push(
+            &json!({"choices": [{"delta": {"tool_calls": [{"index": MAX_TOOL_CALLS - 1}]}}]}),
+        );
+        assert_eq!(fresh.check(), Ok(()));
         a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": ""}}]}}]}));
         for _ in 0..1000 {
             a.push(&json!({"choices": [{"delta": {"tool_calls": [{"index": 1, "function": {"arguments": "x"}}]}}]}));

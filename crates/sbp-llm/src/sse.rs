@@ -2,8 +2,6 @@
 //! the two fields a provider reads (`event`, `data`): each byte is looked at once, an event may
 //! hold at most a bound of bytes, and a stream that is not UTF-8 is an error, not a stall.
 
-use std::collections::VecDeque;
-
 /// One event: its type (`message` when none was named) and its data lines joined by `\n`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Event {
@@ -14,7 +12,7 @@ pub(crate) struct Event {
 /// Why a stream cannot be read on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum SseError {
-    #[error("a server-sent event larger than {0} bytes")]
+    #[error("a server-sent event larger than {} MiB", .0 >> 20)]
     TooLarge(usize),
     #[error("the event stream is not UTF-8")]
     NotUtf8,
@@ -46,28 +44,37 @@ impl Parser {
         }
     }
 
-    /// Reads `bytes`, appending each event they complete to `out`.
-    pub(crate) fn feed(&mut self, bytes: &[u8], out: &mut VecDeque<Event>) -> Result<(), SseError> {
-        let mut rest = bytes;
-        if std::mem::take(&mut self.after_cr) && rest.first() == Some(&b'\n') {
-            rest = &rest[1..];
+    /// Reads `bytes` up to the end of the first event they complete: how many bytes it took,
+    /// and that event if one was completed (the rest is for the next call). An error comes only
+    /// once the events before it have been given out.
+    pub(crate) fn feed(&mut self, bytes: &[u8]) -> Result<(usize, Option<Event>), SseError> {
+        let mut at = 0;
+        if self.after_cr && !bytes.is_empty() {
+            self.after_cr = false;
+            if bytes[0] == b'\n' {
+                at = 1;
+            }
         }
-        while let Some(end) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
-            self.line.extend_from_slice(&rest[..end]);
+        while let Some(end) = bytes[at..].iter().position(|&b| b == b'\n' || b == b'\r') {
+            let end = at + end;
+            self.line.extend_from_slice(&bytes[at..end]);
             self.check_size()?;
-            self.end_line(out)?;
-            let cr = rest[end] == b'\r';
-            rest = &rest[end + 1..];
-            if cr {
-                match rest.first() {
-                    Some(b'\n') => rest = &rest[1..],
+            let event = self.end_line()?;
+            at = end + 1;
+            if bytes[end] == b'\r' {
+                match bytes.get(at) {
+                    Some(b'\n') => at += 1,
                     None => self.after_cr = true,
                     Some(_) => {}
                 }
             }
+            if event.is_some() {
+                return Ok((at, event));
+            }
         }
-        self.line.extend_from_slice(rest);
-        self.check_size()
+        self.line.extend_from_slice(&bytes[at..]);
+        self.check_size()?;
+        Ok((bytes.len(), None))
     }
 
     fn check_size(&self) -> Result<(), SseError> {
@@ -77,14 +84,16 @@ impl Parser {
         }
     }
 
-    fn end_line(&mut self, out: &mut VecDeque<Event>) -> Result<(), SseError> {
+    /// A line has ended: the event it completes, if any.
+    fn end_line(&mut self) -> Result<Option<Event>, SseError> {
         let mut line = std::mem::take(&mut self.line);
         let mut text = std::str::from_utf8(&line).map_err(|_| SseError::NotUtf8)?;
         if std::mem::take(&mut self.first_line) {
             text = text.strip_prefix('\u{feff}').unwrap_or(text);
         }
+        let mut event = None;
         if text.is_empty() {
-            self.dispatch(out);
+            event = self.dispatch();
         } else if !text.starts_with(':') {
             let (field, value) = match text.split_once(':') {
                 Some((field, value)) => (field, value.strip_prefix(' ').unwrap_or(value)),
@@ -100,29 +109,34 @@ impl Parser {
                 _ => {}
             }
         }
-        // The line's buffer is kept for the next line.
-        line.clear();
-        self.line = line;
-        Ok(())
+        // The line's buffer is kept for the next line, unless a long line made it large.
+        if line.capacity() <= KEPT_LINE_CAPACITY {
+            line.clear();
+            self.line = line;
+        }
+        Ok(event)
     }
 
     /// A blank line: the event so far, if it has data, is complete.
-    fn dispatch(&mut self, out: &mut VecDeque<Event>) {
+    fn dispatch(&mut self) -> Option<Event> {
         let event = std::mem::take(&mut self.event);
         if self.data.is_empty() {
-            return;
+            return None;
         }
         let mut data = std::mem::take(&mut self.data);
         data.pop();
-        out.push_back(Event {
+        Some(Event {
             event: match event.is_empty() {
                 true => "message".to_owned(),
                 false => event,
             },
             data,
-        });
+        })
     }
 }
+
+/// The line buffer's capacity kept from one line to the next.
+const KEPT_LINE_CAPACITY: usize = 64 << 10;
 
 #[cfg(test)]
 mod tests {
@@ -138,13 +152,25 @@ mod tests {
     /// The events of `text` fed in pieces cut at every one of `cuts`.
     fn parse(text: &[u8], cuts: &[usize], max: usize) -> Result<Vec<Event>, SseError> {
         let mut p = Parser::new(max);
-        let mut out = VecDeque::new();
+        let mut out = Vec::new();
         let mut at = 0;
         for &cut in cuts.iter().chain([&text.len()]) {
-            p.feed(&text[at..cut], &mut out)?;
+            let mut piece = &text[at..cut];
+            loop {
+                let (taken, event) = p.feed(piece)?;
+                piece = &piece[taken..];
+                match event {
+                    Some(event) => out.push(event),
+                    None => break,
+                }
+            }
+            assert!(
+                piece.is_empty(),
+                "a read is taken whole once no event is left in it"
+            );
             at = cut;
         }
-        Ok(out.into_iter().collect())
+        Ok(out)
     }
 
     /// Every line ending the standard allows, a byte order mark, comments, fields without a value
@@ -180,9 +206,19 @@ mod tests {
             parse(b"data: a\n\ndata: b", &[], 64),
             Ok(vec![ev("message", "a")])
         );
-        // A CR at the end of one read and a LF at the start of the next end one line.
+        // A CR at the end of one read and a LF at the start of the next end one line, also
+        // with an empty read between them.
         assert_eq!(
             parse(b"data: a\r\n\r\n", &[8, 9, 10], 64),
+            Ok(vec![ev("message", "a")])
+        );
+        assert_eq!(
+            parse(b"data: a\r\ndata: b\n\n", &[8, 8, 8], 64),
+            Ok(vec![ev("message", "a\nb")])
+        );
+        // A byte order mark is dropped only at the stream's start.
+        assert_eq!(
+            parse("data: a\n\n\u{feff}data: b\n\n".as_bytes(), &[], 64),
             Ok(vec![ev("message", "a")])
         );
     }
@@ -210,6 +246,18 @@ mod tests {
         // `data: ` + 58 bytes is the bound exactly.
         let exact = format!("data: {}\n\n", "y".repeat(58));
         assert_eq!(parse(exact.as_bytes(), &[], 64).map(|e| e.len()), Ok(1));
+    }
+
+    /// The events before a bad line are given out before its error, however the bytes arrive.
+    #[test]
+    fn events_before_an_error_come_first() {
+        let bytes = b"data: one\n\ndata: [DONE]\n\n\xff\n";
+        for cut in 0..=bytes.len() {
+            let mut p = Parser::new(64);
+            let (taken, first) = p.feed(&bytes[..cut.max(11)]).expect("no error yet");
+            assert_eq!(first, Some(ev("message", "one")), "cut at {cut}");
+            assert_eq!(taken, 11);
+        }
     }
 
     /// A byte that is not UTF-8 fails the stream at the end of its line, wherever it is cut.

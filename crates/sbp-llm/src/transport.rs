@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use serde_json::Value;
@@ -213,7 +213,8 @@ where
     struct Reader<D> {
         body: BoxStream<'static, reqwest::Result<Bytes>>,
         parser: sse::Parser,
-        events: VecDeque<Event>,
+        /// What the parser has not taken yet of the last read (it stops after each event).
+        unread: Bytes,
         decode: D,
         ready: VecDeque<Value>,
         finished: bool,
@@ -221,7 +222,7 @@ where
     let reader = Reader {
         body: resp.bytes_stream().boxed(),
         parser: sse::Parser::new(MAX_EVENT_BYTES),
-        events: VecDeque::new(),
+        unread: Bytes::new(),
         decode,
         ready: VecDeque::new(),
         finished: false,
@@ -236,33 +237,42 @@ where
             if r.finished {
                 return None;
             }
-            let failure = if let Some(event) = r.events.pop_front() {
-                deadline = Instant::now() + idle;
-                match (r.decode)(&event, &mut r.ready) {
-                    Ok(Flow::Continue) => continue,
-                    Ok(Flow::End) => {
-                        r.finished = true;
-                        continue;
-                    }
-                    Err(e) => {
-                        // Chunks decoded from the failing event are not worth delivering.
-                        r.ready.clear();
-                        e
+            let parsed = match r.unread.is_empty() {
+                true => Ok(None),
+                false => r.parser.feed(&r.unread).map(|(taken, event)| {
+                    r.unread.advance(taken);
+                    event
+                }),
+            };
+            let failure = match parsed {
+                Err(e) => LlmError::Protocol(e.to_string()),
+                Ok(Some(event)) => {
+                    deadline = Instant::now() + idle;
+                    match (r.decode)(&event, &mut r.ready) {
+                        Ok(Flow::Continue) => continue,
+                        Ok(Flow::End) => {
+                            r.finished = true;
+                            continue;
+                        }
+                        Err(e) => {
+                            // Chunks decoded from the failing event are not worth delivering.
+                            r.ready.clear();
+                            e
+                        }
                     }
                 }
-            } else {
-                match tokio::time::timeout_at(deadline, r.body.next()).await {
+                Ok(None) => match tokio::time::timeout_at(deadline, r.body.next()).await {
                     Err(_) => LlmError::Timeout,
                     Ok(None) => LlmError::Protocol(unfinished.to_owned()),
                     // The URL may carry credentials (`user:pass@`, `?key=`): it stays out.
                     Ok(Some(Err(e))) => {
                         LlmError::Protocol(format!("reading the stream: {}", e.without_url()))
                     }
-                    Ok(Some(Ok(bytes))) => match r.parser.feed(&bytes, &mut r.events) {
-                        Ok(()) => continue,
-                        Err(e) => LlmError::Protocol(e.to_string()),
-                    },
-                }
+                    Ok(Some(Ok(bytes))) => {
+                        r.unread = bytes;
+                        continue;
+                    }
+                },
             };
             r.finished = true;
             return Some((Err(failure), r));

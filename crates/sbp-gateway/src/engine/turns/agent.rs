@@ -242,7 +242,9 @@ impl Turns {
         let mut caller_gone = false;
         while let Some(item) = stream.next().await {
             let mut chunk = item.map_err(Error::Upstream)?;
-            if let Some(delta) = asm.push(&chunk) {
+            let delta = asm.push(&chunk);
+            asm.check().map_err(Error::Upstream)?;
+            if let Some(delta) = delta {
                 sink.chunk(&delta, asm.model.as_deref().unwrap_or(&routed));
             }
             let Some(tx) = events.filter(|_| !caller_gone) else {
