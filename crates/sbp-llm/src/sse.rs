@@ -12,7 +12,7 @@ pub(crate) struct Event {
 /// Why a stream cannot be read on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum SseError {
-    #[error("a server-sent event larger than {} MiB", .0 >> 20)]
+    #[error("a server-sent event larger than {0} bytes")]
     TooLarge(usize),
     #[error("the event stream is not UTF-8")]
     NotUtf8,
@@ -246,6 +246,21 @@ mod tests {
         // `data: ` + 58 bytes is the bound exactly.
         let exact = format!("data: {}\n\n", "y".repeat(58));
         assert_eq!(parse(exact.as_bytes(), &[], 64).map(|e| e.len()), Ok(1));
+    }
+
+    /// A read is taken up to the end of the event it completes, its CRLF or its last CR
+    /// included; a LF in the next read after such a CR belongs to it.
+    #[test]
+    fn a_read_is_taken_to_the_end_of_its_event() {
+        let mut p = Parser::new(64);
+        let (taken, event) = p.feed(b"data: a\r\n\r\nX").expect("read");
+        assert_eq!((taken, event), (11, Some(ev("message", "a"))));
+        let mut p = Parser::new(64);
+        let (taken, event) = p.feed(b"data: a\r\n\r").expect("read");
+        assert_eq!((taken, event), (10, Some(ev("message", "a"))));
+        assert_eq!(p.feed(b"\n").expect("read"), (1, None));
+        let (taken, event) = p.feed(b"data: b\n\n").expect("read");
+        assert_eq!((taken, event), (9, Some(ev("message", "b"))));
     }
 
     /// The events before a bad line are given out before its error, however the bytes arrive.

@@ -419,7 +419,10 @@ async fn an_upstream_body_without_end_is_cut_at_its_bound() {
     let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
     let provider = openai_at(endless_upstream(head, oversized("data: ", b'x', 9)).await);
     let m = protocol_error(stream(&provider, user("m", "hi")).await.map(|_| ()));
-    assert!(m.contains("a server-sent event larger than 8 MiB"), "{m}");
+    assert!(
+        m.contains("a server-sent event larger than 8388608 bytes"),
+        "{m}"
+    );
 }
 
 /// The SSE bound is per event: a stream whose events together pass it is read whole.
