@@ -307,6 +307,28 @@ fn status(e: &Error) -> u16 {
     }
 }
 
+/// Longest upstream error body an envelope carries whole.
+const MAX_SHOWN_UPSTREAM_BODY: usize = 16 << 10;
+
+/// An upstream's error body as an envelope shows it: whole when short; else its text cut at
+/// [`MAX_SHOWN_UPSTREAM_BODY`] bytes (a server may quote a whole request back, and every client
+/// of a failing upstream would be sent it), its message, type and code being in the envelope
+/// already.
+fn shown_upstream_body(body: &Value) -> Value {
+    let text = match body {
+        Value::String(text) => std::borrow::Cow::Borrowed(text.as_str()),
+        other => std::borrow::Cow::Owned(other.to_string()),
+    };
+    if text.len() <= MAX_SHOWN_UPSTREAM_BODY {
+        return body.clone();
+    }
+    let mut end = MAX_SHOWN_UPSTREAM_BODY;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Value::String(format!("{}…", &text[..end]))
+}
+
 fn detail(e: &Error) -> Option<Value> {
     match e {
         Error::TokenExpired { expired_at } => Some(json!({ "expired_at": expired_at })),
@@ -315,7 +337,7 @@ fn detail(e: &Error) -> Option<Value> {
             ..
         } => Some(json!({ "claimed": claimed, "computed": computed })),
         Error::Upstream(e @ LlmError::Status { body, .. }) if !upstream_refused_credentials(e) => {
-            Some(json!({ "upstream": body }))
+            Some(json!({ "upstream": shown_upstream_body(body) }))
         }
         Error::RateLimited { limit, retry_after } => Some(json!({
             "limit": limit.as_str(),

@@ -689,6 +689,48 @@ async fn strict_mode_relays_the_upstreams_answer_byte_for_byte() {
     upstream.abort();
 }
 
+/// An upstream's error that quotes a long request back reaches the client with its message, type
+/// and code, and only the start of its body (every client of a failing upstream gets it).
+#[tokio::test]
+async fn a_long_upstream_error_body_is_cut_in_the_envelope() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let long = json!({
+        "error": {"message": "input too long", "type": "invalid_request_error", "code": "ctx"},
+        "input": "q".repeat(100 << 10),
+    })
+    .to_string();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(move || async move {
+            (
+                axum::http::StatusCode::BAD_REQUEST,
+                [("content-type", "application/json")],
+                long,
+            )
+        }),
+    );
+    let upstream = tokio::spawn(async move { axum::serve(listener, app).await });
+    let gw = TestGateway::with(Options {
+        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        ..Options::default()
+    })
+    .await;
+    let (s, _, b) = gw.chat(json!({"messages": [user("hi")]}), &[]).await;
+    assert_eq!((s, error_code(&b)), (400, "SBP_UPSTREAM_ERROR"), "{b}");
+    assert_eq!(b["error"]["message"], "input too long");
+    assert_eq!(b["error"]["upstream_code"], "ctx");
+    let shown = b["error"]["detail"]["upstream"]
+        .as_str()
+        .expect("the body's text, cut");
+    assert!(shown.starts_with(r#"{"error":{"#), "{}", &shown[..40]);
+    assert!(shown.len() <= (16 << 10) + 3, "{}", shown.len());
+    assert!(shown.ends_with("q…"));
+    upstream.abort();
+}
+
 #[tokio::test]
 async fn bad_input_gets_the_error_envelope() {
     let config = GatewayConfig {
