@@ -622,6 +622,22 @@ async fn strict_mode_passes_plain_requests_through_untracked() {
     assert!(h.get("x-session-token").is_some());
 }
 
+/// An OpenAI-compatible upstream of the test's own on loopback, answering `/v1/chat/completions`
+/// with `answer`: its base URL, and its task (aborted when the test is done).
+async fn own_upstream<H, T>(answer: H) -> (String, tokio::task::JoinHandle<std::io::Result<()>>)
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new().route("/v1/chat/completions", axum::routing::post(answer));
+    let task = tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://127.0.0.1:{port}/v1"), task)
+}
+
 /// A completion of an OpenAI-compatible upstream, spelled as no serialiser of a parsed tree would
 /// (keys unsorted, numbers in exponent form, an escaped character, fields the gateway does not
 /// know).
@@ -631,28 +647,21 @@ const UPSTREAM_ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","
 /// that is not a completion is refused there as it is in a tracked turn.
 #[tokio::test]
 async fn strict_mode_relays_the_upstreams_answer_byte_for_byte() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    let app = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(|body: String| async move {
-            let answer = match body.contains("broken") {
-                true => r#"{"id":"chatcmpl-2","choices":[]}"#,
-                false => UPSTREAM_ANSWER,
-            };
-            ([("content-type", "application/json")], answer)
-        }),
-    );
-    let upstream = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (url, upstream) = own_upstream(|body: String| async move {
+        let answer = match body.contains("broken") {
+            true => r#"{"id":"chatcmpl-2","choices":[]}"#,
+            false => UPSTREAM_ANSWER,
+        };
+        ([("content-type", "application/json")], answer)
+    })
+    .await;
     let gw = TestGateway::with(Options {
         config: GatewayConfig {
             strict_sbp: true,
             secret: vec![1; 32],
             ..GatewayConfig::default()
         },
-        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        upstream: Upstream::Url(url),
         ..Options::default()
     })
     .await;
@@ -693,28 +702,21 @@ async fn strict_mode_relays_the_upstreams_answer_byte_for_byte() {
 /// and code, and only the start of its body (every client of a failing upstream gets it).
 #[tokio::test]
 async fn a_long_upstream_error_body_is_cut_in_the_envelope() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let port = listener.local_addr().expect("addr").port();
     let long = json!({
         "error": {"message": "input too long", "type": "invalid_request_error", "code": "ctx"},
         "input": "q".repeat(100 << 10),
     })
     .to_string();
-    let app = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(move || async move {
-            (
-                axum::http::StatusCode::BAD_REQUEST,
-                [("content-type", "application/json")],
-                long,
-            )
-        }),
-    );
-    let upstream = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (url, upstream) = own_upstream(move || async move {
+        (
+            axum::http::StatusCode::BAD_REQUEST,
+            [("content-type", "application/json")],
+            long,
+        )
+    })
+    .await;
     let gw = TestGateway::with(Options {
-        upstream: Upstream::Url(format!("http://127.0.0.1:{port}/v1")),
+        upstream: Upstream::Url(url),
         ..Options::default()
     })
     .await;
