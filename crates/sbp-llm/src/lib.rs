@@ -98,8 +98,7 @@ impl Completion {
     /// object `message`), without building the tree: for a body relayed as it came.
     pub fn check_body(bytes: &[u8]) -> Result<(), LlmError> {
         type Fields<'a> = HashMap<Cow<'a, str>, &'a RawValue>;
-        serde_json::from_slice::<Checked>(bytes)
-            .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))?;
+        serde_json::from_slice::<Checked>(bytes).map_err(transport::not_json)?;
         // Valid JSON from here: what does not parse as wanted is only of another shape.
         let first = serde_json::from_slice::<Fields<'_>>(bytes)
             .ok()
@@ -160,13 +159,8 @@ impl<'de> Visitor<'de> for Checked {
         Ok(Checked)
     }
 
-    fn visit_str<E: de::Error>(self, s: &str) -> Result<Checked, E> {
-        // Keys serde_json gives a meaning of its own when it builds a tree (its `raw_value`
-        // feature): a body using one is not relayed as if it were plain.
-        match s.starts_with("$serde_json::private::") {
-            true => Err(E::custom("a serde_json token in the body")),
-            false => Ok(Checked),
-        }
+    fn visit_str<E>(self, _: &str) -> Result<Checked, E> {
+        Ok(Checked)
     }
 
     fn visit_unit<E>(self) -> Result<Checked, E> {
@@ -179,10 +173,35 @@ impl<'de> Visitor<'de> for Checked {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Checked, A::Error> {
-        while map.next_key::<Checked>()?.is_some() {
+        while map.next_key::<Key>()?.is_some() {
             map.next_value::<Checked>()?;
         }
         Ok(Checked)
+    }
+}
+
+/// An object key, refused when it is one serde_json gives a meaning of its own when it builds a
+/// tree (its `raw_value` feature): a body using one is not relayed as if it were plain.
+struct Key;
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(Key)
+    }
+}
+
+impl<'de> Visitor<'de> for Key {
+    type Value = Key;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Key, E> {
+        match s.starts_with("$serde_json::private::") {
+            true => Err(E::custom("a serde_json token in the body")),
+            false => Ok(Key),
+        }
     }
 }
 
@@ -276,6 +295,15 @@ mod tests {
             (r#"{"choices":null,"choices":[{"message":{}}]}"#, true),
             (r#"{"choices":[{"message":{},"message":5}]}"#, false),
             (r#"{"choices":[{"message":5,"message":{}}]}"#, true),
+            // serde_json's token is refused as a key, and is plain text as a value.
+            (
+                r#"{"$serde_json::private::RawValue":"{}","choices":[{"message":{}}]}"#,
+                false,
+            ),
+            (
+                r#"{"choices":[{"message":{"content":"$serde_json::private::RawValue"}}]}"#,
+                true,
+            ),
             // Escaped keys are the keys they spell.
             (r#"{"choic\u0065s":[{"m\u0065ssage":{}}]}"#, true),
             // What skipping a value would let through and building a tree does not.

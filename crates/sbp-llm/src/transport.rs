@@ -61,7 +61,7 @@ pub(crate) async fn send(
     req: reqwest::RequestBuilder,
     timeout: Duration,
 ) -> Result<reqwest::Response, LlmError> {
-    let resp = tokio::time::timeout(timeout, req.send())
+    let mut resp = tokio::time::timeout(timeout, req.send())
         .await
         .map_err(|_| LlmError::Timeout)?
         .map_err(classify)?;
@@ -69,7 +69,6 @@ pub(crate) async fn send(
     if status.is_success() {
         return Ok(resp);
     }
-    let mut resp = resp;
     let (text, _) = tokio::time::timeout(timeout, read_at_most(&mut resp, MAX_ERROR_BODY_BYTES))
         .await
         .map_err(|_| LlmError::Timeout)?
@@ -92,8 +91,12 @@ pub(crate) async fn read_json(
 
 /// A whole body as JSON.
 pub(crate) fn parse_json(bytes: &[u8]) -> Result<Value, LlmError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| LlmError::Protocol(format!("response is not JSON: {e}")))
+    serde_json::from_slice(bytes).map_err(not_json)
+}
+
+/// A whole body that does not parse.
+pub(crate) fn not_json(e: serde_json::Error) -> LlmError {
+    LlmError::Protocol(format!("response is not JSON: {e}"))
 }
 
 /// Most bytes of a whole upstream body held in memory (an answer): far above what a model sends,
